@@ -1,0 +1,205 @@
+"""The ``mcpar`` command line: ``train`` and ``check``.
+
+User errors (bad config, bad path, impossible layout) print one line per problem and exit with
+code 2, without a traceback. Outside torchrun/SLURM, ``train`` validates everything in this process
+first, then starts the workers itself; under torchrun or SLURM each process is a worker already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+from pathlib import Path
+
+from mcpar.capabilities import unsupported_settings
+from mcpar.config import JobConfig, load_config, to_yaml
+from mcpar.controllers.memory import estimate_memory, format_bytes
+from mcpar.device import available_devices, select_device
+from mcpar.errors import UserError, problem
+from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local
+from mcpar.models.spec import get_model_spec
+from mcpar.topology import ParallelDims, resolve_layout
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mcpar", description="Multi-Controller Parallel pre-training of transformers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set parallelism.data=2 (repeatable)")
+        p.add_argument("--nproc", type=int, default=None,
+                       help="number of worker processes to start on this machine")
+
+    train = sub.add_parser("train", help="train a model (the built-in default without CONFIG)")
+    train.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
+    common(train)
+    train.add_argument("--steps", type=int, default=None, help="override training.steps")
+    train.add_argument("--run-dir", default=None, help="run directory (default runs/<time>)")
+
+    check = sub.add_parser("check", help="validate a config and print the resolved plan")
+    check.add_argument("config", help="YAML config")
+    common(check)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> JobConfig:
+    overrides = list(args.overrides)
+    if getattr(args, "steps", None) is not None:
+        overrides.append(f"training.steps={args.steps}")
+    return load_config(args.config, overrides)
+
+
+def _requested_world(cfg: JobConfig, nproc: int | None) -> int:
+    par = cfg.parallelism
+    if nproc is not None:
+        if nproc < 1:
+            raise UserError(problem("--nproc", f"must be at least 1, got {nproc}"))
+        return nproc
+    return (par.data or 1) * par.tensor * par.pipeline
+
+
+def _check_data_source(cfg: JobConfig) -> None:
+    source = cfg.data.source
+    if source != "stdlib" and not glob.glob(os.path.expanduser(source), recursive=True):
+        raise UserError(problem(
+            "data.source", f"no file matches '{source}'; give an existing file, directory, glob "
+            "or 'stdlib'",
+        ))
+
+
+def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
+    if requested:
+        return Path(requested)
+    if env is not None and env.launcher in ("torchrun", "slurm"):
+        # Every rank must agree on the directory without talking: use the job's own id.
+        job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        return Path("runs") / f"{env.launcher}-{job_id}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / stamp
+    suffix = 1
+    while path.exists():
+        path = Path("runs") / f"{stamp}-{suffix}"
+        suffix += 1
+    return path
+
+
+def _prepare_run_dir(run_dir: Path, cfg: JobConfig) -> None:
+    if (run_dir / "metrics.jsonl").exists():
+        raise UserError(problem(
+            "--run-dir", f"{run_dir} already holds a run (metrics.jsonl); give a new directory"
+        ))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(problem("--run-dir", f"cannot create {run_dir}: {err.strerror}")) from None
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
+def _validate_for_training(cfg: JobConfig, world_size: int, explicit_nproc: bool) -> ParallelDims:
+    info = select_device(cfg.training.device)
+    par = cfg.parallelism
+    needed = (par.data or 1) * par.tensor * par.pipeline if par.data else world_size
+    have = available_devices(info)
+    unit = "GPUs" if info.type == "cuda" else "CPU cores"
+    # On CPU, an explicit --nproc may oversubscribe cores (tests, debugging); GPUs cannot be shared.
+    if needed > have and (info.type == "cuda" or not explicit_nproc):
+        raise UserError(problem(
+            "parallelism",
+            f"the layout needs {needed} devices (tensor {par.tensor} x pipeline {par.pipeline} x "
+            f"data {par.data or 1}) but this machine has {have} {unit}; run it on a cluster with "
+            f"torchrun or SLURM, or choose smaller degrees"
+            + ("" if info.type == "cuda" else " (or pass --nproc to oversubscribe the CPU)"),
+        ))
+    dims = resolve_layout(cfg, world_size)
+    problems = unsupported_settings(cfg)
+    if problems:
+        raise UserError(problems)
+    _check_data_source(cfg)
+    return dims
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mcpar.trainer import Trainer, run_worker  # imported late: `check` need not pay for it
+
+    cfg = _load(args)
+    env = detect_env()
+    if env is not None:
+        # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
+        _validate_for_training(cfg, env.world_size, explicit_nproc=True)
+        run_dir = _new_run_dir(args.run_dir, env)
+        if env.rank == 0:
+            _prepare_run_dir(run_dir, cfg)
+        run_worker(cfg, run_dir, env)
+        return 0
+    world_size = _requested_world(cfg, args.nproc)
+    _validate_for_training(cfg, world_size, explicit_nproc=args.nproc is not None)
+    run_dir = _new_run_dir(args.run_dir, None)
+    _prepare_run_dir(run_dir, cfg)
+    if world_size == 1:
+        trainer = Trainer(cfg, run_dir, None)
+        trainer.train()
+        return 0
+    print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
+    launch_local(world_size, ["-m", "mcpar.worker", str(run_dir)])
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    dims = resolve_layout(cfg, args.nproc)
+    m, opt, ctl = cfg.model, cfg.optimization, cfg.controllers
+    spec = get_model_spec("gpt")
+    est = estimate_memory(cfg, dims)
+    lines = [
+        f"mcpar check: {args.config} is valid",
+        f"layout:  {dims.describe()}",
+        f"mesh:    pp {dims.pp} x dp {dims.dp} x tp {dims.tp} "
+        "(tensor innermost within a node, pipeline outermost)",
+        f"batch:   {opt.global_batch_size} sequences per step = micro-batch "
+        f"{opt.micro_batch_size} x accumulation {opt.gradient_accumulation} x data {dims.dp}; "
+        f"{opt.global_batch_size * m.seq_len} tokens",
+        f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+        f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}: {est.num_params:,} parameters, "
+        f"{spec.flops_per_token(m) / 1e6:.1f} MFLOPs per training token",
+        f"controllers: compute scheduler={ctl.compute.scheduler} "
+        f"batch_splitting={ctl.compute.batch_splitting}; memory allocation="
+        f"{ctl.memory.allocation} offload={ctl.memory.offload} zero_stage={ctl.memory.zero_stage}; "
+        f"communication compression={ctl.communication.compression} "
+        f"topology={ctl.communication.topology}",
+        f"per-rank memory estimate (largest rank, {est.params_per_rank:,} parameters):",
+    ]
+    lines += [f"  {name:<16} {format_bytes(value):>12}" for name, value in est.rows()]
+    pending = unsupported_settings(cfg)
+    if pending:
+        lines.append("not trainable with this version yet (mcpar train will refuse):")
+        lines += [f"  {p}" for p in pending]
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        return cmd_check(args)
+    except UserError as err:
+        for line in err.problems:
+            print(f"mcpar: error: {line}", file=sys.stderr)
+        return 2
+    except LaunchFailed as err:
+        print(f"mcpar: training failed: {err.failure.describe()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mcpar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

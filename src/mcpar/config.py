@@ -1,0 +1,356 @@
+"""The job configuration: typed schema, YAML loading, the seed's French aliases, user errors.
+
+Canonical keys are English (DESIGN.md §4). The seed article's ``configuration_mcp.yaml`` uses French
+keys and values; they are translated to canonical ones before validation, so the seed file loads
+unchanged. Every problem is reported as one line naming the dotted key path, and the CLI turns the
+resulting ``UserError`` into exit code 2.
+
+Cross-field checks that need the world size (degrees multiply to it, batch divisibility) live in
+``resolve_layout`` so that ``mcpar check`` and ``mcpar train`` run the same rules.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mcpar.errors import UserError, problem
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (with a suggestion), never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    kind: Literal["gpt", "moe"] = Field("gpt", description="Model family: dense GPT or MoE.")
+    num_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    num_heads: int = Field(8, ge=1, description="Attention heads; must divide hidden_size.")
+    ffn_hidden_size: int | None = Field(
+        None, ge=1, description="Width of the MLP's inner layer; default 4 x hidden_size."
+    )
+    seq_len: int = Field(128, ge=2, description="Tokens per training sequence (context length).")
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the bytes tokenizer.")
+    num_experts: int = Field(1, ge=1, description="Experts per MoE layer (model.kind: moe).")
+    top_k: int = Field(1, ge=1, description="Experts each token is routed to (model.kind: moe).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability; 0 = off.")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "stdlib",
+        description="'stdlib' (this Python's standard-library sources), a text file, directory "
+        "or glob, or a pre-tokenized .bin file.",
+    )
+    tokenizer: Literal["bytes", "bpe"] = Field(
+        "bytes", description="'bytes' (vocab 256) or 'bpe' trained on the training split."
+    )
+    token_dtype: Literal["uint16", "uint32"] | None = Field(
+        None, description="Element type of a pre-tokenized .bin source."
+    )
+    val_fraction: float = Field(
+        0.01, gt=0.0, lt=0.5, description="Trailing fraction of the corpus held out for validation."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where a trained BPE tokenizer and its tokens are cached."
+    )
+
+
+class ParallelismConfig(_Section):
+    data: int | None = Field(
+        None, ge=1, description="Data-parallel degree; default: what the world size leaves."
+    )
+    tensor: int = Field(1, ge=1, description="Tensor-parallel degree (innermost, intra-node).")
+    pipeline: int = Field(1, ge=1, description="Pipeline-parallel degree (outermost).")
+    experts: int = Field(
+        1, ge=1, description="Expert-parallel degree, carved out of the data axis."
+    )
+    virtual_stages: int = Field(1, ge=1, description="Pipeline stages per rank (interleaving).")
+    sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule."
+    )
+
+
+class ComputeControllerConfig(_Section):
+    scheduler: Literal["static", "greedy", "reinforcement"] = Field(
+        "static", description="Expert load-balancing policy."
+    )
+    batch_splitting: Literal["fixed", "dynamic"] = Field(
+        "fixed", description="'dynamic' lets the controller choose the number of micro-batches."
+    )
+
+
+class MemoryControllerConfig(_Section):
+    allocation: Literal["default", "topology_aware"] = Field(
+        "default", description="Parameter placement policy."
+    )
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where optimizer state and cold parameters may be offloaded."
+    )
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding stage (0 = replicated).")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation policy."
+    )
+
+
+class CommunicationControllerConfig(_Section):
+    compression: Literal["none", "fp16", "bf16", "1bit", "powersgd"] = Field(
+        "none", description="Gradient compression codec."
+    )
+    topology: Literal["flat", "hierarchical", "hybrid"] = Field(
+        "flat", description="Collective algorithm: flat ring, hierarchical, or chosen per size."
+    )
+    bucket_size_mb: float = Field(
+        25.0, gt=0.0, description="Gradient bucket size (MiB) for the bucketed all-reduce."
+    )
+    overlap: bool = Field(True, description="Launch bucket all-reduces during the backward pass.")
+
+
+class ControllersConfig(_Section):
+    compute: ComputeControllerConfig = Field(default_factory=ComputeControllerConfig)
+    memory: MemoryControllerConfig = Field(default_factory=MemoryControllerConfig)
+    communication: CommunicationControllerConfig = Field(
+        default_factory=CommunicationControllerConfig
+    )
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(0, ge=0, description="Save every N steps; 0 = off.")
+    strategy: Literal["full", "selective"] = Field("full", description="What a checkpoint holds.")
+    keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    dir: str | None = Field(
+        None, description="Checkpoint directory; default <run_dir>/checkpoints."
+    )
+
+
+class OptimizationConfig(_Section):
+    optimizer: Literal["adamw", "onebit_adam"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3e-3, gt=0.0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final LR of the cosine decay, as a fraction of lr."
+    )
+    warmup_steps: int = Field(20, ge=0, description="Linear LR warmup steps.")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam beta1.")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="Adam beta2.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 = off.")
+    micro_batch_size: int = Field(
+        16, ge=1, description="Sequences per micro-batch per data-parallel rank."
+    )
+    gradient_accumulation: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches per step; default 1, or derived from global_batch_size.",
+    )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step; must equal micro_batch_size x "
+        "gradient_accumulation x data. Lets one config keep its batch across layouts.",
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+
+class TrainingConfig(_Section):
+    steps: int = Field(300, ge=1, description="Optimizer steps to run.")
+    seed: int = Field(1234, ge=0, description="Seed of the model init and of the data order.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' takes CUDA when present, else CPU, and logs the choice."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype; bfloat16 is autocast mixed precision."
+    )
+    eval_interval: int = Field(50, ge=0, description="Validation every N steps; 0 = only at end.")
+    eval_batches: int = Field(
+        4, ge=1, description="Validation global batches per evaluation (the same ones each time)."
+    )
+    log_interval: int = Field(1, ge=1, description="Write metrics every N steps.")
+    tensorboard: bool = Field(False, description="Also log scalars to <run_dir>/tensorboard.")
+    progress: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+class JobConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    controllers: ControllersConfig = Field(default_factory=ControllersConfig)
+    optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+
+# --- the seed's French keys and values ------------------------------------------------------
+
+# Per section path, French key -> canonical key.
+FRENCH_KEYS: dict[tuple[str, ...], dict[str, str]] = {
+    (): {
+        "parallelisation": "parallelism",
+        "controleurs": "controllers",
+        "optimisation": "optimization",
+        "modele": "model",
+        "donnees": "data",
+        "entrainement": "training",
+    },
+    ("parallelism",): {
+        "tensorielle": "tensor",
+        "experts": "experts",
+        "pipeline": "pipeline",
+        "donnees": "data",
+    },
+    ("controllers",): {"calcul": "compute", "memoire": "memory"},
+    ("controllers", "compute"): {"ordonnanceur": "scheduler", "decoupage_lot": "batch_splitting"},
+    ("controllers", "memory"): {"dechargement": "offload"},
+    ("controllers", "communication"): {"topologie": "topology"},
+    ("optimization",): {
+        "accumulation_gradient": "gradient_accumulation",
+        "point_controle": "checkpoint",
+    },
+    ("optimization", "checkpoint"): {"intervalle": "interval", "strategie": "strategy"},
+}
+
+FRENCH_VALUES: dict[str, str] = {
+    "renforcement": "reinforcement",
+    "glouton": "greedy",
+    "statique": "static",
+    "dynamique": "dynamic",
+    "fixe": "fixed",
+    "conscient_topologie": "topology_aware",
+    "defaut": "default",
+    "aucun": "none",
+    "aucune": "none",
+    "hybride": "hybrid",
+    "hierarchique": "hierarchical",
+    "plat": "flat",
+    "complete": "full",
+    "complet": "full",
+}
+
+
+def _section_model(path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the section at `path`, or None if `path` is a leaf/unknown."""
+    model: type[BaseModel] = JobConfig
+    for key in path:
+        field = model.model_fields.get(key)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _canonicalize(raw: Any, path: tuple[str, ...] = ()) -> Any:
+    """Rename French keys and translate French enum values, recursively."""
+    if not isinstance(raw, dict):
+        if isinstance(raw, str) and raw in FRENCH_VALUES:
+            return FRENCH_VALUES[raw]
+        return raw
+    aliases = FRENCH_KEYS.get(path, {})
+    out: dict[Any, Any] = {}
+    for key, value in raw.items():
+        canonical = aliases.get(key, key) if isinstance(key, str) else key
+        out[canonical] = _canonicalize(value, (*path, str(canonical)))
+    return out
+
+
+def _valid_keys(path: tuple[str, ...]) -> list[str]:
+    model = _section_model(path)
+    keys = list(model.model_fields) if model else []
+    return keys + list(FRENCH_KEYS.get(path, {}))
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(str(p) for p in error["loc"])
+    key = ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        parent, name = loc[:-1], loc[-1]
+        close = difflib.get_close_matches(name, _valid_keys(parent), n=1, cutoff=0.5)
+        hint = f"; did you mean '{'.'.join((*parent, close[0]))}'?" if close else ""
+        valid = ", ".join(_section_model(parent).model_fields) if _section_model(parent) else ""
+        return problem(key, f"unknown key{hint} (valid keys here: {valid})")
+    if error["type"] == "model_type":
+        return problem(key, f"expected a mapping of keys, got {error['input']!r}")
+    return problem(key, f"{error['msg']} (got {error['input']!r})")
+
+
+def parse_config(raw: dict[str, Any] | None) -> JobConfig:
+    """Validate a raw mapping (canonical or French keys) into a JobConfig, or raise UserError."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(problem("<config>", "the top level must be a mapping of sections"))
+    try:
+        return JobConfig.model_validate(_canonicalize(raw))
+    except ValidationError as err:
+        raise UserError([_describe(e) for e in err.errors()]) from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a raw mapping, with user errors for missing or bad files."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(problem(str(path), "config file not found; give the path to a YAML file"))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(problem(str(path), f"not valid YAML: {err}".replace("\n", " "))) from None
+    if raw is not None and not isinstance(raw, dict):
+        raise UserError(problem(str(path), "the top level must be a mapping of sections"))
+    return raw or {}
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set KEY=VALUE`` overrides (values parsed as YAML scalars) to a raw mapping."""
+    raw = _canonicalize(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(
+                problem(item, "an override must look like KEY=VALUE, e.g. model.seq_len=64")
+            )
+        parts = tuple(key.strip().split("."))
+        # Accept French key paths in overrides too, by canonicalizing part by part.
+        canon: list[str] = []
+        for part in parts:
+            canon.append(FRENCH_KEYS.get(tuple(canon), {}).get(part, part))
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        for i, part in enumerate(canon[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UserError(problem(".".join(canon[: i + 1]), "is a value, not a section"))
+            node = child
+        node[canon[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """The JobConfig from a YAML file (or the built-in default when `path` is None) + overrides."""
+    raw = load_yaml(path) if path is not None else default_raw_config()
+    return parse_config(apply_overrides(raw, overrides or []))
+
+
+def default_raw_config() -> dict[str, Any]:
+    """The built-in default job: a small GPT on the stdlib corpus, 2 data-parallel workers.
+
+    Sized so that `mcpar train` finishes in a few minutes on a 2-core CPU machine and reaches a
+    validation loss well below 2.5 nats per byte.
+    """
+    # The schema's defaults are that model and schedule; only the layout is set here.
+    return {"parallelism": {"data": 2}}
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    """The fully resolved configuration with canonical keys (the run directory's config.yaml)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

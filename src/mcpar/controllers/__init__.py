@@ -1,0 +1,1 @@
+"""The three MCP controllers: compute (schedule), memory (placement), communication (wire)."""

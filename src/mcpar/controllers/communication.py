@@ -1,0 +1,167 @@
+"""CommunicationController: every collective of the job goes through here, and is counted.
+
+The controller issues collectives over the process groups that ``ParallelDims`` owns (one per mesh
+axis) and keeps the books: bytes this rank sent and time spent, per operation, mesh axis and codec,
+per step and in total. The byte counts are those of the algorithm the backend runs, computed from
+the exact tensor shapes (gloo and NCCL do not report wire bytes):
+
+- all-reduce (ring: reduce-scatter then all-gather): each rank sends 2(n-1)/n of the buffer;
+- all-gather (ring): each rank sends its own part n-1 times, i.e. (n-1)/n of the output;
+- broadcast (pipelined chain): each rank forwards the buffer once, except the last; counted as
+  (n-1)/n of the buffer per rank, the average over ranks.
+
+Times: a blocking call is timed around the call; an asynchronous one from its launch to its
+completion, observed through the work's future, so overlap with compute does not hide or inflate
+it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mcpar.topology import ParallelDims
+
+
+@dataclass
+class CommCounter:
+    bytes: float = 0.0
+    time_s: float = 0.0
+    calls: int = 0
+
+
+@dataclass
+class CommStats:
+    """Byte/time accounting, keyed by (operation, mesh axis, codec); the profiler reads this."""
+
+    total: dict[tuple[str, str, str], CommCounter] = field(
+        default_factory=lambda: defaultdict(CommCounter)
+    )
+    step: dict[tuple[str, str, str], CommCounter] = field(
+        default_factory=lambda: defaultdict(CommCounter)
+    )
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, key: tuple[str, str, str], nbytes: float, seconds: float) -> None:
+        # Completion callbacks of async work run on the backend's thread.
+        with self._lock:
+            for table in (self.total, self.step):
+                counter = table[key]
+                counter.bytes += nbytes
+                counter.time_s += seconds
+                counter.calls += 1
+
+    def step_bytes(self) -> float:
+        with self._lock:
+            return sum(c.bytes for c in self.step.values())
+
+    def step_time_s(self) -> float:
+        with self._lock:
+            return sum(c.time_s for c in self.step.values())
+
+    def reset_step(self) -> None:
+        with self._lock:
+            self.step = defaultdict(CommCounter)
+
+    def breakdown(self, which: str = "total") -> list[dict[str, object]]:
+        """Rows {op, axis, codec, bytes, time_s, calls} for reports."""
+        table = self.total if which == "total" else self.step
+        with self._lock:
+            return [
+                {"op": op, "axis": axis, "codec": codec, "bytes": c.bytes, "time_s": c.time_s,
+                 "calls": c.calls}
+                for (op, axis, codec), c in sorted(table.items())
+            ]
+
+
+class CommHandle:
+    """An in-flight asynchronous collective; ``wait()`` blocks until it is done."""
+
+    def __init__(self, work: dist.Work | None):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+
+
+def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def ring_all_gather_bytes(input_nbytes: int, n: int) -> float:
+    return float((n - 1) * input_nbytes)
+
+
+def broadcast_bytes(nbytes: int, n: int) -> float:
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+class CommunicationController:
+    """Issues collectives along mesh axes and accounts for every byte and second."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
+        self.stats = CommStats()
+
+    def axis_size(self, axis: str) -> int:
+        return getattr(self.dims, axis) if dist.is_initialized() else 1
+
+    def _timed(self, key: tuple[str, str, str], nbytes: float, work: dist.Work | None,
+               start: float, async_op: bool) -> CommHandle:
+        if async_op and work is not None:
+            def done(_fut: torch.futures.Future) -> None:
+                self.stats.record(key, nbytes, time.perf_counter() - start)
+
+            work.get_future().add_done_callback(done)
+            return CommHandle(work)
+        self.stats.record(key, nbytes, time.perf_counter() - start)
+        return CommHandle(None)
+
+    def all_reduce(self, tensor: torch.Tensor, axis: str = "dp", op: str = "sum",
+                   async_op: bool = False, codec: str = "none") -> CommHandle:
+        """All-reduce `tensor` in place along a mesh axis (op: sum | max | avg-free sum)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return CommHandle(None)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.dims.group(axis),
+                               async_op=async_op)
+        nbytes = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
+        return self._timed(("all_reduce", axis, codec), nbytes, work, start, async_op)
+
+    def all_gather(self, tensor: torch.Tensor, axis: str = "dp") -> list[torch.Tensor]:
+        """Every rank's `tensor` along an axis, in axis-rank order (blocking)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(n)]
+        start = time.perf_counter()
+        dist.all_gather(out, tensor, group=self.dims.group(axis))
+        nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
+        self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, axis: str = "dp", src_axis_rank: int = 0) -> None:
+        """Broadcast `tensor` in place from the rank at `src_axis_rank` of the axis."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return
+        group = self.dims.group(axis)
+        src = dist.get_global_rank(group, src_axis_rank)
+        start = time.perf_counter()
+        dist.broadcast(tensor, src=src, group=group)
+        nbytes = broadcast_bytes(tensor.numel() * tensor.element_size(), n)
+        self._timed(("broadcast", axis, "none"), nbytes, None, start, False)
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            start = time.perf_counter()
+            dist.barrier()
+            self._timed(("barrier", "world", "none"), 0.0, None, start, False)

@@ -1,0 +1,317 @@
+"""Local multi-process launcher and the environment a worker process learns it was started in.
+
+Why not ``torch.distributed.elastic`` (what ``torchrun`` runs on)? Three things mcpar needs that it
+does not give cheaply:
+
+* exact per-rank failure reports: the user is told which rank died first and why (the exception
+  summary from that rank's error file, or the signal that killed it), not the cascade of peers that
+  failed afterwards because a collective lost a member;
+* fast teardown: once one rank is gone the others are signalled at once and killed after a short
+  grace period, so a dead job stops within seconds instead of waiting on rendezvous timeouts;
+* no restart policy here: restarting and resuming from a checkpoint belongs to mcpar's fault
+  recovery, which knows about checkpoints and layouts; an elastic agent restarting on its own
+  would fight it.
+
+Under ``torchrun`` or SLURM the CLI does not launch anything: ``detect_env`` reads what those
+launchers set and the workers use it as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from mcpar.errors import UserError
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits in the job, as its launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "single" | "mcpar" | "torchrun" | "slurm"
+
+
+def _int_env(env: dict[str, str] | os._Environ[str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise UserError(f"environment variable {name} is not set; the launcher must set it")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's compressed per-node task counts: ``"4(x2),1"`` -> ``[4, 4, 1]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise UserError(f"cannot parse SLURM tasks per node {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _first_slurm_host(nodelist: str) -> str | None:
+    if "[" not in nodelist:  # a plain "host" or "a,b" list needs no scontrol
+        return nodelist.split(",")[0].strip() or None
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+def detect_env() -> DistEnv | None:
+    """Return the distributed environment set by a launcher, or None when not launched."""
+    env = os.environ
+    # torchrun and mcpar's own launcher set the same variables; torchrun also sets
+    # TORCHELASTIC_RUN_ID, which marks it even when the job has a single process.
+    if "RANK" in env and ("WORLD_SIZE" in env or "TORCHELASTIC_RUN_ID" in env):
+        rank = _int_env(env, "RANK")
+        world = _int_env(env, "WORLD_SIZE", 1)
+        return DistEnv(
+            rank=rank, world_size=world,
+            local_rank=_int_env(env, "LOCAL_RANK", rank),
+            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", world),
+            master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+            master_port=_int_env(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+            launcher="mcpar" if env.get("MCPAR_LAUNCHED") == "1" else "torchrun",
+        )
+    # A one-task srun (or a login shell inside an allocation) is not a distributed job.
+    if "SLURM_PROCID" in env and _int_env(env, "SLURM_NTASKS", 1) > 1:
+        world = _int_env(env, "SLURM_NTASKS")
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if per_node:
+            counts = _expand_tasks_per_node(per_node)
+            node = _int_env(env, "SLURM_NODEID", 0)
+            local_world = counts[node] if 0 <= node < len(counts) else counts[0]
+        else:
+            local_world = max(1, world // max(1, _int_env(env, "SLURM_NNODES", world)))
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        addr = (env.get("MASTER_ADDR") or (_first_slurm_host(nodelist) if nodelist else None)
+                or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1")
+        return DistEnv(
+            rank=_int_env(env, "SLURM_PROCID"), world_size=world,
+            local_rank=_int_env(env, "SLURM_LOCALID", 0), local_world_size=local_world,
+            master_addr=addr, master_port=_int_env(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+            launcher="slurm",
+        )
+    return None
+
+
+def find_free_port() -> int:
+    """A TCP port free right now on localhost (another process could still take it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class WorkerFailure:
+    """How one rank ended when it was not a clean exit."""
+
+    rank: int
+    exitcode: int | None
+    signal_name: str | None
+    error: str | None  # first line of the error the rank recorded, if it recorded one
+
+    def describe(self) -> str:
+        if self.signal_name is not None:
+            text = f"rank {self.rank} was killed by signal {self.signal_name}"
+        else:
+            text = f"rank {self.rank} exited with code {self.exitcode}"
+        return f"{text}: {self.error}" if self.error else text
+
+
+class LaunchFailed(Exception):
+    """A worker failed; ``failure`` is the first failure seen, the likely root cause."""
+
+    def __init__(self, failure: WorkerFailure):
+        super().__init__(failure.describe())
+        self.failure = failure
+
+
+def _death_signal_preexec() -> Callable[[], None] | None:
+    """Build a preexec_fn that makes the kernel SIGKILL the worker if the launcher dies.
+
+    The kernel ties this to the thread that forked; launch_local blocks that thread until every
+    worker is reaped, so it outlives them unless the launcher process itself dies.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        # Resolve prctl before fork: loading a library in the child of a threaded parent can hang.
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        # If the launcher died before prctl took effect, no signal will come: leave now.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def _read_error(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            error = json.load(f).get("error")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(error).splitlines()[0] if error else None
+
+
+def _failure(rank: int, code: int, error_file: str) -> WorkerFailure:
+    sig_name = None
+    if code < 0:
+        try:
+            sig_name = signal.Signals(-code).name
+        except ValueError:
+            sig_name = f"signal {-code}"
+    return WorkerFailure(rank, None if code < 0 else code, sig_name, _read_error(error_file))
+
+
+def _pick_first(failures: list[WorkerFailure]) -> WorkerFailure:
+    # Failures seen in the same poll: a rank that was killed or recorded an error is the likely
+    # cause; ranks that merely exited non-zero usually did so because that peer vanished.
+    return min(failures, key=lambda f: (f.signal_name is None and f.error is None, f.rank))
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    # Each worker leads its own process group, so this also reaches processes it started.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _teardown(procs: list[subprocess.Popen[bytes]], kill_grace_s: float) -> None:
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + kill_grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for p in procs:
+        # Even exited leaders may have left children in their group; SIGKILL reaches those too.
+        _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
+                 poll_interval_s: float = 0.1, kill_grace_s: float = 3.0) -> None:
+    """Run ``nproc`` workers ``[sys.executable, *argv]`` on this host and wait for all of them.
+
+    Returns when every worker exits 0. Raises ``LaunchFailed`` with the first failure after
+    stopping all other workers. If the launcher gets SIGINT/SIGTERM the workers are stopped too
+    and ``KeyboardInterrupt`` / ``SystemExit(128 + signum)`` is raised.
+    """
+    if nproc < 1:
+        raise UserError(f"--nproc: must be at least 1, got {nproc}")
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), MCPAR_LAUNCHED="1",
+                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    err_dir = tempfile.mkdtemp(prefix="mcpar-launch-")
+    err_files = [os.path.join(err_dir, f"rank-{r}.json") for r in range(nproc)]
+
+    # Signals are turned into a flag checked by the poll loop, so teardown never runs half-way
+    # inside a handler. Handlers can only be installed from the main thread.
+    received: list[int] = []
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda s, _f: received.append(s))
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        preexec = _death_signal_preexec()
+        for rank in range(nproc):
+            wenv = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
+                        MCPAR_ERROR_FILE=err_files[rank])
+            # stdout/stderr are inherited so the user sees progress; stdin is not, since workers
+            # in their own session must not compete for the terminal.
+            procs.append(subprocess.Popen([sys.executable, *argv], env=wenv,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=preexec))
+        first: WorkerFailure | None = None
+        while not received:
+            codes = [p.poll() for p in procs]
+            failed = [_failure(r, c, err_files[r]) for r, c in enumerate(codes) if c]
+            if failed:
+                first = _pick_first(failed)
+                break
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(poll_interval_s)
+        _teardown(procs, kill_grace_s)
+        if first is not None:
+            raise LaunchFailed(first)
+        if received[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + received[0])
+    finally:
+        # Covers exceptions from Popen or a KeyboardInterrupt raised outside our handler.
+        if any(p.poll() is None for p in procs):
+            _teardown(procs, kill_grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        shutil.rmtree(err_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def record_worker_errors() -> Iterator[None]:
+    """Wrap a worker's main: record why it failed in ``$MCPAR_ERROR_FILE``, then re-raise."""
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        path = os.environ.get("MCPAR_ERROR_FILE")
+        # The innermost recorder wins: an outer one sees the same exception with less context.
+        if path and not os.path.exists(path):
+            if isinstance(exc, UserError):
+                error = "; ".join(exc.problems)
+            else:
+                message = str(exc)
+                error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+            rank_raw = os.environ.get("RANK", "")
+            record = {"rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
+                      "traceback": traceback.format_exc()}
+            with contextlib.suppress(OSError):
+                # Write then rename, so the launcher never reads a half-written file.
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(record, f)
+                os.replace(tmp, path)
+        raise

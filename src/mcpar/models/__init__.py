@@ -1,0 +1,1 @@
+"""Models, plugged in through a small spec (see spec.py)."""

@@ -1,0 +1,1 @@
+"""Parallelism mechanisms the controllers use: data, tensor, pipeline, expert."""
