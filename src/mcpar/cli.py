@@ -8,15 +8,15 @@ first, then starts the workers itself; under torchrun or SLURM each process is a
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 import time
 from pathlib import Path
 
 from mcpar.capabilities import unsupported_settings
-from mcpar.config import JobConfig, load_config, to_yaml
+from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
 from mcpar.controllers.memory import estimate_memory, format_bytes
+from mcpar.data import BatchStream, load_corpus
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
 from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local
@@ -55,22 +55,29 @@ def _load(args: argparse.Namespace) -> JobConfig:
     return load_config(args.config, overrides)
 
 
-def _requested_world(cfg: JobConfig, nproc: int | None) -> int:
+def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -> int:
     par = cfg.parallelism
     if nproc is not None:
         if nproc < 1:
             raise UserError(problem("--nproc", f"must be at least 1, got {nproc}"))
         return nproc
+    if par.data is None and builtin_default:
+        return DEFAULT_NPROC * par.tensor * par.pipeline
     return (par.data or 1) * par.tensor * par.pipeline
 
 
-def _check_data_source(cfg: JobConfig) -> None:
-    source = cfg.data.source
-    if source != "stdlib" and not glob.glob(os.path.expanduser(source), recursive=True):
-        raise UserError(problem(
-            "data.source", f"no file matches '{source}'; give an existing file, directory, glob "
-            "or 'stdlib'",
-        ))
+def _check_data(cfg: JobConfig) -> None:
+    """Load the corpus once before any worker starts: bad paths, token ids beyond the vocabulary
+    or a corpus too small for the sequence length are user errors (exit 2), not a worker crash;
+    a BPE tokenizer is trained here once and the workers read it from the cache."""
+    corpus = load_corpus(
+        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
+        token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir,
+    )
+    # Building the streams runs their checks (e.g. a split too small for model.seq_len).
+    for tokens in (corpus.train, corpus.val):
+        BatchStream(tokens, cfg.model.seq_len, cfg.optimization.global_batch_size or 1,
+                    cfg.training.seed)
 
 
 def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
@@ -101,10 +108,12 @@ def _prepare_run_dir(run_dir: Path, cfg: JobConfig) -> None:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
 
-def _validate_for_training(cfg: JobConfig, world_size: int, explicit_nproc: bool) -> ParallelDims:
+def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) -> None:
+    """A local launch must fit this machine (under torchrun/SLURM the launcher decided)."""
     info = select_device(cfg.training.device)
     par = cfg.parallelism
-    needed = (par.data or 1) * par.tensor * par.pipeline if par.data else world_size
+    needed = par.data * par.tensor * par.pipeline if par.data else world_size
+    data = par.data or world_size // (par.tensor * par.pipeline)
     have = available_devices(info)
     unit = "GPUs" if info.type == "cuda" else "CPU cores"
     # On CPU, an explicit --nproc may oversubscribe cores (tests, debugging); GPUs cannot be shared.
@@ -112,15 +121,18 @@ def _validate_for_training(cfg: JobConfig, world_size: int, explicit_nproc: bool
         raise UserError(problem(
             "parallelism",
             f"the layout needs {needed} devices (tensor {par.tensor} x pipeline {par.pipeline} x "
-            f"data {par.data or 1}) but this machine has {have} {unit}; run it on a cluster with "
-            f"torchrun or SLURM, or choose smaller degrees"
+            f"data {data}) but this machine has {have} {unit}; run it on a cluster with "
+            "torchrun or SLURM, or choose smaller degrees"
             + ("" if info.type == "cuda" else " (or pass --nproc to oversubscribe the CPU)"),
         ))
+
+
+def _validate_for_training(cfg: JobConfig, world_size: int) -> ParallelDims:
+    select_device(cfg.training.device)
     dims = resolve_layout(cfg, world_size)
     problems = unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
-    _check_data_source(cfg)
     return dims
 
 
@@ -131,14 +143,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = detect_env()
     if env is not None:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
-        _validate_for_training(cfg, env.world_size, explicit_nproc=True)
+        _validate_for_training(cfg, env.world_size)
         run_dir = _new_run_dir(args.run_dir, env)
         if env.rank == 0:
             _prepare_run_dir(run_dir, cfg)
         run_worker(cfg, run_dir, env)
         return 0
-    world_size = _requested_world(cfg, args.nproc)
-    _validate_for_training(cfg, world_size, explicit_nproc=args.nproc is not None)
+    world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
+    _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
+    _validate_for_training(cfg, world_size)
+    _check_data(cfg)
     run_dir = _new_run_dir(args.run_dir, None)
     _prepare_run_dir(run_dir, cfg)
     if world_size == 1:

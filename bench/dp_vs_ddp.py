@@ -1,0 +1,274 @@
+"""Data-parallel throughput: mcpar's bucketed all-reduce against PyTorch DistributedDataParallel.
+
+What it measures
+    Training tokens per second of the same GPT, trained the same way, two ways in one job:
+
+    * mcpar: ``mcpar.trainer.Trainer.train_step`` -- gradients averaged by ``DataParallelGradSync``
+      (bucketed, overlapped all-reduce issued through the CommunicationController);
+    * ddp: a second copy of the model (same spec, same seed) wrapped in
+      ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size.
+
+    Both sides see the same micro-batches (mcpar's ``BatchStream``, same steps, same rank slices),
+    use the same AdamW (``build_optimizer``), LR schedule (``lr_at``), loss and gradient clipping.
+    After ``--warmup`` untimed steps per side, ``--rounds`` timed rounds of ``--steps`` steps are
+    interleaved (mcpar then ddp, ddp then mcpar, ... so slow drift of the machine hits both sides
+    alike). Each round starts after a barrier; its time is the maximum over ranks. A side's figure
+    is the median over its rounds; ``ratio`` is mcpar / ddp (higher is better for mcpar).
+
+    The two models train independently on identical data from identical weights, so their losses
+    must agree step by step (fp32: to about 1e-4); ``max_abs_loss_diff`` is the largest difference
+    over the timed steps, on any rank, and ``max_abs_param_diff`` compares the final weights.
+
+How to run
+    python bench/dp_vs_ddp.py [--steps N] [--warmup W] [--rounds R] [--nproc 2]
+                              [--set KEY=VALUE ...]
+
+    It starts ``--nproc`` worker processes itself (gloo on CPU; each worker gets
+    ``cores // nproc`` threads) and prints one JSON object on stdout; progress goes to stderr.
+    ``--set`` takes the dotted config keys of ``mcpar train`` (e.g. ``--set model.num_layers=8``);
+    the default is mcpar's built-in model with ``parallelism.data = --nproc`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from mcpar.config import JobConfig, load_config
+from mcpar.data import BatchStream
+from mcpar.device import autocast, synchronize
+from mcpar.errors import UserError
+from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local, record_worker_errors
+from mcpar.models.spec import get_model_spec
+from mcpar.trainer import Trainer, build_optimizer, lr_at
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side before timing")
+    p.add_argument("--rounds", type=int, default=4, help="timed rounds per side")
+    p.add_argument("--nproc", type=int, default=2, help="worker processes (data-parallel ranks)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set model.num_layers=8 (repeatable)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("steps", "rounds", "nproc"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> JobConfig:
+    # Bench defaults first, so that --set can still change any of them.
+    base = ["training.progress=false", "training.device=cpu", f"parallelism.data={args.nproc}"]
+    return load_config(None, base + list(args.overrides))
+
+
+def log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"dp_vs_ddp: {message}", file=sys.stderr, flush=True)
+
+
+class DDPSide:
+    """The reference: the same model and training step, data-parallel through DDP."""
+
+    def __init__(self, cfg: JobConfig, stream: BatchStream, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.stream = stream
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.accum = cfg.optimization.gradient_accumulation or 1
+        self.module = get_model_spec(cfg.model.kind).build(cfg.model, cfg.training.seed).to(device)
+        self.ddp = DistributedDataParallel(
+            self.module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.controllers.communication.bucket_size_mb,
+        )
+        self.optimizer = build_optimizer(self.module, cfg)
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step as ``Trainer.train_step`` does it; the mean micro-batch loss."""
+        cfg = self.cfg
+        self.ddp.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro in range(self.accum):
+            last = micro == self.accum - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
+                inputs, targets = self.stream.micro_batch(
+                    step, self.rank, self.world, micro, cfg.optimization.micro_batch_size)
+                with autocast(self.device, cfg.training.dtype):
+                    logits = self.ddp(inputs.to(self.device))
+                loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                       targets.to(self.device).flatten())
+                (loss / self.accum).backward()
+            losses.append(loss.item())
+        clip = cfg.optimization.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.module.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.stream.advance()
+        float(grad_norm)  # Trainer.train_step reads the norm back too
+        return sum(losses) / len(losses)
+
+
+def timed_round(step_fn: Callable[[int], float], first_step: int, steps: int,
+                device: torch.device, losses: dict[int, float]) -> float:
+    """Run `steps` steps from `first_step`; the wall time of the slowest rank, in seconds."""
+    gc.collect()
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(first_step, first_step + steps):
+        losses[step] = step_fn(step)
+    synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def reduce_scalar(value: float, op: dist.ReduceOp.RedOpType) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def worker(args: argparse.Namespace, env: DistEnv) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    cfg = build_config(args)
+    with tempfile.TemporaryDirectory(prefix="mcpar-bench-") as tmp:
+        # The Trainer creates the process group (gloo, tcp:// from the launcher's environment).
+        trainer = Trainer(cfg, Path(tmp), env)
+        try:
+            result = run_benchmark(args, cfg, trainer)
+        finally:
+            trainer.logger.close()
+            trainer.close()
+    if env.rank == 0:
+        print(json.dumps(result), flush=True)
+
+
+def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = trainer.dims
+    if dims.dp != world or dims.tp != 1 or dims.pp != 1:
+        raise UserError(f"parallelism: this benchmark compares pure data parallelism; got "
+                        f"{dims.describe()} on {world} workers")
+    # Trainer resolved the layout: the global batch and accumulation are filled in now.
+    gbs = cfg.optimization.global_batch_size
+    assert gbs is not None
+    tokens_per_step = gbs * cfg.model.seq_len
+    stream = BatchStream(trainer.train_stream.tokens, cfg.model.seq_len, gbs, cfg.training.seed)
+    ddp = DDPSide(cfg, stream, trainer.device)
+    device = trainer.device
+
+    def mcpar_step(step: int) -> float:
+        return trainer.train_step(step).loss
+
+    sides: dict[str, Callable[[int], float]] = {"mcpar": mcpar_step, "ddp": ddp.train_step}
+    losses: dict[str, dict[int, float]] = {"mcpar": {}, "ddp": {}}
+    seconds: dict[str, list[float]] = {"mcpar": [], "ddp": []}
+    log(rank, f"{world} ranks x {torch.get_num_threads()} threads, {tokens_per_step} tokens/step, "
+              f"accumulation {cfg.optimization.gradient_accumulation}; warmup {args.warmup}, "
+              f"{args.rounds} rounds x {args.steps} steps per side")
+    if args.warmup:
+        for name, fn in sides.items():
+            timed_round(fn, 0, args.warmup, device, losses[name])
+    timed_steps: list[int] = []
+    for r in range(args.rounds):
+        first = args.warmup + r * args.steps
+        timed_steps += range(first, first + args.steps)
+        # Alternate who goes first, so drift over the run does not favour one side.
+        order = ("mcpar", "ddp") if r % 2 == 0 else ("ddp", "mcpar")
+        for name in order:
+            seconds[name].append(timed_round(sides[name], first, args.steps, device, losses[name]))
+        log(rank, f"round {r + 1}/{args.rounds}: "
+                  + ", ".join(f"{n} {tokens_per_step * args.steps / seconds[n][-1]:.0f} tok/s"
+                              for n in ("mcpar", "ddp")))
+
+    local_diff = max(abs(losses["mcpar"][s] - losses["ddp"][s]) for s in timed_steps)
+    max_loss_diff = reduce_scalar(local_diff, dist.ReduceOp.MAX)
+    last = timed_steps[-1]
+    final = {n: reduce_scalar(losses[n][last], dist.ReduceOp.SUM) / world for n in sides}
+    with torch.no_grad():
+        param_diff = max(float((a - b).abs().max()) for a, b in
+                         zip(trainer.model.parameters(), ddp.module.parameters(), strict=True))
+    max_param_diff = reduce_scalar(param_diff, dist.ReduceOp.MAX)
+
+    rates = {n: [tokens_per_step * args.steps / s for s in seconds[n]] for n in sides}
+    medians = {n: statistics.median(rates[n]) for n in sides}
+    if max_loss_diff > 1e-4 and cfg.training.dtype == "float32":
+        log(rank, f"WARNING: losses differ by up to {max_loss_diff:.3g} (expected <= 1e-4)")
+    return {
+        "benchmark": "dp_vs_ddp",
+        "world_size": world,
+        "threads_per_worker": torch.get_num_threads(),
+        "steps_per_round": args.steps,
+        "warmup_steps": args.warmup,
+        "rounds": args.rounds,
+        "model": {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
+                  "params": get_model_spec(cfg.model.kind).num_params(cfg.model)},
+        "micro_batch_size": cfg.optimization.micro_batch_size,
+        "gradient_accumulation": cfg.optimization.gradient_accumulation,
+        "bucket_size_mb": cfg.controllers.communication.bucket_size_mb,
+        "dtype": cfg.training.dtype,
+        "tokens_per_step": tokens_per_step,
+        "mcpar_tokens_per_s": medians["mcpar"],
+        "ddp_tokens_per_s": medians["ddp"],
+        "ratio": medians["mcpar"] / medians["ddp"],
+        "round_ratios": [m / d for m, d in zip(rates["mcpar"], rates["ddp"], strict=True)],
+        "mcpar_rounds": rates["mcpar"],
+        "ddp_rounds": rates["ddp"],
+        "final_loss_mcpar": final["mcpar"],
+        "final_loss_ddp": final["ddp"],
+        "max_abs_loss_diff": max_loss_diff,
+        "max_abs_param_diff": max_param_diff,
+        "torch_version": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        with record_worker_errors():
+            env = detect_env()
+            if env is None:
+                raise SystemExit("--worker is for processes this benchmark starts itself")
+            worker(args, env)
+        return 0
+    try:
+        build_config(args)  # report a bad --set here, once, before any worker starts
+    except UserError as err:
+        print("\n".join(err.problems), file=sys.stderr)
+        return 2
+    argv_out = list(sys.argv[1:] if argv is None else argv)
+    try:
+        launch_local(args.nproc, [os.path.abspath(__file__), "--worker", *argv_out])
+    except LaunchFailed as err:
+        print(f"dp_vs_ddp: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Shared helpers: run the real `mcpar` CLI in a subprocess on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model small enough that a 20-step multi-process run takes seconds on 2 cores.
+TINY = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=32",
+    "training.progress=false", "training.eval_interval=0", "training.eval_batches=1",
+    "optimization.warmup_steps=5",
+]
+
+
+def run_mcpar(*args: str, timeout: float = 300, cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "mcpar.cli", *args], capture_output=True, text=True,
+        timeout=timeout, cwd=cwd or REPO, env=full_env,
+    )
+
+
+def sets(*items: str) -> list[str]:
+    out: list[str] = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+@pytest.fixture
+def tiny_sets() -> list[str]:
+    return sets(*TINY)

@@ -1,0 +1,133 @@
+"""The CLI contract: `check` prints the plan, user errors exit 2 with one line per problem."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, TINY, run_mcpar, sets
+
+
+def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_check_seed_config_prints_the_1024_device_plan() -> None:
+    proc = run_mcpar("check", "configs/seed_mcp.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "1024 devices = tensor 8 x pipeline 4 x data 32" in out
+    assert "experts 16 within the data axis" in out
+    assert re.search(r"per-rank memory estimate", out)
+    assert re.search(r"total\s+\d+\.\d (KiB|MiB|GiB)", out)
+
+
+def test_train_seed_config_says_how_many_devices_it_needs() -> None:
+    proc = run_mcpar("train", "configs/seed_mcp.yaml", "--run-dir", "/nonexistent/never")
+    have = os.cpu_count()
+    assert_user_error(proc, "needs 1024 devices", f"has {have} CPU cores")
+
+
+def test_unknown_key_on_the_command_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  hidden_sise: 64\n")
+    proc = run_mcpar("check", str(cfg))
+    assert_user_error(proc, "model.hidden_sise: unknown key", "model.hidden_size")
+
+
+def test_set_override_is_validated() -> None:
+    proc = run_mcpar("check", "configs/seed_mcp.yaml", "--set", "model.num_heads=3")
+    assert_user_error(proc, "model.num_heads")
+
+
+def test_missing_config_file() -> None:
+    proc = run_mcpar("check", "nope.yaml")
+    assert_user_error(proc, "nope.yaml: config file not found")
+
+
+def test_missing_data_path(tmp_path: Path) -> None:
+    proc = run_mcpar("train", *sets(*TINY, "data.source=/no/such/corpus*.txt"),
+                     "--nproc", "1", "--run-dir", str(tmp_path / "run"))
+    assert_user_error(proc, "data.source", "/no/such/corpus*.txt")
+
+
+def test_cuda_requested_without_cuda(tmp_path: Path) -> None:
+    proc = run_mcpar("train", *sets("training.device=cuda"), "--run-dir", str(tmp_path / "r"))
+    assert_user_error(proc, "training.device")
+
+
+def test_unimplemented_setting_is_refused_not_ignored(tmp_path: Path) -> None:
+    proc = run_mcpar("train", *sets(*TINY, "controllers.communication.compression=1bit"),
+                     "--nproc", "1", "--run-dir", str(tmp_path / "r"))
+    assert_user_error(proc, "controllers.communication.compression: '1bit' is not available")
+
+
+def test_nproc_must_match_the_layout(tmp_path: Path) -> None:
+    proc = run_mcpar("train", *sets(*TINY, "parallelism.data=2"), "--nproc", "3",
+                     "--run-dir", str(tmp_path / "r"))
+    assert_user_error(proc, "parallelism:", "has 3")
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = run_mcpar("train", *sets(*TINY), "--nproc", "1", "--run-dir", str(run))
+    assert_user_error(proc, "--run-dir", "already holds a run")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the live mcpar workers of `run_dir` (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
+                continue
+            if (entry / "stat").read_text().split()[2] == "Z":
+                continue  # already dead, waiting to be reaped
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))
+        found[rank] = int(entry.name)
+    return found
+
+
+def test_worker_killed_by_a_signal_stops_the_job(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcpar.cli", "train", *sets(*TINY, "training.steps=100000"),
+         "--nproc", "2", "--run-dir", str(run)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        pids = _worker_pids(run)
+        assert sorted(pids) == [0, 1]
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.time()
+        _, stderr = proc.communicate(timeout=30)
+        stopped_in = time.time() - killed_at
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "rank 1 was killed by signal SIGKILL" in stderr, stderr
+    assert stopped_in < 15
+    assert _worker_pids(run) == {}
