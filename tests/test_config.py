@@ -125,3 +125,11 @@ def test_data_degree_and_accumulation_are_derived() -> None:
     dims = resolve_layout(cfg, 4)
     assert dims.dp == 4 and cfg.optimization.gradient_accumulation == 2
     assert cfg.parallelism.data == 4
+
+
+def test_config_reference_is_current() -> None:
+    from mcpar.config_docs import render
+
+    assert (REPO / "docs" / "config.md").read_text() == render(), (
+        "regenerate with: python -m mcpar.config_docs > docs/config.md"
+    )
