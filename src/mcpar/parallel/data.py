@@ -26,6 +26,7 @@ import torch
 
 from mcpar.controllers.communication import CommHandle, CommunicationController
 
+
 @dataclass
 class GradBucket:
     params: list[torch.nn.Parameter]
