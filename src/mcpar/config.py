@@ -39,6 +39,9 @@ class ModelConfig(_Section):
     num_experts: int = Field(1, ge=1, description="Experts per MoE layer (model.kind: moe).")
     top_k: int = Field(1, ge=1, description="Experts each token is routed to (model.kind: moe).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability; 0 = off.")
+    tie_embeddings: bool = Field(
+        False, description="Share the token embedding with the output head (pipeline 1 only)."
+    )
 
     @property
     def ffn_size(self) -> int:

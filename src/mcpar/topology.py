@@ -118,6 +118,12 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
             f"{model.num_layers} layers cannot fill pipeline {pp} x virtual_stages "
             f"{par.virtual_stages} stages; a stage would be empty",
         ))
+    if model.tie_embeddings and pp > 1:
+        problems.append(problem(
+            "model.tie_embeddings",
+            "a tied embedding cannot be split between the first and last pipeline stages; "
+            "set it to false or use parallelism.pipeline 1",
+        ))
     if dp % par.experts:
         problems.append(problem(
             "parallelism.experts",

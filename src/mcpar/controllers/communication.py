@@ -7,8 +7,12 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 
 - all-reduce (ring: reduce-scatter then all-gather): each rank sends 2(n-1)/n of the buffer;
 - all-gather (ring): each rank sends its own part n-1 times, i.e. (n-1)/n of the output;
+- reduce-scatter (ring): each rank sends (n-1)/n of its input;
 - broadcast (pipelined chain): each rank forwards the buffer once, except the last; counted as
-  (n-1)/n of the buffer per rank, the average over ranks.
+  (n-1)/n of the buffer per rank, the average over ranks;
+- point to point: the sender counts the whole tensor, the receiver nothing.
+
+Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims) and 'world' (the default group).
 
 Times: a blocking call is timed around the call; an asynchronous one from its launch to its
 completion, observed through the work's future, so overlap with compute does not hide or inflate
@@ -110,7 +114,12 @@ class CommunicationController:
         self.stats = CommStats()
 
     def axis_size(self, axis: str) -> int:
-        return getattr(self.dims, axis) if dist.is_initialized() else 1
+        if not dist.is_initialized():
+            return 1
+        return self.dims.world_size if axis == "world" else getattr(self.dims, axis)
+
+    def _group(self, axis: str) -> dist.ProcessGroup | None:
+        return None if axis == "world" else self.dims.group(axis)
 
     def _timed(self, key: tuple[str, str, str], nbytes: float, work: dist.Work | None,
                start: float, async_op: bool) -> CommHandle:
@@ -131,7 +140,7 @@ class CommunicationController:
             return CommHandle(None)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
-        work = dist.all_reduce(tensor, op=reduce_op, group=self.dims.group(axis),
+        work = dist.all_reduce(tensor, op=reduce_op, group=self._group(axis),
                                async_op=async_op)
         nbytes = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
         return self._timed(("all_reduce", axis, codec), nbytes, work, start, async_op)
@@ -143,7 +152,7 @@ class CommunicationController:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(n)]
         start = time.perf_counter()
-        dist.all_gather(out, tensor, group=self.dims.group(axis))
+        dist.all_gather(out, tensor, group=self._group(axis))
         nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
         return out
@@ -153,12 +162,62 @@ class CommunicationController:
         n = self.axis_size(axis)
         if n == 1:
             return
-        group = self.dims.group(axis)
-        src = dist.get_global_rank(group, src_axis_rank)
+        group = self._group(axis)
+        src = src_axis_rank if group is None else dist.get_global_rank(group, src_axis_rank)
         start = time.perf_counter()
         dist.broadcast(tensor, src=src, group=group)
         nbytes = broadcast_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("broadcast", axis, "none"), nbytes, None, start, False)
+
+    def all_gather_along(self, tensor: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tensor:
+        """Concatenate every axis rank's `tensor` along `dim` (blocking, autograd-free)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return tensor
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
+                          device=moved.device)
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(out, moved, group=self._group(axis))
+        nbytes = ring_all_gather_bytes(moved.numel() * moved.element_size(), n)
+        self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
+        return out.movedim(0, dim)
+
+    def reduce_scatter_along(self, tensor: torch.Tensor, dim: int,
+                             axis: str = "tp") -> torch.Tensor:
+        """Sum over the axis and keep this rank's 1/n slice along `dim` (blocking)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return tensor
+        moved = tensor.movedim(dim, 0).contiguous()
+        if moved.shape[0] % n:
+            raise ValueError(f"dim {dim} of size {moved.shape[0]} is not divisible by {n}")
+        out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype,
+                          device=moved.device)
+        start = time.perf_counter()
+        dist.reduce_scatter_tensor(out, moved, group=self._group(axis))
+        nbytes = (n - 1) / n * moved.numel() * moved.element_size()
+        self._timed(("reduce_scatter", axis, "none"), nbytes, None, start, False)
+        return out.movedim(0, dim)
+
+    def send(self, tensor: torch.Tensor, dst_axis_rank: int, axis: str = "pp",
+             tag: int = 0) -> CommHandle:
+        """Non-blocking point-to-point send to the rank at `dst_axis_rank` of the axis."""
+        group = self._group(axis)
+        dst = dst_axis_rank if group is None else dist.get_global_rank(group, dst_axis_rank)
+        start = time.perf_counter()
+        work = dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._timed(("send", axis, "none"), nbytes, work, start, True)
+
+    def recv(self, tensor: torch.Tensor, src_axis_rank: int, axis: str = "pp",
+             tag: int = 0) -> None:
+        """Blocking point-to-point receive into `tensor` from `src_axis_rank` of the axis."""
+        group = self._group(axis)
+        src = src_axis_rank if group is None else dist.get_global_rank(group, src_axis_rank)
+        start = time.perf_counter()
+        dist.recv(tensor, src=src, tag=tag)
+        self._timed(("recv", axis, "none"), 0.0, None, start, False)
 
     def barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,9 +1,15 @@
 """GPT: a pre-norm decoder-only transformer, readable in one file.
 
 Learned positions, causal ``scaled_dot_product_attention``, GELU MLP, LayerNorm before each sublayer
-and at the end, output head tied to the token embedding. Initialization follows GPT-2 (normal 0.02,
-residual projections scaled by 1/sqrt(2 x layers)) and is drawn from a generator seeded by the
-config, so every rank builds the same model without a broadcast.
+and at the end, and an output head (tied to the token embedding when ``model.tie_embeddings``).
+Initialization follows GPT-2 (normal 0.02, residual projections scaled by 1/sqrt(2 x layers)) and
+is drawn from a generator seeded by the config, so every rank builds the same model without a
+broadcast.
+
+The model is three kinds of pieces, ``embed -> blocks -> head``, so that pipeline parallelism can
+cut it between any two pieces and tensor parallelism can swap each piece's linears for sharded
+ones. Nothing in this file knows about parallelism: shapes are read from the tensors (a sharded
+attention has fewer local heads; a sequence-parallel block sees a slice of the sequence).
 """
 
 from __future__ import annotations
@@ -26,14 +32,15 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
+        qkv = self.qkv(x)
+        batch, seq, _ = qkv.shape
         # [batch, heads, seq, head_dim], the layout scaled_dot_product_attention expects.
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+                   for t in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
@@ -60,24 +67,50 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.ln_mlp(x)))
 
 
+class TokenEmbedding(nn.Module):
+    """Token plus learned position embedding: token ids [batch, seq] -> [batch, seq, hidden]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.tok(tokens) + self.pos(positions))
+
+
+class OutputHead(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_final = nn.LayerNorm(cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln_final(x))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.embed = TokenEmbedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.ln_final = nn.LayerNorm(cfg.hidden_size)
+        self.head = OutputHead(cfg)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.tok.weight
 
     def init_weights(self, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.num_layers)
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
                 if name.endswith("bias"):
                     p.zero_()
-                elif ".ln_" in name or name.startswith("ln_"):
+                elif ".ln_" in name:
                     p.fill_(1.0)
                 else:
                     std = residual_std if name.endswith("proj.weight") else 0.02
@@ -85,26 +118,25 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for input token ids [batch, seq]."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.dropout(self.tok_emb(tokens) + self.pos_emb(positions))
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        # Tied head: the token embedding doubles as the output projection.
-        return F.linear(self.ln_final(x), self.tok_emb.weight)
+        return self.head(x)
 
 
 def gpt_num_params(cfg: ModelConfig) -> int:
     """Exact parameter count, without building the model (used by plans and estimates)."""
     h, f = cfg.hidden_size, cfg.ffn_size
     per_layer = (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (2 * h) + (h * f + f) + (f * h + h)
-    return cfg.vocab_size * h + cfg.seq_len * h + cfg.num_layers * per_layer + 2 * h
+    head = 2 * h + (0 if cfg.tie_embeddings else cfg.vocab_size * h)
+    return cfg.vocab_size * h + cfg.seq_len * h + cfg.num_layers * per_layer + head
 
 
 def gpt_flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 3 x forward (backward costs twice the forward).
 
     Forward per token: 2 FLOPs per weight of every matmul (QKV, attention output, two MLP
-    matmuls, tied head) plus attention scores and weighted values, 2 x 2 x seq x hidden per layer
+    matmuls, output head) plus attention scores and weighted values, 2 x 2 x seq x hidden per layer
     (counted over the full square, as the kernels compute it).
     """
     h, f, s = cfg.hidden_size, cfg.ffn_size, cfg.seq_len
