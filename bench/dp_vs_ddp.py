@@ -105,7 +105,7 @@ class DDPSide:
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=cfg.controllers.communication.bucket_size_mb,
         )
-        self.optimizer = build_optimizer(self.module, cfg)
+        self.optimizer = build_optimizer(list(self.module.parameters()), cfg)
 
     def train_step(self, step: int) -> float:
         """One optimizer step as ``Trainer.train_step`` does it; the mean micro-batch loss."""
@@ -215,7 +215,7 @@ def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) ->
     final = {n: reduce_scalar(losses[n][last], dist.ReduceOp.SUM) / world for n in sides}
     with torch.no_grad():
         param_diff = max(float((a - b).abs().max()) for a, b in
-                         zip(trainer.model.parameters(), ddp.module.parameters(), strict=True))
+                         zip(trainer.pm.params, ddp.module.parameters(), strict=True))
     max_param_diff = reduce_scalar(param_diff, dist.ReduceOp.MAX)
 
     rates = {n: [tokens_per_step * args.steps / s for s in seconds[n]] for n in sides}

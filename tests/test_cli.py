@@ -131,3 +131,27 @@ def test_worker_killed_by_a_signal_stops_the_job(tmp_path: Path) -> None:
     assert "rank 1 was killed by signal SIGKILL" in stderr, stderr
     assert stopped_in < 15
     assert _worker_pids(run) == {}
+
+
+LAYOUT_ERRORS = [
+    # (settings, workers, key named in the error)
+    (["model.num_heads=6", "model.hidden_size=96", "parallelism.tensor=4"], 4, "model.num_heads"),
+    (["model.ffn_hidden_size=100", "parallelism.tensor=8"], 8, "model.ffn_hidden_size"),
+    (["model.num_layers=3", "parallelism.pipeline=2", "parallelism.virtual_stages=2",
+      "parallelism.schedule=interleaved_1f1b"], 2, "model.num_layers"),
+    (["model.num_layers=4", "parallelism.pipeline=2", "parallelism.virtual_stages=2",
+      "parallelism.schedule=interleaved_1f1b", "optimization.micro_batch_size=4",
+      "optimization.gradient_accumulation=3"], 2, "optimization.gradient_accumulation"),
+    (["model.num_layers=4", "parallelism.pipeline=2", "parallelism.virtual_stages=2"], 2,
+     "parallelism.schedule"),
+    (["parallelism.tensor=2", "parallelism.pipeline=2"], 2, "parallelism:"),
+    (["parallelism.sequence_parallel=true"], 1, "parallelism.sequence_parallel"),
+]
+
+
+def test_layout_errors_name_the_key(tmp_path: Path) -> None:
+    for settings, workers, key in LAYOUT_ERRORS:
+        proc = run_mcpar("train", *sets(*TINY, *settings), "--nproc", str(workers),
+                         "--run-dir", str(tmp_path / "never"))
+        assert_user_error(proc, key)
+        assert not (tmp_path / "never").exists()

@@ -18,13 +18,8 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
         ("model.kind", model.kind, "gpt"),
-        ("parallelism.tensor", par.tensor, 1),
-        ("parallelism.pipeline", par.pipeline, 1),
         ("parallelism.experts", par.experts, 1),
-        ("parallelism.virtual_stages", par.virtual_stages, 1),
-        ("parallelism.sequence_parallel", par.sequence_parallel, False),
         ("controllers.compute.scheduler", ctl.compute.scheduler, "static"),
-        ("controllers.compute.batch_splitting", ctl.compute.batch_splitting, "fixed"),
         ("controllers.memory.allocation", ctl.memory.allocation, "default"),
         ("controllers.memory.offload", ctl.memory.offload, "none"),
         ("controllers.memory.zero_stage", ctl.memory.zero_stage, 0),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mcpar.capabilities import unsupported_settings
 from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
-from mcpar.controllers.memory import estimate_memory, format_bytes
+from mcpar.controllers.compute import partition_layers, schedule_problems
+from mcpar.controllers.memory import estimate_memory, format_bytes, params_per_pipeline_rank
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
@@ -130,7 +131,7 @@ def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) 
 def _validate_for_training(cfg: JobConfig, world_size: int) -> ParallelDims:
     select_device(cfg.training.device)
     dims = resolve_layout(cfg, world_size)
-    problems = unsupported_settings(cfg)
+    problems = schedule_problems(cfg) + unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
     return dims
@@ -167,6 +168,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     dims = resolve_layout(cfg, args.nproc)
+    problems = schedule_problems(cfg)
+    if problems:
+        raise UserError(problems)
     m, opt, ctl = cfg.model, cfg.optimization, cfg.controllers
     spec = get_model_spec("gpt")
     est = estimate_memory(cfg, dims)
@@ -186,6 +190,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"{ctl.memory.allocation} offload={ctl.memory.offload} zero_stage={ctl.memory.zero_stage}; "
         f"communication compression={ctl.communication.compression} "
         f"topology={ctl.communication.topology}",
+        f"pipeline: {dims.pp * cfg.parallelism.virtual_stages} stages of blocks "
+        + " | ".join(f"{a}-{b - 1}" for a, b in
+                     partition_layers(m, dims.pp * cfg.parallelism.virtual_stages))
+        + f" (schedule {cfg.parallelism.schedule})" if dims.pp > 1 else "pipeline: none",
+        "parameters per rank by pipeline position: "
+        + ", ".join(f"{n:,} ({format_bytes(4 * n)})" for n in params_per_pipeline_rank(cfg, dims))
+        + f" (single process: {est.num_params:,})",
         f"per-rank memory estimate (largest rank, {est.params_per_rank:,} parameters):",
     ]
     lines += [f"  {name:<16} {format_bytes(value):>12}" for name, value in est.rows()]

@@ -104,6 +104,10 @@ class MemoryControllerConfig(_Section):
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation policy."
     )
+    memory_budget_gb: float | None = Field(
+        None, gt=0.0, description="Memory per rank that plans may use; default 90% of a GPU, "
+        "or the worker's share of 80% of host RAM.",
+    )
 
 
 class CommunicationControllerConfig(_Section):

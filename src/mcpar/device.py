@@ -80,3 +80,11 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so step timings are true on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def memory_budget_bytes(device: torch.device, local_world_size: int) -> float:
+    """Memory one worker may plan to use: 90% of its GPU, or its share of 80% of host RAM."""
+    if device.type == "cuda":
+        return 0.9 * torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0.8 * host / max(1, local_world_size)

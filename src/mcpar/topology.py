@@ -112,6 +112,23 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
             "model.ffn_hidden_size",
             f"{model.ffn_size} is not divisible by parallelism.tensor {tp}",
         ))
+    if model.vocab_size % tp:
+        problems.append(problem(
+            "model.vocab_size",
+            f"{model.vocab_size} is not divisible by parallelism.tensor {tp} (the vocabulary "
+            "is split over tensor ranks)",
+        ))
+    if par.sequence_parallel and tp == 1:
+        problems.append(problem(
+            "parallelism.sequence_parallel",
+            "shards the sequence over tensor ranks; it needs parallelism.tensor > 1",
+        ))
+    if par.sequence_parallel and model.seq_len % tp:
+        problems.append(problem(
+            "model.seq_len",
+            f"{model.seq_len} is not divisible by parallelism.tensor {tp} "
+            "(sequence parallelism splits it)",
+        ))
     if model.num_layers < pp * par.virtual_stages:
         problems.append(problem(
             "model.num_layers",

@@ -5,9 +5,11 @@ Order of construction (fixed, so every rank builds the same thing):
 2. ParallelDims and its DeviceMesh;
 3. CommunicationController over the mesh's groups;
 4. data: corpus, training and validation streams (layout-independent sample order);
-5. model from its spec with a seeded init, then data parallelism (bucketed gradient all-reduce);
-6. optimizer, LR schedule, ComputeController;
-7. the loop: ComputeController runs the step's micro-batch tasks, then clip and step.
+5. the model, parallelized in a fixed order (pipeline cut, tensor/sequence sharding, device,
+   data-parallel gradient buckets): see ``parallelize.py``;
+6. batch splitting (fixed, or chosen by the ComputeController), optimizer, pipeline executor;
+7. the loop: the ComputeController runs the step's tasks, then gradients are clipped over the
+   whole mesh and the optimizer steps.
 """
 
 from __future__ import annotations
@@ -20,18 +22,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from mcpar.config import JobConfig
-from mcpar.controllers.communication import CommunicationController
+from mcpar.config import JobConfig, to_yaml
+from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.data import DataParallelGradSync
+from mcpar.parallel.grad_norm import clip_grad_norm
+from mcpar.parallel.pipeline import PipelineExecutor
+from mcpar.parallel.tensor import sync_sequence_parallel_grads
+from mcpar.parallelize import parallelize
 from mcpar.topology import resolve_layout
+
+# Tags of the forward-only pipeline used for validation, far from the executor's tags.
+EVAL_TAG_BASE = 1 << 24
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
@@ -44,10 +51,10 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
-    # Weight decay on matrices only; biases, norms and positions are left alone (GPT-2 practice).
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig) -> torch.optim.Optimizer:
+    # Weight decay on matrices only; biases and norms are left alone (GPT-2 practice).
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     opt = cfg.optimization
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": opt.weight_decay},
@@ -95,70 +102,134 @@ class Trainer:
         self.val_stream = BatchStream(corpus.val, cfg.model.seq_len, gbs, tr.seed)
 
         self.spec = get_model_spec(cfg.model.kind)
-        self.model = self.spec.build(cfg.model, tr.seed).to(self.device)
-        self.grad_sync = DataParallelGradSync(
-            list(self.model.parameters()), self.comm,
-            bucket_size_mb=cfg.controllers.communication.bucket_size_mb,
-            overlap=cfg.controllers.communication.overlap,
-        )
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.compute = ComputeController(opt.gradient_accumulation or 1,
-                                         self._forward_backward, self.grad_sync)
+        self.pm = parallelize(cfg, self.dims, self.comm, self.device)
+        if cfg.controllers.compute.batch_splitting == "dynamic":
+            from mcpar.controllers.batch_split import choose_split
+
+            self.split_report = choose_split(self, env.local_world_size if env else 1)
+            if self.rank == 0:
+                print(f"mcpar: {self.split_report}", flush=True)
+                # The run directory's config.yaml records what was chosen.
+                (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        num_micro = opt.gradient_accumulation or 1
+        self.optimizer = build_optimizer(self.pm.params, cfg)
+        self.executor: PipelineExecutor | None = None
+        if self.dims.pp > 1:
+            self.executor = PipelineExecutor(
+                self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
+                cfg.parallelism.schedule, num_micro, self.activation_shape(opt.micro_batch_size),
+                self.pm.loss_fn, self.device,
+                forward_context=lambda: autocast(self.device, cfg.training.dtype),
+            )
+            self.compute = ComputeController(num_micro, self.pm.grad_sync,
+                                             pipeline_step=self._pipeline_step)
+        else:
+            self.compute = ComputeController(num_micro, self.pm.grad_sync,
+                                             forward_backward=self._forward_backward)
         self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
 
-    # --- one micro-batch -----------------------------------------------------------------------
+    def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
+        """Shape of the activations between pipeline stages (sequence-sharded under SP)."""
+        seq = self.cfg.model.seq_len
+        if self.cfg.parallelism.sequence_parallel and self.dims.tp > 1:
+            seq //= self.dims.tp
+        return (micro_batch_size, seq, self.cfg.model.hidden_size)
+
+    # --- one micro-batch without a pipeline ----------------------------------------------------
+    def _micro(self, stream: BatchStream, step: int, micro: int) -> tuple[torch.Tensor, ...]:
+        inputs, targets = stream.micro_batch(step, self.dp_rank, self.dims.dp, micro,
+                                             self.cfg.optimization.micro_batch_size)
+        return inputs.to(self.device), targets.to(self.device)
+
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.cfg.training.dtype):
-            logits = self.model(inputs.to(self.device))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+            logits = self.pm.chunks[0](inputs)
+        return self.pm.loss_fn(logits, targets)
 
     def _forward_backward(self, task: MicroBatchTask) -> float:
-        inputs, targets = self.train_stream.micro_batch(
-            task.step, self.dp_rank, self.dims.dp, task.micro_index,
-            self.cfg.optimization.micro_batch_size,
-        )
-        loss = self._loss(inputs, targets)
+        loss = self._loss(*self._micro(self.train_stream, task.step, task.micro_index))
         # Mean over the step's micro-batches; the data-parallel mean happens in the all-reduce.
         (loss / self.compute.num_microbatches).backward()
         return loss.item()
 
+    # --- one step through the pipeline ---------------------------------------------------------
+    def _pipeline_step(self, step: int) -> list[float]:
+        assert self.executor is not None
+        batches = [self._micro(self.train_stream, step, m)
+                   for m in range(self.compute.num_microbatches)]
+        inputs = [b[0] for b in batches] if self.pm.holds_first_stage else None
+        targets = [b[1] for b in batches] if self.pm.holds_last_stage else None
+        return self.executor.run(inputs, targets)
+
     # --- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
-        self.model.train()
+        self.pm.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
         losses = self.compute.run_step(step)
-        clip = self.cfg.optimization.grad_clip
-        # Gradients are already averaged over data ranks, so every rank computes the same norm.
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else float("inf")
-        )
+        if self.cfg.parallelism.sequence_parallel:
+            sync_sequence_parallel_grads(self.pm.params, self.comm)
+        grad_norm = clip_grad_norm(self.pm.params, self.cfg.optimization.grad_clip, self.comm)
         self.optimizer.step()
         self.train_stream.advance()
-        return StepResult(sum(losses) / len(losses), float(grad_norm))
+        return StepResult(sum(losses) / len(losses) if losses else float("nan"), grad_norm)
+
+    def _pipeline_eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Forward-only pass of one micro-batch through every stage in order; the loss on the
+        rank holding the last stage, None elsewhere."""
+        pp, pp_rank = self.dims.pp, self.dims.axis_rank("pp")
+        num_stages = pp * self.cfg.parallelism.virtual_stages
+        shape = self.activation_shape(inputs.shape[0])
+        pending: list[CommHandle] = []
+        loss = None
+        for stage in range(num_stages):
+            if stage % pp != pp_rank:
+                continue
+            if stage == 0:
+                x = inputs
+            else:
+                x = torch.empty(shape, device=self.device)
+                self.comm.recv(x, (stage - 1) % pp, axis="pp", tag=EVAL_TAG_BASE + stage)
+            with autocast(self.device, self.cfg.training.dtype):
+                out = self.pm.chunks[stage // pp](x)
+            if stage == num_stages - 1:
+                loss = self.pm.loss_fn(out, targets).item()
+            else:
+                pending.append(self.comm.send(out.float(), (stage + 1) % pp, axis="pp",
+                                              tag=EVAL_TAG_BASE + stage + 1))
+        for handle in pending:
+            handle.wait()
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over `eval_batches` global batches (the same ones every time)."""
-        self.model.eval()
+        self.pm.train(False)
         total = torch.zeros(2, dtype=torch.float64)
-        opt = self.cfg.optimization
         for step in range(self.cfg.training.eval_batches):
-            for micro in range(opt.gradient_accumulation or 1):
-                inputs, targets = self.val_stream.micro_batch(
-                    step, self.dp_rank, self.dims.dp, micro, opt.micro_batch_size)
-                total[0] += self._loss(inputs, targets).item()
-                total[1] += 1
-        self.comm.all_reduce(total, axis="dp")
+            for micro in range(self.compute.num_microbatches):
+                inputs, targets = self._micro(self.val_stream, step, micro)
+                if self.dims.pp > 1:
+                    loss = self._pipeline_eval_loss(inputs, targets)
+                else:
+                    loss = self._loss(inputs, targets).item()
+                if loss is not None:
+                    total += torch.tensor([loss, 1.0], dtype=torch.float64)
+        # Only last-stage ranks hold losses; summing over the world counts each of them.
+        self.comm.all_reduce(total, axis="world")
         return float(total[0] / total[1])
 
-    def _gather_step_stats(self, loss: float) -> tuple[float, int]:
-        """Data-parallel mean loss and the peak memory of the largest rank, in one collective."""
-        local = torch.tensor([loss, float(peak_memory_bytes(self.device))], dtype=torch.float64)
-        rows = self.comm.all_gather(local, axis="dp")
-        # Peak memory over every rank (tensor/pipeline peers too, once they exist).
-        stacked = torch.stack(rows)
-        return float(stacked[:, 0].mean()), int(stacked[:, 1].max())
+    def _gather_step_stats(self, losses_mean: float) -> tuple[float, int, int]:
+        """Mean loss over the ranks that hold it, the largest peak memory and the largest
+        per-rank parameter count, in one collective over the world."""
+        has_loss = not math.isnan(losses_mean)
+        local = torch.tensor([losses_mean if has_loss else 0.0, float(has_loss),
+                              float(peak_memory_bytes(self.device)),
+                              float(sum(p.numel() for p in self.pm.params))],
+                             dtype=torch.float64)
+        rows = torch.stack(self.comm.all_gather(local, axis="world"))
+        loss = float(rows[:, 0].sum() / rows[:, 1].sum())
+        return loss, int(rows[:, 2].max()), int(rows[:, 3].max())
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -183,7 +254,7 @@ class Trainer:
             result = self.train_step(step)
             synchronize(self.device)
             step_time = time.perf_counter() - t0
-            loss, peak_mem = self._gather_step_stats(result.loss)
+            loss, peak_mem, self.max_params_per_rank = self._gather_step_stats(result.loss)
             record = {
                 "step": step + 1, "loss": loss, "lr": lr_at(step, cfg),
                 "grad_norm": result.grad_norm, "tokens": tokens_per_step,
@@ -212,6 +283,10 @@ class Trainer:
             "layout": {"data": self.dims.dp, "tensor": self.dims.tp, "pipeline": self.dims.pp,
                        "experts": self.dims.ep, "world_size": self.dims.world_size},
             "wall_time_s": time.perf_counter() - start_wall, "num_params": num_params,
+            "max_params_per_rank": self.max_params_per_rank,
+            "micro_batch_size": cfg.optimization.micro_batch_size,
+            "gradient_accumulation": cfg.optimization.gradient_accumulation,
+            "pipeline_stages": [list(r) for r in self.pm.layer_ranges],
             "flops_per_token": self.spec.flops_per_token(cfg.model),
             "device": self.device.type,
             "comm": self.comm.stats.breakdown(),

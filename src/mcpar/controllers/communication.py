@@ -127,7 +127,15 @@ class CommunicationController:
             def done(_fut: torch.futures.Future) -> None:
                 self.stats.record(key, nbytes, time.perf_counter() - start)
 
-            work.get_future().add_done_callback(done)
+            try:
+                future = work.get_future()
+            except RuntimeError:
+                # gloo's point-to-point work has no future and reports completion only through
+                # wait(), which the pipeline calls late (end of step). Count the bytes now with
+                # the launch time; the receiver's blocking recv records the exposed wait.
+                self.stats.record(key, nbytes, time.perf_counter() - start)
+                return CommHandle(work)
+            future.add_done_callback(done)
             return CommHandle(work)
         self.stats.record(key, nbytes, time.perf_counter() - start)
         return CommHandle(None)
@@ -178,7 +186,7 @@ class CommunicationController:
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
                           device=moved.device)
         start = time.perf_counter()
-        dist.all_gather_into_tensor(out, moved, group=self._group(axis))
+        dist.all_gather_single(out, moved, group=self._group(axis))
         nbytes = ring_all_gather_bytes(moved.numel() * moved.element_size(), n)
         self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
         return out.movedim(0, dim)
@@ -195,7 +203,7 @@ class CommunicationController:
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype,
                           device=moved.device)
         start = time.perf_counter()
-        dist.reduce_scatter_tensor(out, moved, group=self._group(axis))
+        dist.reduce_scatter_single(out, moved, group=self._group(axis))
         nbytes = (n - 1) / n * moved.numel() * moved.element_size()
         self._timed(("reduce_scatter", axis, "none"), nbytes, None, start, False)
         return out.movedim(0, dim)

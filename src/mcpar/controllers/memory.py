@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcpar.config import JobConfig
+from mcpar.controllers.compute import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.topology import ParallelDims
 
@@ -45,9 +46,7 @@ def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     spec = get_model_spec("gpt")  # MoE adds expert weights; its spec plugs in here when it exists
     num_params = spec.num_params(m)
     h = m.hidden_size
-    embedding = m.vocab_size * h + m.seq_len * h
-    # Embedding and head live on the first/last stage; the largest rank carries one of them.
-    per_rank = (num_params - embedding) // (dims.tp * dims.pp) + embedding // dims.tp
+    per_rank = max(params_per_pipeline_rank(cfg, dims))
     bytes_per_value = 4  # parameters, gradients and Adam moments are kept in fp32
     zero_div = dims.dp if cfg.controllers.memory.zero_stage >= 1 else 1
     grad_div = dims.dp if cfg.controllers.memory.zero_stage >= 2 else 1
@@ -69,6 +68,19 @@ def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         optimizer_bytes=2 * per_rank * bytes_per_value // zero_div,
         activation_bytes=activations,
     )
+
+
+def params_per_pipeline_rank(cfg: JobConfig, dims: ParallelDims) -> list[int]:
+    """Exact parameters held by one rank of each pipeline position (stages cut as the
+    ComputeController cuts them; a rank holds `virtual_stages` of them)."""
+    spec = get_model_spec("gpt")
+    num_stages = dims.pp * cfg.parallelism.virtual_stages
+    ranges = partition_layers(cfg.model, num_stages)
+    counts = [0] * dims.pp
+    for stage, (start, end) in enumerate(ranges):
+        counts[stage % dims.pp] += spec.stage_num_params(
+            cfg.model, end - start, stage == 0, stage == num_stages - 1, dims.tp)
+    return counts
 
 
 def format_bytes(n: float) -> str:

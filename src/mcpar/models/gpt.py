@@ -132,6 +132,23 @@ def gpt_num_params(cfg: ModelConfig) -> int:
     return cfg.vocab_size * h + cfg.seq_len * h + cfg.num_layers * per_layer + head
 
 
+def gpt_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
+                         tp: int = 1) -> int:
+    """Parameters one rank holds for a pipeline stage of `num_blocks` blocks (plus the embedding
+    on the first stage, the head on the last) under tensor parallelism `tp`: matrices, column
+    biases and the vocabulary are split; norms, position embedding and row-parallel output biases
+    are replicated."""
+    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    sharded = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h
+    replicated = 4 * h + 2 * h
+    total = num_blocks * (sharded // tp + replicated)
+    if first:
+        total += v * h // tp + cfg.seq_len * h
+    if last:
+        total += 2 * h + (0 if cfg.tie_embeddings and first else v * h // tp)
+    return total
+
+
 def gpt_flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 3 x forward (backward costs twice the forward).
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.models.gpt import GPT, gpt_flops_per_token, gpt_num_params
+from mcpar.models.gpt import GPT, gpt_flops_per_token, gpt_num_params, gpt_stage_num_params
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class ModelSpec:
     build: Callable[[ModelConfig, int], nn.Module]  # (config, seed) -> initialized module
     num_params: Callable[[ModelConfig], int]
     flops_per_token: Callable[[ModelConfig], float]
+    # (config, blocks, holds embedding, holds head, tensor degree) -> parameters on one rank
+    stage_num_params: Callable[[ModelConfig, int, bool, bool, int], int]
 
 
 def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
@@ -31,7 +33,8 @@ def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
-    "gpt": ModelSpec("gpt", _build_gpt, gpt_num_params, gpt_flops_per_token),
+    "gpt": ModelSpec("gpt", _build_gpt, gpt_num_params, gpt_flops_per_token,
+                     gpt_stage_num_params),
 }
 
 

@@ -1,0 +1,44 @@
+"""Global gradient-norm clipping over a tensor- and pipeline-parallel model.
+
+``torch.nn.utils.clip_grad_norm_`` sees only this rank's parameters. The true norm sums the squares
+of every parameter once: tensor-sharded parameters are summed over the tensor axis, replicated ones
+(identical on every tensor rank once their gradients are synchronized) are counted once, and
+stages add up over the pipeline axis. Data-parallel replicas already hold the same averaged
+gradients, so that axis is left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mcpar.controllers.communication import CommunicationController
+from mcpar.parallel.tensor import is_tp_sharded
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
+                   comm: CommunicationController) -> float:
+    """Scale gradients so that their global norm is at most `max_norm` (0 = don't clip).
+
+    Returns the global norm before clipping.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [p.grad for p in params if p.grad is not None and is_tp_sharded(p)]
+    replicated = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
+
+    def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(1, dtype=torch.float64)
+        norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0, foreach=True)
+        return norm.detach().double().pow(2).reshape(1).cpu()
+
+    total = sum_of_squares(sharded)
+    comm.all_reduce(total, axis="tp")
+    total += sum_of_squares(replicated)
+    comm.all_reduce(total, axis="pp")
+    norm = total.sqrt().squeeze(0)
+    if max_norm > 0 and grads:
+        # torch's own scaling step, given the norm over the whole mesh.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(grads[0].device),
+                                            foreach=True)
+    return float(norm)
