@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,13 +303,24 @@ class Trainer:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # Every rank is done communicating before any rank tears its connections down.
+            self.comm.barrier()
             dist.destroy_process_group()
 
 
 def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv) -> None:
-    """Train as one worker of a launched job, and leave the process group cleanly."""
+    """Train as one worker of a launched job, leave the process group cleanly, and exit.
+
+    The exit skips interpreter finalization on purpose: gloo's worker threads can still hold
+    completed work (tensors with Python references) whose destruction during finalization
+    aborts the process (SIGABRT) after a run that succeeded. Every output is closed and flushed
+    before this point.
+    """
     trainer = Trainer(cfg, run_dir, env)
     try:
         trainer.train()
     finally:
         trainer.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

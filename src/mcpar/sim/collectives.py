@@ -1,0 +1,191 @@
+"""Collective costs from the alpha-beta model of each algorithm.
+
+Notation (Thakur, Rabenseifner & Gropp 2005): p ranks, n bytes per rank, alpha seconds per
+message step, beta seconds per byte (1 / bandwidth). The reduction's arithmetic is left out: on
+GPUs it runs at memory speed, far above any link's.
+
+=============================  ==========================================================
+ring reduce-scatter            (p-1) alpha + (p-1)/p n beta
+ring all-gather                (p-1) alpha + (p-1)/p n beta     (n = the gathered size)
+ring all-reduce                2 (p-1) alpha + 2 (p-1)/p n beta
+pairwise all-to-all            (p-1) alpha + (p-1)/p n beta     (n = bytes a rank sends)
+point to point                 alpha + n beta
+=============================  ==========================================================
+
+A group is described by where its ranks sit (``Group``): ``size`` ranks, ``per_node`` of them in
+each node. Its links: the intra-node link when the whole group is inside one node, otherwise the
+inter-node fabric, with ``per_node`` NICs of the group's ranks working in parallel (NCCL stripes a
+ring's channels over the node's rails). Each step of a ring that leaves the node waits for the
+slow hop, so a flat ring pays the inter-node alpha at every one of its steps.
+
+Hierarchical all-reduce (intra-node reduce-scatter, inter-node all-reduce of the 1/k shard by the
+k local ranks in parallel, intra-node all-gather) has the same inter-node bytes per NIC as a
+well-formed flat ring; it wins on latency (2(N-1) inter-node steps instead of 2(p-1)) and is where
+compression of only the inter-node stage plugs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcpar.sim.hardware import Cluster
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per message step
+    bandwidth: float  # bytes/s per rank per direction, as a collective sustains it
+
+    def beta(self) -> float:
+        return 1.0 / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Group:
+    """`size` ranks whose neighbours are `stride` global ranks apart (mesh order: tp innermost)."""
+
+    size: int
+    stride: int
+
+    def per_node(self, gpus_per_node: int) -> int:
+        if self.stride >= gpus_per_node:
+            return 1
+        return max(1, min(self.size, gpus_per_node // self.stride))
+
+    def nodes(self, gpus_per_node: int) -> int:
+        return -(-self.size // self.per_node(gpus_per_node))
+
+
+def intra_link(cluster: Cluster, net_eff: float) -> Link:
+    return Link(cluster.alpha_intra, cluster.accel.intra_bw * net_eff)
+
+
+def inter_link(cluster: Cluster, net_eff: float, nics: int = 1) -> Link:
+    return Link(cluster.alpha_inter, cluster.inter_bw * nics * net_eff)
+
+
+def group_link(group: Group, cluster: Cluster, net_eff: float) -> Link:
+    """The link that bounds a flat collective over `group`."""
+    k = group.per_node(cluster.gpus_per_node)
+    if group.nodes(cluster.gpus_per_node) == 1:
+        return intra_link(cluster, net_eff)
+    nic = inter_link(cluster, net_eff, nics=k)
+    # Intra-node hops of the same ring run on NVLink; the node's NICs are the bottleneck unless
+    # they together outrun one GPU's NVLink.
+    bw = min(nic.bandwidth, cluster.accel.intra_bw * net_eff) if k > 1 else nic.bandwidth
+    return Link(cluster.alpha_inter, bw)
+
+
+def ring_reduce_scatter(n: float, p: int, link: Link) -> float:
+    if p <= 1 or n <= 0:
+        return 0.0
+    return (p - 1) * link.alpha + (p - 1) / p * n * link.beta()
+
+
+def ring_all_gather(n: float, p: int, link: Link) -> float:
+    """`n` is the size of the gathered (full) buffer."""
+    return ring_reduce_scatter(n, p, link)
+
+
+def ring_all_reduce(n: float, p: int, link: Link) -> float:
+    if p <= 1 or n <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * n * link.beta()
+
+
+def pairwise_all_to_all(n: float, p: int, link: Link) -> float:
+    """`n`: bytes one rank sends in total (its own block included)."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    return (p - 1) * link.alpha + (p - 1) / p * n * link.beta()
+
+
+def point_to_point(n: float, link: Link) -> float:
+    return link.alpha + n * link.beta() if n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A collective split into its intra-node and inter-node parts (seconds)."""
+
+    intra: float
+    inter: float
+
+    @property
+    def total(self) -> float:
+        return self.intra + self.inter
+
+
+def flat_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
+    return ring_all_reduce(n, group.size, group_link(group, cluster, net_eff))
+
+
+def hierarchical_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float,
+                            inter_bytes_factor: float = 1.0) -> Phases:
+    """Intra-node reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather.
+
+    `inter_bytes_factor` scales the inter-node bytes only (compression of that stage)."""
+    g = cluster.gpus_per_node
+    k, nodes = group.per_node(g), group.nodes(g)
+    intra = intra_link(cluster, net_eff)
+    local = ring_reduce_scatter(n, k, intra) + ring_all_gather(n, k, intra)
+    remote = ring_all_reduce(n / k * inter_bytes_factor, nodes, inter_link(cluster, net_eff))
+    return Phases(local, remote)
+
+
+def all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float,
+               topology: str) -> float:
+    """All-reduce time under `topology`: flat ring, hierarchical, or the faster ('auto')."""
+    flat = flat_all_reduce(n, group, cluster, net_eff)
+    if topology == "flat" or group.nodes(cluster.gpus_per_node) == 1:
+        return flat
+    hier = hierarchical_all_reduce(n, group, cluster, net_eff).total
+    return hier if topology == "hierarchical" else min(flat, hier)
+
+
+def reduce_scatter(n: float, group: Group, cluster: Cluster, net_eff: float,
+                   topology: str) -> float:
+    """Reduce-scatter (and, by symmetry, all-gather) of an `n`-byte buffer over `group`."""
+    flat = ring_reduce_scatter(n, group.size, group_link(group, cluster, net_eff))
+    if topology == "flat" or group.nodes(cluster.gpus_per_node) == 1:
+        return flat
+    return (min(flat, hierarchical_all_reduce(n, group, cluster, net_eff).total / 2)
+            if topology == "auto" else hierarchical_all_reduce(n, group, cluster, net_eff).total / 2)
+
+
+def all_to_all(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
+    """Pairwise all-to-all of `n` bytes per rank: the on-node share rides NVLink while the
+    off-node share leaves through the rank's own NIC, in parallel."""
+    p = group.size
+    if p <= 1 or n <= 0:
+        return 0.0
+    g = cluster.gpus_per_node
+    k = group.per_node(g)
+    intra, inter = intra_link(cluster, net_eff), inter_link(cluster, net_eff)
+    on_node = (k - 1) / p * n
+    off_node = (p - k) / p * n
+    latency = (k - 1) * intra.alpha + (p - k) * inter.alpha
+    return latency + max(on_node * intra.beta(), off_node * inter.beta())
+
+
+def onebit_all_reduce(num_values: float, group: Group, cluster: Cluster, net_eff: float,
+                      hierarchical: bool) -> float:
+    """1-bit compressed all-reduce (1-bit Adam's compression stage): an all-to-all of packed
+    signs and then an all-gather of the re-compressed signs, 1 bit per value plus one fp32 scale
+    per rank chunk. Hierarchical: fp16 reduce-scatter/all-gather inside the node, 1-bit only
+    between nodes."""
+    g = cluster.gpus_per_node
+    p = group.size
+    if p <= 1:
+        return 0.0
+    scales = 4.0 * p
+    if hierarchical and group.nodes(g) > 1:
+        k, nodes = group.per_node(g), group.nodes(g)
+        intra = intra_link(cluster, net_eff)
+        local = 2 * ring_reduce_scatter(2.0 * num_values, k, intra)
+        shard_bits = num_values / k / 8 + scales
+        remote = 2 * pairwise_all_to_all(shard_bits, nodes, inter_link(cluster, net_eff))
+        return local + remote
+    link = group_link(group, cluster, net_eff)
+    bits = num_values / 8 + scales
+    return pairwise_all_to_all(bits, p, link) + ring_all_gather(bits, p, link)

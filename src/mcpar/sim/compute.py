@@ -1,0 +1,214 @@
+"""Time of one layer (and of the embedding and head) for one micro-batch on one GPU.
+
+Every matrix multiply is priced by a roofline: ``max(FLOPs / (peak x gemm), bytes / (HBM x
+memory))``, so small or skinny GEMMs (a narrow tensor-parallel slice, an expert that receives few
+tokens) become memory-bound by themselves. Backward GEMMs cost twice the forward (input and weight
+gradients).
+
+Attention's s^2 part depends on the kernel:
+
+- ``flash``: a fused kernel that never writes the scores. Causal, so it computes half of the
+  s x s square; its backward does 2.5x the forward FLOPs (it recomputes the scores). Priced at
+  the ``attention`` efficiency.
+- ``unfused``: two batched GEMMs over the full square plus the scores' round trips through memory:
+  scale-mask-softmax reads and writes them, dropout reads them and writes them and a 1-byte mask
+  (4.5 score-sized tensors forward, 5.5 backward).
+
+Memory-bound element-wise work per token, counted in tensor reads+writes of the hidden size:
+two LayerNorms (2 each) and two bias-dropout-residual adds (3.5 each, the mask at 1 byte), and
+the MLP activation (2 tensors of ffn width for GELU/ReLU^2, 3 for SwiGLU's gate). Without sequence
+parallelism the hidden-sized part runs replicated on every tensor rank; with it, on 1/tp of the
+tokens. The backward moves twice the forward's bytes.
+
+MoE layers replace the MLP: a router GEMM, and the local experts' GEMMs on the tokens routed to
+them (tokens x top_k spread evenly over experts, i.e. a balanced router), with two all-to-alls
+(dispatch and combine) per pass over the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcpar.sim.collectives import Group, all_reduce, all_to_all, group_link, point_to_point
+from mcpar.sim.hardware import Cluster, Efficiency
+from mcpar.sim.workload import Layout, ModelShape
+
+ACT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
+# Element-wise traffic, in hidden-sized tensors per token per layer (forward).
+HIDDEN_TENSORS_FWD = 2 * 2 + 2 * 3.5
+SCORE_TENSORS_FWD, SCORE_TENSORS_BWD = 4.5, 5.5
+FLASH_BWD_FACTOR = 2.5
+# Cross-entropy over the vocabulary in fp32: logits read/written twice forward and backward.
+CE_PASSES = 4
+
+
+@dataclass
+class Roofline:
+    """The per-GPU rates one micro-batch's kernels run at."""
+
+    gemm_flops: float
+    attn_flops: float
+    mem_bw: float
+    act_bytes: int
+
+    def gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        flops = 2.0 * m * n * k * count
+        moved = self.act_bytes * (m * k + k * n + m * n) * count
+        return max(flops / self.gemm_flops, moved / self.mem_bw)
+
+    def stream(self, nbytes: float) -> float:
+        return nbytes / self.mem_bw
+
+
+def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0) -> Roofline:
+    """Rates for one rank; `share` < 1 when ranks share cores (CPU oversubscription)."""
+    peak = cluster.accel.peak(lay.precision)
+    attn_peak = cluster.accel.peak("bf16" if lay.precision == "fp8" else lay.precision)
+    return Roofline(peak * eff.gemm * share, attn_peak * eff.attention * share,
+                    cluster.accel.hbm_bw * eff.memory * share, ACT_BYTES[lay.precision])
+
+
+@dataclass
+class PassTimes:
+    """Seconds for one micro-batch through one unit (a layer, the head, ...)."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    recompute: float = 0.0  # extra forward work in the backward pass
+    comm_fwd: float = 0.0  # exposed communication, forward
+    comm_bwd: float = 0.0
+    comm_recompute: float = 0.0
+    attn_fwd: float = 0.0  # the attention core alone (context parallelism hides behind it)
+
+    @property
+    def compute(self) -> float:
+        return self.fwd + self.bwd + self.recompute
+
+    @property
+    def comm(self) -> float:
+        return self.comm_fwd + self.comm_bwd + self.comm_recompute
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm
+
+
+def tokens_per_gpu(m: ModelShape, lay: Layout) -> float:
+    return lay.micro_batch * m.seq_len / lay.cp
+
+
+def tp_group(lay: Layout) -> Group:
+    return Group(lay.tp, 1)
+
+
+def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
+                rl: Roofline) -> PassTimes:
+    t = lay.tp
+    tok = tokens_per_gpu(m, lay)
+    h, f = float(m.hidden), float(m.ffn)
+    dh = m.head_dim
+    kv_local = max(m.kv_heads / t, 1.0) * dh  # kv heads are replicated when tp > kv_heads
+    heads_local = m.heads / t
+    out = PassTimes()
+
+    # Attention projections.
+    proj = rl.gemm(tok, h / t + 2 * kv_local, h) + rl.gemm(tok, h, h / t)
+    # Attention core.
+    if lay.attention_kind == "flash":
+        flops = 2.0 * tok * m.seq_len * h / t  # 4 T s h over the causal half
+        core_f = flops / rl.attn_flops
+        core_b = FLASH_BWD_FACTOR * core_f
+    else:
+        batch = lay.micro_batch * heads_local
+        sq = m.seq_len / lay.cp
+        scores = batch * sq * m.seq_len
+        core_f = (rl.gemm(sq, m.seq_len, dh, batch) + rl.gemm(sq, dh, m.seq_len, batch)
+                  + rl.stream(SCORE_TENSORS_FWD * scores * rl.act_bytes))
+        core_b = (2 * (rl.gemm(sq, m.seq_len, dh, batch) + rl.gemm(sq, dh, m.seq_len, batch))
+                  + rl.stream(SCORE_TENSORS_BWD * scores * rl.act_bytes))
+    # MLP or experts.
+    if m.is_moe:
+        routed = tok * m.top_k  # token-expert pairs this GPU computes, with a balanced router
+        local_experts = m.experts / lay.ep
+        per_expert = routed / local_experts
+        mlp = rl.gemm(tok, m.experts, h) + m.mlp_matrices * rl.gemm(
+            per_expert, f / t, h, local_experts)
+        act_tokens = routed
+    else:
+        mlp = m.mlp_matrices * rl.gemm(tok, f / t, h)
+        act_tokens = tok
+    act_tensors = 3 if m.ffn_kind == "swiglu" else 2
+    hidden_share = 1.0 / t if lay.seq_parallel else 1.0
+    elementwise = rl.stream(rl.act_bytes * (HIDDEN_TENSORS_FWD * tok * h * hidden_share
+                                            + act_tensors * act_tokens * f / t))
+
+    gemm_f = proj + mlp
+    out.fwd = gemm_f + core_f + elementwise
+    out.bwd = 2 * gemm_f + core_b + 2 * elementwise
+    out.attn_fwd = core_f
+    if lay.recompute == "full":
+        out.recompute = out.fwd
+    elif lay.recompute == "selective":
+        # Recompute only the attention core: the s^2 scores (unfused) or, with flash, the
+        # kernel's forward, which keeps its output for nothing else.
+        out.recompute = core_f
+
+    # Tensor parallelism: two all-reduces (or the reduce-scatter + all-gather pairs of sequence
+    # parallelism, the same bytes) per pass, on the residual stream.
+    msg = tok * h * rl.act_bytes
+    tp_pass = 2 * all_reduce(msg, tp_group(lay), cluster, eff.network, "flat")
+    out.comm_fwd += tp_pass
+    out.comm_bwd += tp_pass
+    if lay.recompute == "full":
+        out.comm_recompute += tp_pass
+
+    # Context parallelism: a ring that passes each rank's K/V block around (cp - 1 steps),
+    # overlapped with the attention blocks it feeds; backward passes K/V and their gradients.
+    if lay.cp > 1:
+        cp_group = Group(lay.cp, lay.tp)
+        link = group_link(cp_group, cluster, eff.network)
+        kv_bytes = 2 * tok * kv_local * rl.act_bytes
+        ring_f = (lay.cp - 1) * point_to_point(kv_bytes, link)
+        out.comm_fwd += max(0.0, ring_f - core_f)
+        out.comm_bwd += max(0.0, 2 * ring_f - core_b)
+        if lay.recompute == "full":
+            out.comm_recompute += max(0.0, ring_f - core_f)
+
+    # Expert parallelism: dispatch and combine all-to-alls of the routed tokens, per pass; the
+    # tensor ranks each send their 1/tp share.
+    if m.is_moe and lay.ep > 1:
+        ep_group = Group(lay.ep, lay.tp * lay.cp)
+        a2a = 2 * all_to_all(tok * m.top_k * h * rl.act_bytes / t, ep_group, cluster,
+                             eff.network)
+        out.comm_fwd += a2a
+        out.comm_bwd += a2a
+        if lay.recompute == "full":
+            out.comm_recompute += a2a
+    return out
+
+
+def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
+               rl: Roofline) -> PassTimes:
+    """Final norm, output projection over the vocabulary slice, and the cross-entropy."""
+    t = lay.tp
+    tok = tokens_per_gpu(m, lay)
+    gemm = rl.gemm(tok, m.vocab / t, m.hidden)
+    ce = rl.stream(4.0 * tok * m.vocab / t * CE_PASSES / 2)
+    norm = rl.stream(2 * rl.act_bytes * tok * m.hidden)
+    out = PassTimes(fwd=gemm + ce + norm, bwd=2 * gemm + ce + 2 * norm)
+    # The input gradient of the vocabulary-parallel head is summed over tensor ranks.
+    out.comm_bwd = all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
+                              eff.network, "flat")
+    return out
+
+
+def embedding_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
+                    rl: Roofline) -> PassTimes:
+    """Row gather forward, scatter-add backward; the vocabulary-parallel lookup's partial sums
+    are all-reduced over tensor ranks."""
+    tok = tokens_per_gpu(m, lay)
+    move = rl.stream(2 * rl.act_bytes * tok * m.hidden)
+    out = PassTimes(fwd=move, bwd=2 * move)
+    out.comm_fwd = all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
+                              eff.network, "flat")
+    return out

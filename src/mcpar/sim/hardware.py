@@ -1,0 +1,203 @@
+"""Accelerators, clusters and the efficiency parameters the cost model runs with.
+
+Peak figures come from ``data/hardware.csv`` (a copy of ``calibration/hardware.csv`` shipped with
+the package, so nothing outside the package is read at run time); ``--hardware FILE`` takes
+another table with the same columns. Units inside the simulator are SI: FLOP/s, bytes, bytes/s
+and seconds. GPU memory sizes in the table ("80 GB") are the datasheet's binary gigabytes, so
+``hbm_gb`` is read as GiB; every ``*_gb`` figure the simulator prints is GiB too.
+
+Links (per GPU, per direction):
+
+- intra-node: NVLink/NVSwitch, half of the table's bidirectional figure;
+- inter-node: the row's ``inter_node_gbps_per_gpu`` (gigabits/s of the GPU's own NIC, one rail
+  per GPU as on DGX systems), divided by 8.
+
+Latencies are not in the table; they are fixed constants here, of the order NCCL reaches per ring
+step with its low-latency protocol (a few microseconds on NVLink, more through a NIC and a switch).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+from mcpar.errors import UserError, problem
+
+ALPHA_INTRA_S = 2e-6  # per ring step on NVLink/NVSwitch
+ALPHA_INTER_S = 6e-6  # per ring step through a NIC and one switch hop
+GIB = 2.0**30
+
+# Dense FP8 tensor-core peaks (TFLOP/s) from the datasheets; hardware.csv has no fp8 column.
+FP8_PEAK_TFLOPS = {"H100-80GB": 1979.0, "H200-141GB": 1979.0}
+
+HARDWARE_COLUMNS = (
+    "gpu", "peak_tflops_bf16", "peak_tflops_fp16", "hbm_gb", "hbm_gbs",
+    "nvlink_gbs_per_gpu_bidirectional", "typical_node", "typical_inter_node_gbps_per_gpu",
+)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Global efficiency parameters: what fraction of a peak real kernels and collectives reach.
+
+    One set is fitted on published runs for all GPUs (``params.GPU_EFFICIENCY``); the local CPU
+    profile carries its own, measured by micro-benchmarks. Nothing here is per run.
+    """
+
+    gemm: float  # fraction of peak FLOP/s a large matrix multiply sustains
+    attention: float  # fraction of peak a fused (flash) attention kernel sustains
+    memory: float  # fraction of memory bandwidth that memory-bound kernels sustain
+    network: float  # fraction of link bandwidth a collective's bandwidth term sustains
+    overlap: float  # fraction of overlappable data-parallel communication actually hidden
+    layer_overhead_s: float  # fixed time per layer per micro-batch (launches, syncs, dispatch)
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_flops: dict[str, float]  # by precision: fp16, bf16, fp8, fp32 (TF32 on GPUs)
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per GPU per direction inside a node
+    typical_inter_gbps: float
+    is_cpu: bool = False
+
+    def peak(self, precision: str, key: str = "precision") -> float:
+        if precision not in self.peak_flops:
+            raise UserError(problem(key, f"{self.name} has no {precision!r} peak in the hardware "
+                                         f"table; use one of {sorted(self.peak_flops)}"))
+        return self.peak_flops[precision]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine a run uses: accelerator type, how many, how they are wired."""
+
+    accel: Accelerator
+    num_gpus: int
+    gpus_per_node: int
+    inter_bw: float  # bytes/s per GPU per direction between nodes
+    alpha_intra: float = ALPHA_INTRA_S
+    alpha_inter: float = ALPHA_INTER_S
+    efficiency: Efficiency | None = None  # None: the globally fitted GPU parameters
+    cores: int = 0  # CPU profile only: cores shared by all worker processes
+    name: str = ""
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.num_gpus // self.gpus_per_node))
+
+
+def _num(row: dict[str, str], key: str, where: str) -> float:
+    try:
+        return float(row[key])
+    except (KeyError, ValueError):
+        raise UserError(problem(f"{where}.{key}", f"expected a number, got {row.get(key)!r}")) \
+            from None
+
+
+def load_accelerators(path: str | Path | None = None) -> dict[str, Accelerator]:
+    """Accelerators of a hardware table (the packaged copy when `path` is None), by name."""
+    if path is None:
+        text = resources.files("mcpar.sim").joinpath("data/hardware.csv").read_text()
+        where = "hardware.csv"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(problem(str(p), "hardware table not found; give a CSV with columns "
+                                            + ", ".join(HARDWARE_COLUMNS)))
+        text, where = p.read_text(), str(p)
+    rows = list(csv.DictReader(text.splitlines()))
+    missing = [c for c in HARDWARE_COLUMNS if rows and c not in rows[0]]
+    if missing or not rows:
+        raise UserError(problem(where, f"missing columns {missing or list(HARDWARE_COLUMNS)}"))
+    table: dict[str, Accelerator] = {}
+    for row in rows:
+        name = row["gpu"].strip()
+        at = f"{where}[{name}]"
+        bf16 = _num(row, "peak_tflops_bf16", at) * 1e12
+        fp16 = _num(row, "peak_tflops_fp16", at) * 1e12
+        peaks = {"bf16": bf16, "fp16": fp16, "fp32": bf16 / 2}  # fp32 matmuls run as TF32
+        if name in FP8_PEAK_TFLOPS:
+            peaks["fp8"] = FP8_PEAK_TFLOPS[name] * 1e12
+        table[name.lower()] = Accelerator(
+            name=name, peak_flops=peaks, hbm_bytes=_num(row, "hbm_gb", at) * GIB,
+            hbm_bw=_num(row, "hbm_gbs", at) * 1e9,
+            intra_bw=_num(row, "nvlink_gbs_per_gpu_bidirectional", at) * 1e9 / 2,
+            typical_inter_gbps=_num(row, "typical_inter_node_gbps_per_gpu", at),
+        )
+    return table
+
+
+def find_accelerator(name: str, table: dict[str, Accelerator], key: str) -> Accelerator:
+    """The accelerator called `name` (case-insensitive), or a UserError naming `key`."""
+    accel = table.get(name.strip().lower())
+    if accel is None:
+        known = ", ".join(a.name for a in table.values())
+        raise UserError(problem(key, f"unknown GPU {name!r}; known: {known} (add a row to a "
+                                     "hardware table and pass it with --hardware)"))
+    return accel
+
+
+def make_cluster(accel: Accelerator, num_gpus: int, gpus_per_node: int,
+                 inter_node_gbps_per_gpu: float, name: str = "") -> Cluster:
+    return Cluster(accel=accel, num_gpus=num_gpus, gpus_per_node=gpus_per_node,
+                   inter_bw=inter_node_gbps_per_gpu * 1e9 / 8, name=name)
+
+
+# Short names accepted in cluster presets such as "a100x1024".
+GPU_ALIASES = {"a100": "A100-80GB", "a100-80gb": "A100-80GB", "a100-40gb": "A100-40GB",
+               "h100": "H100-80GB", "h100-80gb": "H100-80GB", "h200": "H200-141GB",
+               "h200-141gb": "H200-141GB"}
+CLUSTER_PRESET = re.compile(r"^(?P<gpu>[a-z0-9-]+)x(?P<n>\d+)$")
+
+
+def cluster_preset(name: str, table: dict[str, Accelerator] | None = None,
+                   key: str = "--cluster") -> Cluster:
+    """A cluster from a preset name: ``<gpu>x<count>`` (8 GPUs per node, the table's typical
+    inter-node bandwidth), e.g. ``a100x1024``, ``h100x512``, ``a100-40gbx64``; or ``local``,
+    this machine's measured profile (see ``localprofile``)."""
+    if name == "local":
+        from mcpar.sim.localprofile import load_local_cluster
+
+        return load_local_cluster()
+    match = CLUSTER_PRESET.match(name.strip().lower())
+    if not match:
+        raise UserError(problem(key, f"unknown cluster preset {name!r}; use <gpu>x<count> "
+                                     f"(gpu one of {', '.join(sorted(GPU_ALIASES))}), e.g. "
+                                     "a100x1024, or 'local'"))
+    table = table or load_accelerators()
+    gpu = GPU_ALIASES.get(match["gpu"], match["gpu"])
+    accel = find_accelerator(gpu, table, key)
+    n = int(match["n"])
+    per_node = min(8, n)
+    if n < 1 or n % per_node:
+        raise UserError(problem(key, f"{n} GPUs is not a whole number of 8-GPU nodes"))
+    return replace(make_cluster(accel, n, per_node, accel.typical_inter_gbps), name=name)
+
+
+@dataclass
+class LocalProfile:
+    """This machine, as measured by ``localprofile.measure`` (CPU workers over gloo)."""
+
+    cores: int
+    flops_per_thread: float  # fp32 matmul FLOP/s of one thread at training-like shapes
+    attention_flops_per_thread: float  # causal SDPA forward+backward FLOP/s, one thread
+    mem_bw_per_thread: float  # bytes/s an elementwise op streams with one thread
+    mem_bw_total: float  # bytes/s all cores stream together
+    op_overhead_s: float  # eager dispatch + autograd cost of one small op
+    layer_overhead_s: float  # fixed cost of one transformer block's forward+backward
+    allreduce_alpha_s: float  # gloo loopback, per ring step
+    allreduce_beta_s_per_byte: float  # gloo loopback, per byte of a ring step
+    notes: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> LocalProfile:
+        return cls(**json.loads(text))

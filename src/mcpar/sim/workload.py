@@ -1,0 +1,250 @@
+"""What is simulated: the model's shape, the parallel layout and the training settings.
+
+A ``ModelShape`` is the transformer as the calibration table describes it (``ffn`` is the inner
+width of one MLP, of one expert for MoE; every layer is an MoE layer when ``experts > 0``).
+A ``Layout`` holds the degrees and settings a run or a plan chooses. ``layout_problems`` lists
+every impossible combination, each naming the key at fault, so that a bad CSV row or config
+fails with all its problems at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mcpar.errors import problem
+
+FFN_KINDS = ("gelu", "swiglu", "relu2")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
+COMPRESSION = ("none", "fp16", "bf16", "1bit", "powersgd")
+TOPOLOGY = ("flat", "hierarchical", "auto")
+ATTENTION = ("auto", "flash", "unfused")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    ffn_kind: str
+    vocab: int
+    seq_len: int
+    experts: int = 0
+    top_k: int = 0
+    name: str = ""
+
+    @property
+    def head_dim(self) -> float:
+        return self.hidden / self.heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP: SwiGLU has a gate beside the up projection."""
+        return 3 if self.ffn_kind == "swiglu" else 2
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def layer_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters of one layer: attention + norms (+ dense MLP or router)
+        and the experts' MLPs."""
+        h = self.hidden
+        kv = self.kv_heads * self.head_dim
+        attn = h * (h + 2 * kv) + h * h + 4 * h  # qkv, output projection, two norms
+        mlp = self.mlp_matrices * h * self.ffn
+        if self.is_moe:
+            return attn + h * self.experts, self.experts * mlp
+        return attn + mlp, 0.0
+
+    def num_params(self) -> float:
+        dense, expert = self.layer_params()
+        return self.layers * (dense + expert) + 2 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees (tp x pp x cp x dp = GPUs; ep is carved out of dp x cp) and step settings."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    seq_parallel: bool = False
+    global_batch: int = 1  # sequences per optimizer step
+    micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
+    recompute: str = "none"
+    precision: str = "bf16"
+    schedule: str = "1f1b"  # gpipe | 1f1b (interleaved when vp > 1)
+    compression: str = "none"
+    topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
+    attention: str = "auto"  # flash | unfused; auto: unfused for fp16 (see costmodel docs)
+    powersgd_rank: int = 4
+    bucket_mb: float = 25.0  # gradient bucket (one collective call each)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def attention_kind(self) -> str:
+        """Flash attention unless the run is fp16 without context parallelism: fp16 runs are the
+        2020-22 Megatron generation, whose attention materialized the s x s scores (fused
+        scale-mask-softmax, then dropout); bf16/fp8 stacks use fused flash-style kernels, and
+        ring attention (cp > 1) needs them."""
+        if self.attention != "auto":
+            return self.attention
+        return "unfused" if self.precision == "fp16" and self.cp == 1 else "flash"
+
+    def with_(self, **changes: object) -> Layout:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        text = f"tp{self.tp} pp{self.pp}"
+        if self.vp > 1:
+            text += f" vp{self.vp}"
+        if self.cp > 1:
+            text += f" cp{self.cp}"
+        text += f" dp{self.dp}"
+        if self.ep > 1:
+            text += f" ep{self.ep}"
+        return text
+
+
+def model_problems(m: ModelShape, where: str) -> list[str]:
+    out = []
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
+        if getattr(m, key) < 1:
+            out.append(problem(f"{where}.{key}", f"must be at least 1, got {getattr(m, key)}"))
+    if out:
+        return out
+    if m.hidden % m.heads:
+        out.append(problem(f"{where}.heads", f"{m.heads} heads do not divide hidden {m.hidden}"))
+    if m.heads % m.kv_heads:
+        out.append(problem(f"{where}.kv_heads",
+                           f"{m.kv_heads} key/value heads do not divide {m.heads} heads"))
+    if m.ffn_kind not in FFN_KINDS:
+        out.append(problem(f"{where}.ffn_kind", f"{m.ffn_kind!r} is not one of {FFN_KINDS}"))
+    if m.experts < 0 or (m.experts > 0 and not 1 <= m.top_k <= m.experts):
+        out.append(problem(f"{where}.top_k", f"top_k {m.top_k} must be in 1..experts "
+                                             f"({m.experts}) for an MoE model"))
+    return out
+
+
+def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: int,
+                    where: str) -> list[str]:
+    """Every reason `lay` cannot run `m` on `num_gpus` GPUs, each naming `where`.key."""
+    out: list[str] = []
+
+    def bad(key: str, msg: str) -> None:
+        out.append(problem(f"{where}.{key}", msg))
+
+    for key in ("tp", "pp", "vp", "cp", "dp", "ep", "global_batch", "micro_batch"):
+        if getattr(lay, key) < 1:
+            bad(key, f"must be at least 1, got {getattr(lay, key)}")
+    if out:
+        return out
+    if lay.num_gpus != num_gpus:
+        bad("num_gpus", f"tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp} = "
+                        f"{lay.num_gpus}, not {num_gpus}; change the degrees or the GPU count")
+    if m.heads % lay.tp or m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+        bad("tp", f"tensor degree {lay.tp} does not split {m.heads} heads / {m.kv_heads} "
+                  "key-value heads")
+    if m.ffn % lay.tp:
+        bad("tp", f"tensor degree {lay.tp} does not divide ffn {m.ffn}")
+    if lay.tp > gpus_per_node:
+        bad("tp", f"tensor degree {lay.tp} spans nodes of {gpus_per_node} GPUs; its collectives "
+                  "run every layer and need the intra-node links")
+    if m.layers % (lay.pp * lay.vp):
+        bad("pp", f"{m.layers} layers do not split into pp {lay.pp} x vp {lay.vp} equal stages")
+    if lay.seq_parallel and lay.tp == 1:
+        bad("seq_parallel", "sequence parallelism shards over tensor ranks; it needs tp > 1")
+    if m.seq_len % lay.cp or (m.seq_len // lay.cp) % (lay.tp if lay.seq_parallel else 1):
+        bad("cp", f"seq_len {m.seq_len} does not split over cp {lay.cp}"
+                  + (f" x tp {lay.tp}" if lay.seq_parallel else ""))
+    if lay.cp > 1 and lay.attention == "unfused":
+        bad("cp", "context parallelism exchanges key/value blocks inside a flash-style kernel")
+    if (lay.dp * lay.cp) % lay.ep:
+        bad("ep", f"expert degree {lay.ep} does not divide dp x cp = {lay.dp * lay.cp}")
+    if lay.ep > 1 and not m.is_moe:
+        bad("ep", "expert parallelism needs an MoE model (experts > 0)")
+    if m.is_moe and m.experts % lay.ep:
+        bad("ep", f"expert degree {lay.ep} does not divide {m.experts} experts")
+    if lay.global_batch % (lay.dp * lay.micro_batch):
+        bad("global_batch", f"{lay.global_batch} is not a multiple of dp {lay.dp} x "
+                            f"micro_batch {lay.micro_batch}")
+    elif lay.vp > 1 and lay.num_microbatches % lay.pp:
+        bad("vp", f"the interleaved schedule needs micro-batches ({lay.num_microbatches}) to be "
+                  f"a multiple of pp {lay.pp}")
+    if lay.vp > 1 and lay.pp == 1:
+        bad("vp", "virtual stages need pp > 1")
+    if not 0 <= lay.zero_stage <= 3:
+        bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
+    for key, allowed in (("recompute", RECOMPUTE), ("precision", PRECISIONS),
+                         ("compression", COMPRESSION), ("topology", TOPOLOGY),
+                         ("attention", ATTENTION), ("schedule", ("gpipe", "1f1b"))):
+        if getattr(lay, key) not in allowed:
+            bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
+    if lay.compression in ("1bit", "powersgd") and lay.zero_stage > 0:
+        bad("compression", f"{lay.compression} compresses whole replicated gradients (1-bit "
+                           "Adam, PowerSGD); it needs zero_stage 0")
+    return out
+
+
+# --- presets ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelPreset:
+    shape: ModelShape
+    global_batch: int  # sequences per step, as the model was trained
+    precision: str
+    note: str
+
+
+def _shape(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, kind: str,
+           vocab: int, seq: int, experts: int = 0, top_k: int = 0) -> ModelShape:
+    return ModelShape(layers, hidden, heads, kv, ffn, kind, vocab, seq, experts, top_k, name)
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    p.shape.name: p for p in [
+        ModelPreset(_shape("gpt3-1.3b", 24, 2048, 16, 16, 8192, "gelu", 51200, 2048), 512,
+                    "bf16", "GPT-3 XL shape (Brown et al. 2020)"),
+        ModelPreset(_shape("gpt3-13b", 40, 5120, 40, 40, 20480, "gelu", 51200, 2048), 1024,
+                    "bf16", "GPT-3 13B shape"),
+        ModelPreset(_shape("gpt3-175b", 96, 12288, 96, 96, 49152, "gelu", 51200, 2048), 1536,
+                    "fp16", "GPT-3 175B; batch 1536 as in Narayanan et al. SC21 sec. 5.1"),
+        ModelPreset(_shape("llama2-7b", 32, 4096, 32, 32, 11008, "swiglu", 32000, 4096), 1024,
+                    "bf16", "Llama 2 7B (4M-token batches)"),
+        ModelPreset(_shape("llama2-13b", 40, 5120, 40, 40, 13824, "swiglu", 32000, 4096), 1024,
+                    "bf16", "Llama 2 13B"),
+        ModelPreset(_shape("llama2-70b", 80, 8192, 64, 8, 28672, "swiglu", 32000, 4096), 1024,
+                    "bf16", "Llama 2 70B (grouped-query attention, 8 kv heads)"),
+        ModelPreset(_shape("llama3-8b", 32, 4096, 32, 8, 14336, "swiglu", 128256, 8192), 512,
+                    "bf16", "Llama 3 8B"),
+        ModelPreset(_shape("llama3-70b", 80, 8192, 64, 8, 28672, "swiglu", 128256, 8192), 512,
+                    "bf16", "Llama 3 70B"),
+        ModelPreset(_shape("llama3-405b", 126, 16384, 128, 8, 53248, "swiglu", 128256, 8192),
+                    2048, "bf16", "Llama 3 405B"),
+        ModelPreset(_shape("mixtral-8x7b", 32, 4096, 32, 8, 14336, "swiglu", 32000, 4096, 8, 2),
+                    1024, "bf16", "Mixtral 8x7B (MoE: 8 experts, top-2)"),
+    ]
+}
+
+
+def model_preset(name: str, key: str = "--model") -> ModelPreset:
+    from mcpar.errors import UserError
+
+    if name not in MODEL_PRESETS:
+        raise UserError(problem(key, f"unknown model preset {name!r}; known: "
+                                     + ", ".join(MODEL_PRESETS)))
+    return MODEL_PRESETS[name]
