@@ -28,7 +28,6 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         ("controllers.communication.compression", ctl.communication.compression, "none"),
         ("controllers.communication.topology", ctl.communication.topology, "flat"),
         ("optimization.optimizer", opt.optimizer, "adamw"),
-        ("optimization.checkpoint.interval", opt.checkpoint.interval, 0),
     ]
     return [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")

@@ -14,13 +14,22 @@ import time
 from pathlib import Path
 
 from mcpar.capabilities import unsupported_settings
+from mcpar.checkpoint import (
+    RecoveryLog,
+    checkpoint_dir,
+    find_latest_valid,
+    layout_of,
+    list_checkpoints,
+    read_meta,
+    resume_problems,
+)
 from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
 from mcpar.controllers.compute import partition_layers, schedule_problems
 from mcpar.controllers.memory import estimate_memory, format_bytes, params_per_pipeline_rank
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
-from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local
+from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.topology import ParallelDims, resolve_layout
 
@@ -42,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     common(train)
     train.add_argument("--steps", type=int, default=None, help="override training.steps")
     train.add_argument("--run-dir", default=None, help="run directory (default runs/<time>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir from its newest valid checkpoint "
+                       "(from step 0 if it has none)")
+    train.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                       help="stop after STEP, saving a checkpoint, without changing the schedule")
 
     check = sub.add_parser("check", help="validate a config and print the resolved plan")
     check.add_argument("config", help="YAML config")
@@ -97,11 +111,25 @@ def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
     return path
 
 
-def _prepare_run_dir(run_dir: Path, cfg: JobConfig) -> None:
-    if (run_dir / "metrics.jsonl").exists():
+def _prepare_run_dir(run_dir: Path, cfg: JobConfig, resume: bool = False,
+                     dims: ParallelDims | None = None) -> None:
+    ckpt_dir = checkpoint_dir(cfg, run_dir)
+    if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(problem(
-            "--run-dir", f"{run_dir} already holds a run (metrics.jsonl); give a new directory"
+            "--run-dir", f"{run_dir} already holds a run (metrics.jsonl); give a new directory, "
+            "or pass --resume to continue it from its newest valid checkpoint"
         ))
+    if not resume and list_checkpoints(ckpt_dir):
+        raise UserError(problem(
+            "optimization.checkpoint.dir", f"{ckpt_dir} already holds checkpoints; pass --resume "
+            "to continue from them, or choose another directory"
+        ))
+    found = find_latest_valid(ckpt_dir) if resume and dims is not None else None
+    if found is not None and dims is not None:
+        # Refuse before any worker starts: a mismatch is a user error (exit 2), not a crash.
+        problems = resume_problems(read_meta(found[1]), cfg, layout_of(dims, cfg))
+        if problems:
+            raise UserError(problems)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -144,24 +172,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = detect_env()
     if env is not None:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
-        _validate_for_training(cfg, env.world_size)
+        dims = _validate_for_training(cfg, env.world_size)
         run_dir = _new_run_dir(args.run_dir, env)
+        # A torchrun restart (--max-restarts) resumes like our own launcher's restarts do.
+        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         if env.rank == 0:
-            _prepare_run_dir(run_dir, cfg)
-        run_worker(cfg, run_dir, env)
+            _prepare_run_dir(run_dir, cfg, resume, dims)
+        run_worker(cfg, run_dir, env, resume=resume, stop_after=args.stop_after)
         return 0
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
-    _validate_for_training(cfg, world_size)
+    dims = _validate_for_training(cfg, world_size)
     _check_data(cfg)
     run_dir = _new_run_dir(args.run_dir, None)
-    _prepare_run_dir(run_dir, cfg)
+    _prepare_run_dir(run_dir, cfg, args.resume, dims)
     if world_size == 1:
-        trainer = Trainer(cfg, run_dir, None)
+        trainer = Trainer(cfg, run_dir, None, resume=args.resume, stop_after=args.stop_after)
         trainer.train()
         return 0
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
-    launch_local(world_size, ["-m", "mcpar.worker", str(run_dir)])
+    argv = ["-m", "mcpar.worker", str(run_dir)] + (["--resume"] if args.resume else [])
+    if args.stop_after is not None:
+        argv += ["--stop-after", str(args.stop_after)]
+    log = RecoveryLog(run_dir)
+    restarts = cfg.optimization.checkpoint.restarts
+
+    def on_restart(attempt: int, failure: WorkerFailure) -> None:
+        log.log("restart", echo=True, attempt=f"{attempt}/{restarts}",
+                cause=failure.describe(), action="resuming from the newest valid checkpoint")
+
+    # Checkpointing workers get time to finish a save when the launcher is stopped by SIGTERM.
+    grace = 30.0 if cfg.optimization.checkpoint.interval > 0 else 3.0
+    launch_local(world_size, argv, max_restarts=restarts, on_restart=on_restart,
+                 stop_grace_s=grace)
     return 0
 
 

@@ -133,11 +133,28 @@ class ControllersConfig(_Section):
 
 class CheckpointConfig(_Section):
     interval: int = Field(0, ge=0, description="Save every N steps; 0 = off.")
-    strategy: Literal["full", "selective"] = Field("full", description="What a checkpoint holds.")
+    strategy: Literal["full", "selective"] = Field(
+        "full",
+        description="'full': every rank writes its parameters and optimizer state; 'selective': "
+        "only data-parallel rank 0 of each (pipeline, tensor) shard writes them (replicas are "
+        "identical). RNG states of every rank are saved either way.",
+    )
     keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
     dir: str | None = Field(
-        None, description="Checkpoint directory; default <run_dir>/checkpoints."
+        None, description="Checkpoint directory (shared by all ranks); default "
+        "<run_dir>/checkpoints."
     )
+    max_restarts: int | None = Field(
+        None, ge=0, description="Automatic restarts of a local job after a worker dies, each "
+        "resuming from the newest valid checkpoint; default 3 when interval > 0, else 0.",
+    )
+
+    @property
+    def restarts(self) -> int:
+        """``max_restarts`` with its default resolved."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.interval > 0 else 0
 
 
 class OptimizationConfig(_Section):

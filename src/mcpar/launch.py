@@ -8,9 +8,10 @@ does not give cheaply:
   failed afterwards because a collective lost a member;
 * fast teardown: once one rank is gone the others are signalled at once and killed after a short
   grace period, so a dead job stops within seconds instead of waiting on rendezvous timeouts;
-* no restart policy here: restarting and resuming from a checkpoint belongs to mcpar's fault
-  recovery, which knows about checkpoints and layouts; an elastic agent restarting on its own
-  would fight it.
+* a restart policy that fits mcpar's fault recovery: after a failure the whole job is torn down
+  and started again (``max_restarts`` times at most) with ``MCPAR_RESTART_COUNT`` set, and the
+  workers resume from the newest valid checkpoint themselves; an elastic agent restarting on its
+  own would fight that.
 
 Under ``torchrun`` or SLURM the CLI does not launch anything: ``detect_env`` reads what those
 launchers set and the workers use it as is.
@@ -229,19 +230,45 @@ def _teardown(procs: list[subprocess.Popen[bytes]], kill_grace_s: float) -> None
 
 
 def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
-                 poll_interval_s: float = 0.1, kill_grace_s: float = 3.0) -> None:
+                 poll_interval_s: float = 0.1, kill_grace_s: float = 3.0, max_restarts: int = 0,
+                 on_restart: Callable[[int, WorkerFailure], None] | None = None,
+                 stop_grace_s: float | None = None) -> None:
     """Run ``nproc`` workers ``[sys.executable, *argv]`` on this host and wait for all of them.
 
-    Returns when every worker exits 0. Raises ``LaunchFailed`` with the first failure after
-    stopping all other workers. If the launcher gets SIGINT/SIGTERM the workers are stopped too
-    and ``KeyboardInterrupt`` / ``SystemExit(128 + signum)`` is raised.
+    Returns when every worker exits 0. When a worker fails, all others are stopped; if fewer
+    than ``max_restarts`` restarts happened, ``on_restart(attempt, failure)`` is called and the
+    whole job starts again with ``MCPAR_RESTART_COUNT=attempt``; otherwise ``LaunchFailed`` is
+    raised with the first failure. If the launcher gets SIGINT/SIGTERM the workers are stopped
+    too (never restarted) and ``KeyboardInterrupt`` / ``SystemExit(128 + signum)`` is raised.
+    Workers get SIGTERM, then SIGKILL after ``kill_grace_s`` when a peer failed, or after
+    ``stop_grace_s`` (default ``kill_grace_s``) when the launcher was stopped: time for them to
+    save a checkpoint.
     """
     if nproc < 1:
         raise UserError(f"--nproc: must be at least 1, got {nproc}")
+    attempt = 0
+    while True:
+        try:
+            _launch_once(nproc, argv, env, poll_interval_s, kill_grace_s, attempt,
+                         kill_grace_s if stop_grace_s is None else stop_grace_s)
+            return
+        except LaunchFailed as failed:
+            if attempt >= max_restarts:
+                raise
+            attempt += 1
+            if on_restart is not None:
+                on_restart(attempt, failed.failure)
+
+
+def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
+                 poll_interval_s: float, kill_grace_s: float, attempt: int,
+                 stop_grace_s: float) -> None:
+    """One start of the job: see ``launch_local``."""
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), MCPAR_LAUNCHED="1",
-                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MCPAR_RESTART_COUNT=str(attempt))
     err_dir = tempfile.mkdtemp(prefix="mcpar-launch-")
     err_files = [os.path.join(err_dir, f"rank-{r}.json") for r in range(nproc)]
 
@@ -274,7 +301,7 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
             if all(c == 0 for c in codes):
                 return
             time.sleep(poll_interval_s)
-        _teardown(procs, kill_grace_s)
+        _teardown(procs, kill_grace_s if first is not None else stop_grace_s)
         if first is not None:
             raise LaunchFailed(first)
         if received[0] == signal.SIGINT:

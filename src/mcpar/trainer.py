@@ -8,13 +8,16 @@ Order of construction (fixed, so every rank builds the same thing):
 5. the model, parallelized in a fixed order (pipeline cut, tensor/sequence sharding, device,
    data-parallel gradient buckets): see ``parallelize.py``;
 6. batch splitting (fixed, or chosen by the ComputeController), optimizer, pipeline executor;
-7. the loop: the ComputeController runs the step's tasks, then gradients are clipped over the
-   whole mesh and the optimizer steps.
+7. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
+   optimizer, RNG, data position) before the run logger opens metrics.jsonl;
+8. the loop: the ComputeController runs the step's tasks, then gradients are clipped over the
+   whole mesh and the optimizer steps; checkpoints are saved between steps.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import sys
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mcpar.checkpoint import FaultRecoveryManager
 from mcpar.config import JobConfig, to_yaml
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
@@ -72,8 +76,13 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path, env: DistEnv | None):
+    def __init__(self, cfg: JobConfig, run_dir: Path, env: DistEnv | None,
+                 resume: bool = False, stop_after: int | None = None):
+        """``resume``: continue from the newest valid checkpoint (step 0 if there is none).
+        ``stop_after``: stop after that step, saving a checkpoint, without changing the
+        schedule (the LR decay still targets ``training.steps``)."""
         self.cfg = cfg
+        self.stop_after = stop_after
         self.run_dir = run_dir
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
@@ -85,6 +94,9 @@ class Trainer:
         self.rank = env.rank if env else 0
         self.device = setup_worker(info, env.local_rank if env else 0,
                                    env.local_world_size if env else 1)
+        # The global RNG (dropout) starts from the config's seed, the same on every rank, so
+        # that two runs of one config draw the same numbers (a resume restores its state).
+        torch.manual_seed(cfg.training.seed)
         self.device_reason = info.reason
         self.dims = resolve_layout(cfg, env.world_size if env else 1)
         self.dims.build_mesh(info.type)
@@ -128,7 +140,23 @@ class Trainer:
         else:
             self.compute = ComputeController(num_micro, self.pm.grad_sync,
                                              forward_backward=self._forward_backward)
+        self.recovery = FaultRecoveryManager(
+            cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
+            self.rank, barrier=self.comm.barrier, agree=self._agree)
+        if env is not None and cfg.optimization.checkpoint.interval > 0:
+            self.recovery.install_sigterm_handler()
+        self.start_step = self.recovery.restore() if resume else 0
+        if resume and self.rank == 0:
+            _truncate_metrics(run_dir, self.start_step)
         self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
+
+    def _agree(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank."""
+        if self.dims.world_size == 1:
+            return value
+        mine = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64)
+        self.comm.all_reduce(mine, axis="world")
+        return int(mine.item())
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape of the activations between pipeline stages (sequence-sharded under SP)."""
@@ -221,17 +249,19 @@ class Trainer:
         self.comm.all_reduce(total, axis="world")
         return float(total[0] / total[1])
 
-    def _gather_step_stats(self, losses_mean: float) -> tuple[float, int, int]:
-        """Mean loss over the ranks that hold it, the largest peak memory and the largest
-        per-rank parameter count, in one collective over the world."""
+    def _gather_step_stats(self, losses_mean: float) -> tuple[float, int, int, bool]:
+        """Mean loss over the ranks that hold it, the largest peak memory, the largest
+        per-rank parameter count, and whether any rank was asked to stop (SIGTERM), in one
+        collective over the world (so every rank agrees on stopping at the same step)."""
         has_loss = not math.isnan(losses_mean)
         local = torch.tensor([losses_mean if has_loss else 0.0, float(has_loss),
                               float(peak_memory_bytes(self.device)),
-                              float(sum(p.numel() for p in self.pm.params))],
+                              float(sum(p.numel() for p in self.pm.params)),
+                              float(self.recovery.stop_requested)],
                              dtype=torch.float64)
         rows = torch.stack(self.comm.all_gather(local, axis="world"))
         loss = float(rows[:, 0].sum() / rows[:, 1].sum())
-        return loss, int(rows[:, 2].max()), int(rows[:, 3].max())
+        return loss, int(rows[:, 2].max()), int(rows[:, 3].max()), bool(rows[:, 4].max() > 0)
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -243,20 +273,29 @@ class Trainer:
             print(f"mcpar: device {self.device_reason}; layout {self.dims.describe()}; "
                   f"model {cfg.model.kind} {num_params / 1e6:.2f}M params; "
                   f"data {self.corpus_description}; run dir {self.run_dir}", flush=True)
+        if self.start_step >= tr.steps:
+            if self.rank == 0:
+                print(f"mcpar: the checkpoint is at step {self.start_step}, training.steps is "
+                      f"{tr.steps}: nothing to train (raise training.steps to continue)",
+                      flush=True)
+            self.logger.close()
+            return {"final_step": self.start_step, "stopped": False}
         progress = None
         if self.rank == 0 and tr.progress:
             from tqdm import tqdm
             progress = tqdm(total=tr.steps, desc="train", unit="step", mininterval=1.0)
         start_wall = time.perf_counter()
         tokens_per_s_sum, loss, val_loss = 0.0, float("nan"), None
-        for step in range(tr.steps):
+        steps_run, interval = 0, cfg.optimization.checkpoint.interval
+        for step in range(self.start_step, tr.steps):
             self.comm.stats.reset_step()
             synchronize(self.device)
             t0 = time.perf_counter()
             result = self.train_step(step)
             synchronize(self.device)
             step_time = time.perf_counter() - t0
-            loss, peak_mem, self.max_params_per_rank = self._gather_step_stats(result.loss)
+            loss, peak_mem, self.max_params_per_rank, stop = self._gather_step_stats(result.loss)
+            steps_run += 1
             record = {
                 "step": step + 1, "loss": loss, "lr": lr_at(step, cfg),
                 "grad_norm": result.grad_norm, "tokens": tokens_per_step,
@@ -277,11 +316,24 @@ class Trainer:
                 if val_loss is not None:
                     postfix["val"] = f"{val_loss:.3f}"
                 progress.set_postfix(postfix, refresh=False)
+            stop = not last and (stop or step + 1 == self.stop_after)
+            if interval > 0 and ((step + 1) % interval == 0 or stop):
+                self.recovery.save(step + 1)
+            if stop:
+                break
         if progress is not None:
             progress.close()
+        if tr.steps > self.start_step + steps_run:
+            if self.rank == 0:
+                print(f"mcpar: stopped after step {self.start_step + steps_run} of {tr.steps}"
+                      + ("; continue with --resume" if interval > 0 else
+                         " (no checkpoint: optimization.checkpoint.interval is 0)"), flush=True)
+            self.logger.close()
+            return {"final_step": self.start_step + steps_run, "stopped": True}
         summary = {
             "final_step": tr.steps, "final_loss": loss, "final_val_loss": val_loss,
-            "mean_tokens_per_s": tokens_per_s_sum / tr.steps,
+            "mean_tokens_per_s": tokens_per_s_sum / max(1, steps_run),
+            "resumed_from_step": self.start_step,
             "layout": {"data": self.dims.dp, "tensor": self.dims.tp, "pipeline": self.dims.pp,
                        "experts": self.dims.ep, "world_size": self.dims.world_size},
             "wall_time_s": time.perf_counter() - start_wall, "num_params": num_params,
@@ -308,7 +360,21 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv) -> None:
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics of steps after ``step``: they are replayed after a restore, and the file
+    must stay one record per step."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False,
+               stop_after: int | None = None) -> None:
     """Train as one worker of a launched job, leave the process group cleanly, and exit.
 
     The exit skips interpreter finalization on purpose: gloo's worker threads can still hold
@@ -316,7 +382,7 @@ def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv) -> None:
     aborts the process (SIGABRT) after a run that succeeded. Every output is closed and flushed
     before this point.
     """
-    trainer = Trainer(cfg, run_dir, env)
+    trainer = Trainer(cfg, run_dir, env, resume=resume, stop_after=stop_after)
     try:
         trainer.train()
     finally:

@@ -1,19 +1,30 @@
-"""Entry point of a worker started by ``mcpar train --nproc N``: ``python -m mcpar.worker RUN_DIR``.
+"""Entry point of a worker started by ``mcpar train --nproc N``:
+``python -m mcpar.worker RUN_DIR [--resume] [--stop-after N]``.
 
 The parent process has already validated the job and written the resolved ``config.yaml`` into the
 run directory; every worker trains from that file, so all ranks see exactly the same settings.
+A restarted job (``MCPAR_RESTART_COUNT`` > 0, set by the launcher) always resumes from the newest
+valid checkpoint.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import os
 from pathlib import Path
 
 from mcpar.config import load_config
 from mcpar.launch import detect_env, record_worker_errors
 
 
-def main(run_dir: str) -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="mcpar.worker")
+    parser.add_argument("run_dir")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-after", type=int, default=None)
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir
+    resume = args.resume or int(os.environ.get("MCPAR_RESTART_COUNT", "0") or 0) > 0
     with record_worker_errors():
         env = detect_env()
         if env is None:
@@ -21,8 +32,8 @@ def main(run_dir: str) -> None:
         from mcpar.trainer import run_worker
 
         cfg = load_config(Path(run_dir) / "config.yaml")
-        run_worker(cfg, Path(run_dir), env)
+        run_worker(cfg, Path(run_dir), env, resume=resume, stop_after=args.stop_after)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -1,0 +1,207 @@
+"""Fault recovery: bitwise-exact resume, automatic restart after a kill, corruption fallback, and
+the refusals (other layout, changed model, existing run dir), with real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, run_mcpar, sets
+
+from mcpar.checkpoint import SafeFileSystemReader, load_tensors, verify_checkpoint
+from mcpar.metrics import read_metrics
+
+# Losses after a resume must be bitwise equal to the uninterrupted run: compare with ==.
+BASE = [*TINY, "training.steps=40", "optimization.checkpoint.interval=20"]
+LAYOUTS = {
+    "data2": ["parallelism.data=2"],
+    "tensor2": ["parallelism.tensor=2"],
+    "pipeline2": ["parallelism.pipeline=2", "optimization.gradient_accumulation=2",
+                  "optimization.micro_batch_size=8"],
+}
+
+
+def _train(run: Path, settings: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
+    proc = run_mcpar("train", *sets(*BASE, *settings), "--nproc", "2", "--run-dir", str(run),
+                     *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run)]
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted 40-step runs, one per layout, shared by the tests below."""
+    runs = {}
+    for name, settings in LAYOUTS.items():
+        runs[name] = tmp_path_factory.mktemp("straight") / name
+        _train(runs[name], settings)
+    return runs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bitwise_identical(layout: str, straight: dict[str, Path],
+                                     tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    if layout == "data2":
+        first = _train(run, LAYOUTS[layout], "--stop-after", "20")
+        assert "stopped after step 20 of 40" in first.stdout
+        assert len(read_metrics(run)) == 20
+    else:
+        # To keep the suite short, the other layouts stop by losing everything after step 20 of
+        # the straight run (what a crash leaves), which the resume must replay exactly.
+        shutil.copytree(straight[layout], run)
+        shutil.rmtree(run / "checkpoints" / "step-40")
+        (run / "recovery.jsonl").unlink()
+    _train(run, LAYOUTS[layout], "--resume")
+    assert _losses(run) == _losses(straight[layout])
+    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [20]
+    # Final parameters and optimizer state of every rank, exactly. (RNG states are not compared
+    # across the two runs: the global generator is not seeded by the trainer, and training on
+    # these settings draws nothing from it.)
+    for prefix in ("model/", "optim/"):
+        resumed = load_tensors(run / "checkpoints" / "step-40", prefix)
+        reference = load_tensors(straight[layout] / "checkpoints" / "step-40", prefix)
+        assert reference and resumed.keys() == reference.keys()
+        assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
+                continue
+            if (entry / "stat").read_text().split()[2] == "Z":
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
+            int(entry.name)
+    return found
+
+
+def test_killed_worker_restarts_from_checkpoint(straight: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # Checkpoints every 2 steps: the run is still going when the first one lands. The interval
+    # is not part of the computation, so the data-2 straight run is the reference. Selective
+    # checkpoints: rank 1 (a data-parallel replica) restores from rank 0's single copy.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcpar.cli", "train",
+         *sets(*BASE, *LAYOUTS["data2"], "optimization.checkpoint.interval=2",
+               "optimization.checkpoint.strategy=selective"),
+         "--nproc", "2", "--run-dir", str(run)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoints" / "step-2").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        pids = _worker_pids(run)
+        os.kill(pids[1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "restart: attempt 1/3" in stderr and "SIGKILL" in stderr
+    events = _events(run)
+    restart = next(i for i, e in enumerate(events) if e["event"] == "restart")
+    load = next(e for e in events[restart:] if e["event"] == "load")
+    assert 2 <= load["step"] < 40
+    assert _losses(run) == _losses(straight["data2"])
+    keys = load_tensors(run / "checkpoints" / "step-40").keys()
+    assert {k.split("/")[1] for k in keys if k.startswith("model/")} == {"pp0-tp0"}
+    assert {"rng/rank0/cpu", "rng/rank1/cpu"} <= keys
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path: Path) -> None:
+    settings = [*TINY, "training.steps=8", "optimization.checkpoint.interval=2",
+                "optimization.checkpoint.keep=4"]
+    run = tmp_path / "run"
+    proc = run_mcpar("train", *sets(*settings), "--nproc", "1", "--run-dir", str(run),
+                     "--stop-after", "6")
+    assert proc.returncode == 0, proc.stderr
+    before = _losses(run)
+    ckpts = run / "checkpoints"
+    # Newest: a flipped byte; next: a truncated file; a save killed before its manifest and a
+    # leftover .tmp folder must never be taken either.
+    _flip_byte(next((ckpts / "step-6").glob("*.distcp")))
+    shard = next((ckpts / "step-4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    shutil.copytree(ckpts / "step-2", ckpts / "step-7")
+    (ckpts / "step-7" / "manifest.json").unlink()
+    shutil.copytree(ckpts / "step-2", ckpts / "step-8.tmp")
+    assert "checksum" in (verify_checkpoint(ckpts / "step-6") or "")
+    assert "bytes" in (verify_checkpoint(ckpts / "step-4") or "")
+    proc = run_mcpar("train", *sets(*settings), "--nproc", "1", "--run-dir", str(run),
+                     "--resume")
+    assert proc.returncode == 0, proc.stderr
+    events = _events(run)
+    invalid = {e["step"]: e["reason"] for e in events if e["event"] == "invalid_checkpoint"}
+    assert set(invalid) == {7, 6, 4}
+    assert "no manifest" in invalid[7]
+    assert [e["step"] for e in events if e["event"] in ("fallback", "load")] == [2, 2]
+    assert "fallback" in proc.stderr
+    # Steps 3-6 replayed from step 2 give the same losses as the first time, bitwise.
+    assert _losses(run)[:6] == before and len(_losses(run)) == 8
+
+
+def test_resume_refuses_another_layout_or_model(straight: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(straight["data2"], run)
+    proc = run_mcpar("train", *sets(*BASE, "parallelism.tensor=2"), "--nproc", "2",
+                     "--run-dir", str(run), "--resume")
+    assert proc.returncode == 2 and "parallelism:" in proc.stderr and "resharding" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_mcpar("train", *sets(*BASE, *LAYOUTS["data2"], "model.hidden_size=64"),
+                     "--nproc", "2", "--run-dir", str(run), "--resume")
+    assert proc.returncode == 2 and "model.hidden_size" in proc.stderr
+    proc = run_mcpar("train", *sets(*BASE, *LAYOUTS["data2"]), "--nproc", "2",
+                     "--run-dir", str(run))
+    assert proc.returncode == 2 and "--resume" in proc.stderr
+
+
+def test_metadata_with_code_is_refused(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        SafeFileSystemReader(tmp_path).read_metadata()
+    # A dotted name must not reach through an allowed module either.
+    module, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
+    payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x94\x8c"
+               + bytes([len(name)]) + name + b"\x94\x93\x94.")
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(pickle.UnpicklingError):
+        SafeFileSystemReader(tmp_path).read_metadata()
+    assert not (tmp_path / "pwned").exists()
