@@ -22,7 +22,9 @@ import os, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
 rank = int(os.environ["RANK"])
-(out / f"pid-{rank}").write_text(str(os.getpid()))
+# Written under another name, then renamed: a reader never sees a half-written pid file.
+(out / f".tmp-{rank}").write_text(str(os.getpid()))
+os.replace(out / f".tmp-{rank}", out / f"pid-{rank}")
 
 def wait_for_peers():
     # Fail only once every peer has started, so the test sees all pids.
