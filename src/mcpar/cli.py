@@ -31,6 +31,8 @@ from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
 from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 from mcpar.models.spec import get_model_spec
+from mcpar.sim.cli import add_subcommands as add_sim_subcommands
+from mcpar.sim.cli import run as run_sim_command
 from mcpar.topology import ParallelDims, resolve_layout
 
 
@@ -60,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a config and print the resolved plan")
     check.add_argument("config", help="YAML config")
     common(check)
+    add_sim_subcommands(sub)  # `simulate` and `plan`: the cost model (mcpar.sim)
     return parser
 
 
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command in ("simulate", "plan"):
+            return run_sim_command(args)
         return cmd_check(args)
     except UserError as err:
         for line in err.problems:

@@ -26,6 +26,7 @@ compression of only the inter-node stage plugs in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mcpar.sim.hardware import Cluster
@@ -116,6 +117,27 @@ class Phases:
         return self.intra + self.inter
 
 
+def measured(cluster: Cluster, op: str, n: float, p: int) -> float | None:
+    """A collective priced from the profile's own measurement (CPU/gloo), else None.
+
+    Measured between two ranks as t = alpha + n beta; a p-rank ring takes p - 1 such steps
+    and moves 2 (p - 1) / p of the buffer per rank, twice what two ranks move per byte."""
+    if op not in cluster.op_costs:
+        return None
+    if p <= 1 or n <= 0:
+        return 0.0
+    alpha, beta = cluster.op_costs[op]
+    if op == "p2p":
+        return alpha + n * beta
+    return (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+
+
+def p2p(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
+    """One point-to-point send of `n` bytes between neighbours of `group`."""
+    cost = measured(cluster, "p2p", n, 2)
+    return cost if cost is not None else point_to_point(n, group_link(group, cluster, net_eff))
+
+
 def flat_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
     return ring_all_reduce(n, group.size, group_link(group, cluster, net_eff))
 
@@ -133,24 +155,55 @@ def hierarchical_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: f
     return Phases(local, remote)
 
 
+def tree_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
+    """NCCL's tree across nodes (chains inside them): the hierarchical algorithm's bandwidth
+    terms, with 2 log2(N) inter-node latency steps instead of 2 (N - 1)."""
+    g = cluster.gpus_per_node
+    k, nodes = group.per_node(g), group.nodes(g)
+    intra = intra_link(cluster, net_eff)
+    inter = inter_link(cluster, net_eff)
+    local = ring_reduce_scatter(n, k, intra) + ring_all_gather(n, k, intra)
+    depth = math.ceil(math.log2(nodes)) if nodes > 1 else 0
+    remote = 2 * depth * inter.alpha + 2 * (nodes - 1) / nodes * (n / k) * inter.beta()
+    return local + remote
+
+
 def all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float,
                topology: str) -> float:
-    """All-reduce time under `topology`: flat ring, hierarchical, or the faster ('auto')."""
+    """All-reduce time under `topology`: 'flat' ring, 'hierarchical' (two-level rings), or
+    'auto' (what NCCL or mcpar's hybrid mode picks per message: the fastest of those and
+    NCCL's tree)."""
+    cost = measured(cluster, "ar", n, group.size)
+    if cost is not None:
+        return cost
     flat = flat_all_reduce(n, group, cluster, net_eff)
     if topology == "flat" or group.nodes(cluster.gpus_per_node) == 1:
         return flat
     hier = hierarchical_all_reduce(n, group, cluster, net_eff).total
-    return hier if topology == "hierarchical" else min(flat, hier)
+    if topology == "hierarchical":
+        return hier
+    return min(flat, hier, tree_all_reduce(n, group, cluster, net_eff))
 
 
 def reduce_scatter(n: float, group: Group, cluster: Cluster, net_eff: float,
-                   topology: str) -> float:
-    """Reduce-scatter (and, by symmetry, all-gather) of an `n`-byte buffer over `group`."""
+                   topology: str, op: str = "rs") -> float:
+    """Reduce-scatter (op 'rs') or all-gather ('ag') of an `n`-byte buffer over `group`; the
+    ring costs of the two are the same."""
+    cost = measured(cluster, op, n, group.size)
+    if cost is not None:
+        return cost
     flat = ring_reduce_scatter(n, group.size, group_link(group, cluster, net_eff))
     if topology == "flat" or group.nodes(cluster.gpus_per_node) == 1:
         return flat
-    return (min(flat, hierarchical_all_reduce(n, group, cluster, net_eff).total / 2)
-            if topology == "auto" else hierarchical_all_reduce(n, group, cluster, net_eff).total / 2)
+    hier = hierarchical_all_reduce(n, group, cluster, net_eff).total / 2
+    if topology == "hierarchical":
+        return hier
+    return min(flat, hier, tree_all_reduce(n, group, cluster, net_eff) / 2)
+
+
+def all_gather(n: float, group: Group, cluster: Cluster, net_eff: float,
+               topology: str) -> float:
+    return reduce_scatter(n, group, cluster, net_eff, topology, op="ag")
 
 
 def all_to_all(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:

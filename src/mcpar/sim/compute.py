@@ -27,17 +27,27 @@ them (tokens x top_k spread evenly over experts, i.e. a balanced router), with t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from mcpar.sim.collectives import Group, all_reduce, all_to_all, group_link, point_to_point
+from mcpar.sim.collectives import (
+    Group,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    p2p,
+    reduce_scatter,
+)
 from mcpar.sim.hardware import Cluster, Efficiency
-from mcpar.sim.workload import Layout, ModelShape
+from mcpar.sim.workload import GATED_FFN, Layout, ModelShape
 
 ACT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
 # Element-wise traffic, in hidden-sized tensors per token per layer (forward).
 HIDDEN_TENSORS_FWD = 2 * 2 + 2 * 3.5
 SCORE_TENSORS_FWD, SCORE_TENSORS_BWD = 4.5, 5.5
 FLASH_BWD_FACTOR = 2.5
+# Busiest expert-parallel rank's tokens over the mean: routers balanced by an auxiliary loss
+# still leave a max/mean load around 1.1 (MaxVio of about 0.1 in Wang et al. 2024).
+MOE_LOAD_IMBALANCE = 1.1
 # Cross-entropy over the vocabulary in fp32: logits read/written twice forward and backward.
 CE_PASSES = 4
 
@@ -70,27 +80,23 @@ def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0)
 
 @dataclass
 class PassTimes:
-    """Seconds for one micro-batch through one unit (a layer, the head, ...)."""
+    """Seconds for one micro-batch through one unit (a layer, the head, ...), by category;
+    categories ending in ``_comm`` are exposed communication."""
 
-    fwd: float = 0.0
-    bwd: float = 0.0
-    recompute: float = 0.0  # extra forward work in the backward pass
-    comm_fwd: float = 0.0  # exposed communication, forward
-    comm_bwd: float = 0.0
-    comm_recompute: float = 0.0
-    attn_fwd: float = 0.0  # the attention core alone (context parallelism hides behind it)
+    parts: dict[str, float] = field(default_factory=dict)
+    fwd: float = 0.0  # forward compute alone (what overlapped traffic can hide behind)
+    bwd: float = 0.0  # backward compute alone
 
-    @property
-    def compute(self) -> float:
-        return self.fwd + self.bwd + self.recompute
+    def add(self, key: str, seconds: float) -> None:
+        self.parts[key] = self.parts.get(key, 0.0) + seconds
 
     @property
     def comm(self) -> float:
-        return self.comm_fwd + self.comm_bwd + self.comm_recompute
+        return sum(v for k, v in self.parts.items() if k.endswith("_comm"))
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm
+        return sum(self.parts.values())
 
 
 def tokens_per_gpu(m: ModelShape, lay: Layout) -> float:
@@ -127,63 +133,68 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         core_b = (2 * (rl.gemm(sq, m.seq_len, dh, batch) + rl.gemm(sq, dh, m.seq_len, batch))
                   + rl.stream(SCORE_TENSORS_BWD * scores * rl.act_bytes))
     # MLP or experts.
+    hidden_share = 1.0 / t if lay.seq_parallel else 1.0
+    moved = HIDDEN_TENSORS_FWD * tok * h * hidden_share  # element-wise traffic, in elements
     if m.is_moe:
-        routed = tok * m.top_k  # token-expert pairs this GPU computes, with a balanced router
+        # Token-expert pairs on this GPU: top_k per token, and with experts spread over ranks
+        # the busiest rank gets more than its share.
+        load = MOE_LOAD_IMBALANCE if lay.ep > 1 else 1.0
+        routed = tok * m.top_k * load
         local_experts = m.experts / lay.ep
         per_expert = routed / local_experts
         mlp = rl.gemm(tok, m.experts, h) + m.mlp_matrices * rl.gemm(
             per_expert, f / t, h, local_experts)
+        moved += 2 * (tok + routed) * h  # permute tokens to expert order and back
         act_tokens = routed
     else:
         mlp = m.mlp_matrices * rl.gemm(tok, f / t, h)
         act_tokens = tok
-    act_tensors = 3 if m.ffn_kind == "swiglu" else 2
-    hidden_share = 1.0 / t if lay.seq_parallel else 1.0
-    elementwise = rl.stream(rl.act_bytes * (HIDDEN_TENSORS_FWD * tok * h * hidden_share
-                                            + act_tensors * act_tokens * f / t))
+    moved += (3 if m.ffn_kind in GATED_FFN else 2) * act_tokens * f / t
+    if lay.precision == "fp8":
+        # Each GEMM input is cast to fp8 (read 16-bit, write 8-bit): QKV and MLP inputs, the
+        # output projection's and the down projection's inputs.
+        moved += 1.5 * tok * (2 * h + h / t + act_tokens / tok * f / t)
+    elementwise = rl.stream(rl.act_bytes * moved)
 
     gemm_f = proj + mlp
     out.fwd = gemm_f + core_f + elementwise
     out.bwd = 2 * gemm_f + core_b + 2 * elementwise
-    out.attn_fwd = core_f
+    out.add("gemm", 3 * gemm_f)
+    out.add("attention", core_f + core_b)
+    out.add("elementwise", 3 * elementwise)
     if lay.recompute == "full":
-        out.recompute = out.fwd
+        out.add("recompute", out.fwd)
     elif lay.recompute == "selective":
         # Recompute only the attention core: the s^2 scores (unfused) or, with flash, the
         # kernel's forward, which keeps its output for nothing else.
-        out.recompute = core_f
+        out.add("recompute", core_f)
+    passes = 3 if lay.recompute == "full" else 2  # forward, backward (, forward again)
 
-    # Tensor parallelism: two all-reduces (or the reduce-scatter + all-gather pairs of sequence
-    # parallelism, the same bytes) per pass, on the residual stream.
+    # Tensor parallelism: two all-reduces per pass on the residual stream, or under sequence
+    # parallelism two reduce-scatter + all-gather pairs (the same bytes on a ring).
     msg = tok * h * rl.act_bytes
-    tp_pass = 2 * all_reduce(msg, tp_group(lay), cluster, eff.network, "flat")
-    out.comm_fwd += tp_pass
-    out.comm_bwd += tp_pass
-    if lay.recompute == "full":
-        out.comm_recompute += tp_pass
+    if lay.seq_parallel:
+        pair = (reduce_scatter(msg, tp_group(lay), cluster, eff.network, "flat")
+                + all_gather(msg, tp_group(lay), cluster, eff.network, "flat"))
+    else:
+        pair = all_reduce(msg, tp_group(lay), cluster, eff.network, "flat")
+    out.add("tp_comm", passes * 2 * pair)
 
     # Context parallelism: a ring that passes each rank's K/V block around (cp - 1 steps),
     # overlapped with the attention blocks it feeds; backward passes K/V and their gradients.
     if lay.cp > 1:
-        cp_group = Group(lay.cp, lay.tp)
-        link = group_link(cp_group, cluster, eff.network)
-        kv_bytes = 2 * tok * kv_local * rl.act_bytes
-        ring_f = (lay.cp - 1) * point_to_point(kv_bytes, link)
-        out.comm_fwd += max(0.0, ring_f - core_f)
-        out.comm_bwd += max(0.0, 2 * ring_f - core_b)
-        if lay.recompute == "full":
-            out.comm_recompute += max(0.0, ring_f - core_f)
+        ring_f = (lay.cp - 1) * p2p(2 * tok * kv_local * rl.act_bytes, Group(lay.cp, lay.tp),
+                                    cluster, eff.network)
+        exposed_f = max(0.0, ring_f - core_f)
+        out.add("cp_comm", exposed_f * (passes - 1) + max(0.0, 2 * ring_f - core_b))
 
     # Expert parallelism: dispatch and combine all-to-alls of the routed tokens, per pass; the
     # tensor ranks each send their 1/tp share.
     if m.is_moe and lay.ep > 1:
         ep_group = Group(lay.ep, lay.tp * lay.cp)
-        a2a = 2 * all_to_all(tok * m.top_k * h * rl.act_bytes / t, ep_group, cluster,
-                             eff.network)
-        out.comm_fwd += a2a
-        out.comm_bwd += a2a
-        if lay.recompute == "full":
-            out.comm_recompute += a2a
+        routed_bytes = tok * m.top_k * MOE_LOAD_IMBALANCE * h * rl.act_bytes / t
+        a2a = 2 * all_to_all(routed_bytes, ep_group, cluster, eff.network)
+        out.add("ep_comm", passes * a2a)
     return out
 
 
@@ -193,12 +204,14 @@ def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     t = lay.tp
     tok = tokens_per_gpu(m, lay)
     gemm = rl.gemm(tok, m.vocab / t, m.hidden)
-    ce = rl.stream(4.0 * tok * m.vocab / t * CE_PASSES / 2)
+    ce = rl.stream(4.0 * tok * m.vocab / t * CE_PASSES / 2)  # per pass: half of the passes
     norm = rl.stream(2 * rl.act_bytes * tok * m.hidden)
     out = PassTimes(fwd=gemm + ce + norm, bwd=2 * gemm + ce + 2 * norm)
+    out.add("gemm", 3 * gemm)
+    out.add("elementwise", 2 * ce + 3 * norm)
     # The input gradient of the vocabulary-parallel head is summed over tensor ranks.
-    out.comm_bwd = all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
-                              eff.network, "flat")
+    out.add("tp_comm", all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
+                                  eff.network, "flat"))
     return out
 
 
@@ -209,6 +222,7 @@ def embedding_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficienc
     tok = tokens_per_gpu(m, lay)
     move = rl.stream(2 * rl.act_bytes * tok * m.hidden)
     out = PassTimes(fwd=move, bwd=2 * move)
-    out.comm_fwd = all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
-                              eff.network, "flat")
+    out.add("elementwise", 3 * move)
+    out.add("tp_comm", all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
+                                  eff.network, "flat"))
     return out

@@ -65,6 +65,8 @@ class Accelerator:
     intra_bw: float  # bytes/s per GPU per direction inside a node
     typical_inter_gbps: float
     is_cpu: bool = False
+    mem_bw_total: float = 0.0  # CPU only: what all cores stream together (hbm_bw: one thread)
+    thread_scaling: float = 1.0  # CPU only: matmul speed-up of all cores over cores x one thread
 
     def peak(self, precision: str, key: str = "precision") -> float:
         if precision not in self.peak_flops:
@@ -86,6 +88,9 @@ class Cluster:
     efficiency: Efficiency | None = None  # None: the globally fitted GPU parameters
     cores: int = 0  # CPU profile only: cores shared by all worker processes
     name: str = ""
+    # CPU profile only: measured (alpha, beta) per operation ("ar", "ag", "rs", "p2p") of
+    # t = alpha + n beta between two ranks; empty: the textbook ring costs on the links above.
+    op_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:
@@ -191,8 +196,8 @@ class LocalProfile:
     mem_bw_total: float  # bytes/s all cores stream together
     op_overhead_s: float  # eager dispatch + autograd cost of one small op
     layer_overhead_s: float  # fixed cost of one transformer block's forward+backward
-    allreduce_alpha_s: float  # gloo loopback, per ring step
-    allreduce_beta_s_per_byte: float  # gloo loopback, per byte of a ring step
+    # gloo over loopback, two ranks: op -> [alpha s, beta s/byte] of t = alpha + n beta
+    collectives: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:

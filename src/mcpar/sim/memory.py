@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import GIB
-from mcpar.sim.workload import Layout, ModelShape
+from mcpar.sim.workload import GATED_FFN, Layout, ModelShape
 
 # CUDA context, NCCL and cuBLAS workspaces and allocator fragmentation, per GPU.
 RESERVED_BYTES = 2.0 * GIB
@@ -56,14 +56,15 @@ def state_bytes(precision: str) -> tuple[float, float, float]:
 
 def params_per_rank(m: ModelShape, lay: Layout) -> tuple[float, float, float]:
     """(dense parameters on the busiest pipeline rank, expert parameters there, dense parameters
-    of one layer on one GPU). Embedding and head sit on the first and last ranks and are split
-    over the vocabulary by tp; a single-stage model ties them (one copy)."""
+    of one layer on one GPU). Embedding and head (untied) sit on the first and last ranks and
+    are split over the vocabulary by tp."""
     dense, expert = m.layer_params()
     t = lay.tp
     layers = m.layers / lay.pp
     per_layer_dense = dense / t
     vocab = m.vocab * m.hidden / t
-    ends = vocab if lay.pp > 1 else vocab  # first rank: embedding; last rank: head (same size)
+    # The first rank holds the embedding, the last the head (same size); one rank holds both.
+    ends = vocab * (2 if lay.pp == 1 else 1)
     dense_rank = layers * per_layer_dense + ends
     expert_rank = layers * expert / t / lay.ep
     return dense_rank, expert_rank, per_layer_dense + expert / t / lay.ep
@@ -76,7 +77,7 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout) -> tuple[float, float
     x = lay.micro_batch * m.seq_len / lay.cp * m.hidden  # residual-stream elements
     ratio_kv = m.kv_heads / m.heads
     outside = (4 * a + 2) * x / (t if lay.seq_parallel else 1)
-    ffn_tensors = 3 if m.ffn_kind == "swiglu" else 2
+    ffn_tensors = 3 if m.ffn_kind in GATED_FFN else 2
     routed = m.top_k if m.is_moe else 1
     inside = a * x * (1 + 2 * ratio_kv + 1) / t + a * x * ffn_tensors * routed * m.ffn \
         / m.hidden / t
@@ -125,7 +126,7 @@ def memory_per_gpu(m: ModelShape, lay: Layout) -> MemoryBreakdown:
     tok = lay.micro_batch * m.seq_len / lay.cp
     other += 2 * 4.0 * tok * m.vocab / lay.tp  # fp32 logits and their gradient (last rank)
     if z >= 3:
-        other += 2 * layer_params * lay.tp * w_b / lay.tp  # the gathered layer and the prefetch
+        other += 2 * layer_params * w_b  # the gathered layer and the one prefetched
     if lay.compression == "1bit":
         other += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
     elif lay.compression == "powersgd":

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from mcpar.errors import problem
 
-FFN_KINDS = ("gelu", "swiglu", "relu2")
+FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
+GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 COMPRESSION = ("none", "fp16", "bf16", "1bit", "powersgd")
@@ -42,7 +43,7 @@ class ModelShape:
     @property
     def mlp_matrices(self) -> int:
         """Weight matrices of one MLP: SwiGLU has a gate beside the up projection."""
-        return 3 if self.ffn_kind == "swiglu" else 2
+        return 3 if self.ffn_kind in GATED_FFN else 2
 
     @property
     def is_moe(self) -> bool:
@@ -85,7 +86,12 @@ class Layout:
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused; auto: unfused for fp16 (see costmodel docs)
     powersgd_rank: int = 4
-    bucket_mb: float = 25.0  # gradient bucket (one collective call each)
+    # Gradient bucket, one collective call each. None: Megatron's rule, max(40M, 1M x dp)
+    # elements, which keeps calls few on large data-parallel groups.
+    bucket_mb: float | None = None
+    # Pipeline sends carry 1/tp of the activation, all-gathered over NVLink at the receiver
+    # (Megatron's scatter-gather); False: the whole activation crosses.
+    p2p_split: bool = True
 
     @property
     def num_gpus(self) -> int:
@@ -141,12 +147,13 @@ def model_problems(m: ModelShape, where: str) -> list[str]:
 
 
 def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: int,
-                    where: str) -> list[str]:
-    """Every reason `lay` cannot run `m` on `num_gpus` GPUs, each naming `where`.key."""
+                    where: str, names: dict[str, str] | None = None) -> list[str]:
+    """Every reason `lay` cannot run `m` on `num_gpus` GPUs, each naming `where`.key (or, for
+    keys in `names`, the name given there, e.g. a config key)."""
     out: list[str] = []
 
     def bad(key: str, msg: str) -> None:
-        out.append(problem(f"{where}.{key}", msg))
+        out.append(problem((names or {}).get(key, f"{where}.{key}"), msg))
 
     for key in ("tp", "pp", "vp", "cp", "dp", "ep", "global_batch", "micro_batch"):
         if getattr(lay, key) < 1:
@@ -164,8 +171,8 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.tp > gpus_per_node:
         bad("tp", f"tensor degree {lay.tp} spans nodes of {gpus_per_node} GPUs; its collectives "
                   "run every layer and need the intra-node links")
-    if m.layers % (lay.pp * lay.vp):
-        bad("pp", f"{m.layers} layers do not split into pp {lay.pp} x vp {lay.vp} equal stages")
+    if m.layers < lay.pp * lay.vp:
+        bad("pp", f"{m.layers} layers cannot fill pp {lay.pp} x vp {lay.vp} stages")
     if lay.seq_parallel and lay.tp == 1:
         bad("seq_parallel", "sequence parallelism shards over tensor ranks; it needs tp > 1")
     if m.seq_len % lay.cp or (m.seq_len // lay.cp) % (lay.tp if lay.seq_parallel else 1):
@@ -182,9 +189,6 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.global_batch % (lay.dp * lay.micro_batch):
         bad("global_batch", f"{lay.global_batch} is not a multiple of dp {lay.dp} x "
                             f"micro_batch {lay.micro_batch}")
-    elif lay.vp > 1 and lay.num_microbatches % lay.pp:
-        bad("vp", f"the interleaved schedule needs micro-batches ({lay.num_microbatches}) to be "
-                  f"a multiple of pp {lay.pp}")
     if lay.vp > 1 and lay.pp == 1:
         bad("vp", "virtual stages need pp > 1")
     if not 0 <= lay.zero_stage <= 3:

@@ -1,0 +1,220 @@
+"""``mcpar simulate`` and ``mcpar plan``: the cost model on the command line.
+
+    mcpar simulate --runs FILE.csv --out OUT.csv [--hardware HW.csv]
+    mcpar simulate CONFIG [--set K=V ...] [--model PRESET] [--cluster PRESET] [--json]
+    mcpar plan [CONFIG] [--set K=V ...] [--model PRESET] --cluster PRESET [--top N]
+
+A CONFIG gives the layout and settings (and the model, unless ``--model`` names a preset); the
+cluster preset gives the GPUs (``a100x1024``, ``h100x512``, ... or ``local``, this machine as
+measured by ``mcpar.sim.localprofile``; default ``local``). User errors raise ``UserError`` (the
+caller prints one line per problem and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+
+from mcpar.config import JobConfig, load_config
+from mcpar.errors import UserError, problem
+from mcpar.sim.costmodel import Prediction, simulate
+from mcpar.sim.fromconfig import (
+    CONFIG_KEYS,
+    config_layout,
+    config_model,
+    unpriced_settings,
+    with_preset,
+)
+from mcpar.sim.hardware import GIB, Cluster, cluster_preset, load_accelerators
+from mcpar.sim.planner import SearchSpace, best_or_error, format_table, plan
+from mcpar.sim.runs import predict_run, read_runs, write_predictions
+from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
+
+PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set parallelism.tensor=8 (repeatable)")
+    p.add_argument("--model", default=None,
+                   help="model preset instead of the config's model: " + ", ".join(MODEL_PRESETS))
+    p.add_argument("--cluster", default="local",
+                   help="cluster preset: <gpu>x<count> (a100x1024, h100x512, a100-40gbx64, "
+                        "h200x256, ...) or 'local' (this machine; the default)")
+    p.add_argument("--hardware", default=None, help="hardware CSV (default: the packaged copy "
+                                                    "of calibration/hardware.csv)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="default: the model preset's, else the config's training.dtype")
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Add the ``simulate`` and ``plan`` parsers to mcpar's sub-command parser."""
+    sim = sub.add_parser("simulate", help="predict step time and memory of a config or of "
+                                          "published runs (cost model)")
+    sim.add_argument("config", nargs="?", help="YAML config (omit with --runs)")
+    sim.add_argument("--runs", help="CSV with the columns of calibration/published_runs.csv")
+    sim.add_argument("--out", help="where --runs writes the rows with predictions added")
+    sim.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    _common(sim)
+
+    pl = sub.add_parser("plan", help="search layouts under the memory limit, fastest first")
+    pl.add_argument("config", nargs="?", help="YAML config (default: the built-in default)")
+    pl.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    pl.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per step (default: the preset's or the config's)")
+    _common(pl)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "simulate":
+        return _simulate(args)
+    return _plan(args)
+
+
+# --- shared -------------------------------------------------------------------------------------
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    table = load_accelerators(args.hardware)
+    return cluster_preset(args.cluster, table, key="--cluster")
+
+
+def _workload(args: argparse.Namespace, cluster: Cluster,
+              ) -> tuple[JobConfig, ModelShape, ModelPreset | None, str]:
+    cfg = load_config(args.config, args.overrides)
+    preset = model_preset(args.model) if args.model else None
+    model = with_preset(config_model(cfg), preset)
+    if args.precision:
+        precision = args.precision
+    elif preset is not None and not cluster.accel.is_cpu:
+        precision = preset.precision
+    else:
+        precision = {"float32": "fp32", "bfloat16": "bf16"}[cfg.training.dtype]
+    return cfg, model, preset, precision
+
+
+def _local_world(cfg: JobConfig, cluster: Cluster) -> Cluster:
+    """On 'local' the GPU count is the config's worker count."""
+    if not cluster.accel.is_cpu:
+        return cluster
+    par = cfg.parallelism
+    return replace(cluster, num_gpus=(par.data or 1) * par.tensor * par.pipeline)
+
+
+# --- simulate -----------------------------------------------------------------------------------
+
+def _simulate(args: argparse.Namespace) -> int:
+    if args.runs:
+        if args.config:
+            raise UserError(problem("simulate", "give either a CONFIG or --runs FILE.csv"))
+        if not args.out:
+            raise UserError(problem("--out", "--runs needs --out OUT.csv for the predictions"))
+        runs = read_runs(args.runs, load_accelerators(args.hardware))
+        preds = [predict_run(run) for run in runs]
+        write_predictions(runs, preds, args.out)
+        print(f"mcpar simulate: {len(runs)} rows -> {args.out}")
+        return 0
+    if not args.config:
+        raise UserError(problem("simulate", "give a CONFIG (YAML) or --runs FILE.csv"))
+    cluster = _cluster(args)
+    cfg, model, preset, precision = _workload(args, cluster)
+    cluster = _local_world(cfg, cluster)
+    layout = config_layout(cfg, cluster.num_gpus, preset, precision)
+    pred = simulate(model, layout, cluster, where="config", names=CONFIG_KEYS)
+    notes = unpriced_settings(cfg)
+    if args.json:
+        print(json.dumps(_as_json(model, layout, cluster, pred, notes), indent=1))
+    else:
+        print(_describe(model, layout, cluster, pred, notes))
+    return 0
+
+
+def _as_json(model: ModelShape, layout: Layout, cluster: Cluster, pred: Prediction,
+             notes: list[str]) -> dict[str, object]:
+    return {
+        "model": asdict(model), "layout": asdict(layout),
+        "cluster": {"gpu": cluster.accel.name, "num_gpus": cluster.num_gpus,
+                    "gpus_per_node": cluster.gpus_per_node},
+        "step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
+        "comm_fraction": pred.comm_fraction, "bubble_fraction": pred.bubble_fraction,
+        "memory_gib": {k: v / GIB for k, v in asdict(pred.memory).items()}
+        | {"total": pred.memory.total / GIB, "limit": pred.memory_limit / GIB},
+        "fits": pred.fits, "breakdown_s": pred.breakdown, "notes": notes,
+    }
+
+
+def _describe(model: ModelShape, lay: Layout, cluster: Cluster, pred: Prediction,
+              notes: list[str]) -> str:
+    mem = pred.memory
+    lines = [
+        f"mcpar simulate: {model.name or 'model'} ({model.num_params() / 1e9:.2f} B parameters) "
+        f"on {cluster.num_gpus} x {cluster.accel.name} ({cluster.name or 'cluster'})",
+        f"layout:  {lay.describe()}{' sp' if lay.seq_parallel else ''}, micro-batch "
+        f"{lay.micro_batch} x {lay.num_microbatches} micro-batches, global batch "
+        f"{lay.global_batch}, recompute {lay.recompute}, ZeRO {lay.zero_stage}, "
+        f"{lay.precision}, attention {lay.attention_kind}, compression {lay.compression}, "
+        f"topology {lay.topology}",
+        f"step:    {pred.step_s:.4f} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
+        f"shares:  exposed communication {pred.comm_fraction:.1%}, pipeline bubble "
+        f"{pred.bubble_fraction:.1%}",
+        "critical path (s): " + ", ".join(f"{k} {v:.4g}" for k, v in
+                                          sorted(pred.breakdown.items(), key=lambda kv: -kv[1])),
+        f"memory per GPU: weights {mem.weights / GIB:.2f} + gradients {mem.gradients / GIB:.2f} "
+        f"+ optimizer {mem.optimizer / GIB:.2f} + activations {mem.activations / GIB:.2f} + "
+        f"other {mem.other / GIB:.2f} = {mem.total / GIB:.2f} GiB of "
+        f"{pred.memory_limit / GIB:.0f} ({'fits' if pred.fits else 'DOES NOT FIT'})",
+    ]
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise UserError(problem("--top", f"must be at least 1, got {args.top}"))
+    cluster = _cluster(args)
+    cfg, model, preset, precision = _workload(args, cluster)
+    if cluster.accel.is_cpu:
+        cluster = _local_world(cfg, cluster)
+    if args.global_batch is not None:
+        global_batch = args.global_batch
+    elif cfg.optimization.global_batch_size is not None:
+        global_batch = cfg.optimization.global_batch_size
+    elif preset is not None:
+        global_batch = preset.global_batch
+    else:
+        opt = cfg.optimization
+        global_batch = opt.micro_batch_size * (opt.gradient_accumulation or 1) * (
+            cfg.parallelism.data or 1)
+    if global_batch < 1:
+        raise UserError(problem("--global-batch", f"must be at least 1, got {global_batch}"))
+    where = f"--model {args.model}" if args.model else "model"
+    result = plan(model, cluster, global_batch, precision, SearchSpace(), where=where,
+                  keep=max(args.top, 10))
+    best_or_error(result, cluster, where)
+    print(f"mcpar plan: {model.name or 'model'} ({model.num_params() / 1e9:.2f} B parameters), "
+          f"global batch {global_batch} x {model.seq_len} tokens, {precision}, on "
+          f"{cluster.num_gpus} x {cluster.accel.name}: {result.considered} layouts considered "
+          f"in {result.seconds:.2f} s")
+    print(format_table(result, args.top))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mcpar.sim.cli simulate|plan ...``: the same commands outside ``mcpar``."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="mcpar")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as err:
+        for line in err.problems:
+            print(f"mcpar: error: {line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,399 @@
+"""The analytical model of one training step: pipeline of per-layer costs, plus data-parallel
+synchronization and the optimizer, on a given cluster.
+
+Step = pipeline time + exposed once-per-step gradient/parameter traffic + optimizer.
+
+- Pipeline rank r does, per micro-batch, W_r: its layers' forward, backward and recompute
+  (``compute.layer_times``), their exposed tensor/context/expert-parallel communication, the
+  embedding (first rank) or the head (last rank), the point-to-point sends to its neighbours
+  (2 per model chunk: activation forward, gradient backward), per-micro-batch ZeRO-2/3 traffic
+  and a fixed per-layer overhead. Layers are split evenly over the pp x vp stages.
+- 1F1B and GPipe take m W_max + (sum_r W_r - W_max); the interleaved schedule divides the fill
+  and drain by vp: m W_max + (sum_r W_r - W_max) / vp. With equal stages that is the familiar
+  (m + (pp - 1) / vp) W.
+- Data-parallel gradient traffic runs over dp x cp ranks (experts: dp x cp / ep) on the
+  inter-node fabric once dp neighbours sit in different nodes. Stage 0 all-reduces once per step;
+  stage 1 reduce-scatters gradients and all-gathers updated weights once per step; stage 2
+  reduce-scatters every micro-batch; stage 3 also all-gathers the weights for the forward and
+  again for the backward of every micro-batch. Gradient traffic overlaps the last micro-batch's
+  backward, weight gathers the forward; ``overlap`` is the share of that overlappable time
+  actually hidden, and the last bucket never is. Each bucket (``bucket_mb``; by default
+  Megatron's max(40M, 1M x dp) elements) pays the collective's latency; ZeRO-3 moves one layer
+  per call.
+- Compression: fp16/bf16 halve fp32 gradient bytes; ``1bit`` is 1-bit Adam's compression stage
+  (signs + scales, about 1/32 of fp32, after its warm-up); ``powersgd`` sends rank-r factors
+  P (n x r) and Q (m x r) of each weight matrix's gradient in two all-reduce rounds (a DDP
+  hook: overlapped like plain gradients). Both pay their encode/decode work at memory (and, for
+  PowerSGD, GEMM) speed. 1-bit with ``hierarchical`` topology compresses only the inter-node
+  stage; 1-bit Adam exchanges momentum in the optimizer step, so it is never hidden.
+- The optimizer streams every local parameter's state once (Adam, memory-bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mcpar.errors import UserError
+from mcpar.sim.collectives import (
+    Group,
+    all_gather,
+    all_reduce,
+    onebit_all_reduce,
+    p2p,
+    reduce_scatter,
+)
+from mcpar.sim.compute import (
+    Roofline,
+    embedding_times,
+    head_times,
+    layer_times,
+    roofline,
+    tokens_per_gpu,
+)
+from mcpar.sim.hardware import Cluster, Efficiency
+from mcpar.sim.memory import MemoryBreakdown, memory_per_gpu, params_per_rank, state_bytes
+from mcpar.sim.oversubscription import shared_pipeline_time
+from mcpar.sim.params import GPU_EFFICIENCY
+from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    pipeline_s: float
+    bubble_s: float  # idle time of the average pipeline rank (fill, drain, imbalance)
+    comm_exposed_s: float  # communication on the critical path, not hidden behind compute
+    dp_comm_s: float  # data-parallel traffic, hidden or not
+    optimizer_s: float
+    memory: MemoryBreakdown
+    memory_limit: float
+    model_flops: float  # per step: 6 x matmul weights x tokens + attention over the full square
+    num_gpus: int
+    peak_flops: float
+    tokens: float
+    breakdown: dict[str, float] = field(default_factory=dict)  # critical-path seconds by kind
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.num_gpus * self.peak_flops)
+
+    @property
+    def comm_fraction(self) -> float:
+        return self.comm_exposed_s / self.step_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+def model_flops_per_token(m: ModelShape) -> float:
+    """Training FLOPs of one token without recompute: 3 x (2 per matmul weight touched, experts
+    x top_k, + attention scores and values over the full s x s square, as the published
+    formulas count them)."""
+    h = m.hidden
+    kv = m.kv_heads * m.head_dim
+    mlp = m.mlp_matrices * h * m.ffn * (m.top_k if m.is_moe else 1)
+    router = h * m.experts if m.is_moe else 0
+    per_layer = 2 * (h * (h + 2 * kv) + h * h + mlp + router) + 4 * m.seq_len * h
+    return 3.0 * (m.layers * per_layer + 2 * h * m.vocab)
+
+
+def cpu_threads(cluster: Cluster, ranks: int) -> int:
+    """Threads each CPU worker runs (mcpar: max(1, cores // workers)); 1 on GPUs."""
+    return max(1, cluster.cores // ranks) if cluster.accel.is_cpu else 1
+
+
+def oversubscription(cluster: Cluster, ranks: int) -> float:
+    """How many times more threads than cores the workers run (1 when they fit)."""
+    if not cluster.accel.is_cpu:
+        return 1.0
+    return max(1.0, ranks * cpu_threads(cluster, ranks) / cluster.cores)
+
+
+def rank_roofline(cluster: Cluster, lay: Layout, eff: Efficiency) -> Roofline:
+    """One rank's rates at full speed (sharing of oversubscribed cores comes in ``finish``)."""
+    threads = cpu_threads(cluster, lay.num_gpus)
+    share = 1.0
+    if threads > 1:
+        # Multi-threaded matmuls scale below linearly; interpolate to the measured all-core rate.
+        lost = (1 - cluster.accel.thread_scaling) * (threads - 1) / max(1, cluster.cores - 1)
+        share = 1 - lost
+    rl = roofline(cluster, lay, eff, share * threads)
+    if cluster.accel.is_cpu:
+        # Memory bandwidth: each thread streams its own rate (hbm_bw holds the one-thread rate)
+        # until the busy cores together saturate the socket.
+        rl.mem_bw = min(rl.mem_bw, cluster.accel.mem_bw_total * threads / cluster.cores)
+    return rl
+
+
+def _chunks(nbytes: float, bucket: float) -> int:
+    return max(1, math.ceil(nbytes / bucket)) if nbytes > 0 else 1
+
+
+def _exposed(comm: float, window: float, overlap: float, calls: int) -> float:
+    """Communication left on the critical path when it may hide behind `window` of compute;
+    the last of its `calls` (the last bucket) never can."""
+    hidden = overlap * min(comm, window)
+    return max(comm - hidden, comm / calls)
+
+
+def powersgd_factors(m: ModelShape, lay: Layout) -> float:
+    """Sum over this rank's weight matrices of (rows + cols): PowerSGD sends rank x that."""
+    h, t = m.hidden, lay.tp
+    kv = max(m.kv_heads / t, 1.0) * m.head_dim
+    per_layer = (h + h / t + 2 * kv) + (h / t + h)
+    experts = m.experts / lay.ep if m.is_moe else 1
+    per_layer += experts * m.mlp_matrices * (h + m.ffn / t)
+    return per_layer * m.layers / lay.pp + (m.vocab / t + h)
+
+
+@dataclass
+class DPCost:
+    per_micro_exposed: float  # inside every micro-batch (ZeRO-2/3)
+    per_step_exposed: float  # once per step, after the pipeline drains
+    total: float  # all data-parallel traffic time, hidden or not
+    encode_s: float  # compression work on the critical path
+
+
+def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: Roofline,
+            fwd_window: float, bwd_window: float) -> DPCost:
+    dense, expert, _ = params_per_rank(m, lay)
+    w_b, g_b, _ = state_bytes(lay.precision)
+    if lay.compression in ("fp16", "bf16") or lay.zero_stage >= 2:
+        # ZeRO-2/3 runs (DeepSpeed, FSDP) reduce-scatter in the 16-bit compute dtype.
+        g_b = min(g_b, 2.0)
+    groups = [(dense, Group(lay.dp * lay.cp, lay.tp))]
+    if expert:
+        groups.append((expert, Group(lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)))
+    net, topo = eff.network, lay.topology
+    layers_rank = max(1, round(m.layers / lay.pp))
+    per_micro = per_step = total = encode = 0.0
+    for count, group in groups:
+        if group.size <= 1:
+            continue
+        grads, weights = count * g_b, count * w_b
+        bucket = (lay.bucket_mb * 2**20 if lay.bucket_mb is not None
+                  else max(40e6, 1e6 * group.size) * g_b)
+        # ZeRO-3 gathers and reduces one layer (one FSDP unit) per call.
+        calls = layers_rank if lay.zero_stage == 3 else _chunks(grads, bucket)
+        if lay.zero_stage == 0:
+            if lay.compression == "1bit":
+                comm = calls * onebit_all_reduce(count / calls, group, cluster, net,
+                                                 hierarchical=topo != "flat")
+                # Error feedback, sign packing and unpacking: a few fp32 passes over the buffer.
+                encode += rl.stream(7 * 4.0 * count)
+                # 1-bit Adam exchanges the momentum inside the optimizer step, after the
+                # backward pass: nothing hides it.
+                per_step += comm
+                total += comm
+                continue
+            elif lay.compression == "powersgd":
+                values = lay.powersgd_rank * powersgd_factors(m, lay) * (count / (dense + expert))
+                comm = 2 * calls * all_reduce(4.0 * values / calls, group, cluster, net, topo)
+                # P = M Q and Q = M^T P over every gradient matrix (2 n m r FLOPs each), plus
+                # error feedback passes.
+                encode += (4.0 * lay.powersgd_rank * count / rl.gemm_flops
+                           + rl.stream(5 * 4.0 * count))
+            else:
+                comm = calls * all_reduce(grads / calls, group, cluster, net, topo)
+            per_step += _exposed(comm, bwd_window, eff.overlap, calls)
+            total += comm
+            continue
+        rs = calls * reduce_scatter(grads / calls, group, cluster, net, topo)
+        ag_calls = layers_rank if lay.zero_stage == 3 else _chunks(weights, bucket)
+        ag = ag_calls * all_gather(weights / ag_calls, group, cluster, net, topo)
+        if lay.zero_stage == 1:
+            per_step += _exposed(rs, bwd_window, eff.overlap, calls)
+            per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
+            total += rs + ag
+        elif lay.zero_stage == 2:
+            per_micro += _exposed(rs, bwd_window, eff.overlap, calls)
+            per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
+            total += rs * lay.num_microbatches + ag
+        else:
+            per_micro += _exposed(ag, fwd_window, eff.overlap, ag_calls)
+            per_micro += _exposed(ag + rs, bwd_window, eff.overlap, calls + ag_calls)
+            total += (2 * ag + rs) * lay.num_microbatches
+    return DPCost(per_micro, per_step, total, encode)
+
+
+# Bytes the optimizer step streams per parameter, pass by pass (multi-tensor kernels):
+# fp16 (loss-scaled, 16-bit gradients): copy grads to fp32 (2+4), unscale and inf check (4+4),
+#   norm (4), clip (4+4), fused Adam (read grad, weight, m, v; write weight, m, v: 28),
+#   fp32 -> fp16 weight copy (4+2), zero the gradients (2 + 4);
+# bf16 (gradients accumulated in fp32): norm, clip, Adam, weight copy, zero (4);
+# fp32: norm, clip, Adam, zero.
+OPTIMIZER_BYTES = {"fp16": 6 + 8 + 4 + 8 + 28 + 6 + 6, "bf16": 4 + 8 + 28 + 6 + 4,
+                   "fp8": 4 + 8 + 28 + 6 + 4, "fp32": 4 + 8 + 28 + 4}
+
+
+def optimizer_time(m: ModelShape, lay: Layout, rl: Roofline) -> float:
+    """Adam with gradient clipping over the local parameters (ZeRO >= 1: the rank's shard for
+    the fp32 work; gradients are zeroed in full below stage 2)."""
+    dense, expert, _ = params_per_rank(m, lay)
+    group = lay.dp * lay.cp
+    shard = dense / (group if lay.zero_stage >= 1 else 1)
+    shard += expert / (max(1, group // lay.ep) if lay.zero_stage >= 1 else 1)
+    return rl.stream(OPTIMIZER_BYTES[lay.precision] * shard)
+
+
+def check(m: ModelShape, lay: Layout, cluster: Cluster, where: str,
+          names: dict[str, str] | None = None) -> None:
+    problems = model_problems(m, where) or layout_problems(m, lay, cluster.num_gpus,
+                                                           cluster.gpus_per_node, where, names)
+    if problems:
+        raise UserError(problems)
+
+
+def stage_layers(m: ModelShape, lay: Layout) -> list[float]:
+    """Layers held by each pipeline rank (all its vp chunks). Megatron splits evenly; when the
+    count does not divide (DeepSpeed-style runs) the spare layers go to the middle stages, since
+    the end stages also carry the embedding and the head."""
+    stages = lay.pp * lay.vp
+    base, extra = divmod(m.layers, stages)
+    order = sorted(range(stages), key=lambda i: abs(i - (stages - 1) / 2))
+    counts = [float(base)] * stages
+    for i in order[:extra]:
+        counts[i] += 1
+    return [sum(counts[r::lay.pp]) for r in range(lay.pp)]
+
+
+@dataclass
+class PipelineCore:
+    """What a layout's pipeline costs before ZeRO stage, compression and collective topology
+    are chosen (the planner prices those variants on one core)."""
+
+    work_max: float  # per-micro-batch work of the busiest rank
+    work_sum: float  # summed over ranks
+    at_max: dict[str, float]  # the busiest rank's work by category
+    summed: dict[str, float]  # every rank's work by category, summed
+    fwd_window: float  # forward compute of the busiest rank, one micro-batch
+    bwd_window: float
+    rl: Roofline
+    eff: Efficiency
+    rank_work: list[float]  # per-micro-batch work of every pipeline rank
+    fwd_share: float  # the forward's share of a layer's work
+
+
+def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
+                  eff: Efficiency | None = None) -> PipelineCore:
+    eff = eff or cluster.efficiency or GPU_EFFICIENCY
+    rl = rank_roofline(cluster, lay, eff)
+    layer = layer_times(m, lay, cluster, eff, rl)
+    head = head_times(m, lay, cluster, eff, rl)
+    emb = embedding_times(m, lay, cluster, eff, rl)
+    p, v = lay.pp, lay.vp
+    counts = stage_layers(m, lay)
+    overhead_per_layer = eff.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
+
+    p2p_s = 0.0
+    if p > 1:
+        group = Group(p, lay.tp * lay.cp * lay.dp)
+        msg = tokens_per_gpu(m, lay) * m.hidden * rl.act_bytes
+        if lay.p2p_split or lay.seq_parallel:
+            msg /= lay.tp
+        p2p_s = 2 * v * p2p(msg, group, cluster, eff.network)
+
+    ranks: list[dict[str, float]] = []
+    for r, n_layers in enumerate(counts):
+        parts: dict[str, float] = {k: n_layers * t for k, t in layer.parts.items()}
+        ends = ([emb] if r == 0 else []) + ([head] if r == p - 1 else [])
+        for unit in ends:
+            for k, t in unit.parts.items():
+                parts[k] = parts.get(k, 0.0) + t
+        parts["overhead"] = n_layers * overhead_per_layer
+        if p2p_s:
+            parts["p2p_comm"] = p2p_s
+        ranks.append(parts)
+    work = [sum(parts.values()) for parts in ranks]
+    i_max = work.index(max(work))
+    summed: dict[str, float] = {}
+    for parts in ranks:
+        for k, t in parts.items():
+            summed[k] = summed.get(k, 0.0) + t
+    busiest = max(counts)
+    return PipelineCore(work[i_max], sum(work), ranks[i_max], summed, busiest * layer.fwd,
+                        busiest * layer.bwd, rl, eff, work, layer.fwd / layer.total)
+
+
+def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> Prediction:
+    """The step: the pipeline with per-micro-batch ZeRO traffic, then once-per-step traffic,
+    compression work and the optimizer."""
+    dp = dp_cost(m, lay, cluster, core.eff, core.rl, core.fwd_window, core.bwd_window)
+    p, v, mb = lay.pp, lay.vp, lay.num_microbatches
+    z = dp.per_micro_exposed
+    at_max = dict(core.at_max, zero_comm=z)
+    summed = dict(core.summed, zero_comm=p * z)
+    w_max, w_sum = core.work_max + z, core.work_sum + p * z
+    scheduled = mb * w_max + (w_sum - w_max) / v
+    if scheduled >= w_sum:
+        pipeline = scheduled
+        # Each category's share of the critical path (the busiest rank's m slots plus the
+        # others' fill and drain), so that the breakdown sums to the pipeline time.
+        breakdown = {k: mb * at_max.get(k, 0.0) + (summed[k] - at_max.get(k, 0.0)) / v
+                     for k in summed}
+    else:
+        # Fewer micro-batches than the schedule can overlap: one micro-batch must still cross
+        # every stage forward and back.
+        pipeline = w_sum
+        breakdown = dict(summed)
+    bubble = pipeline - mb * w_sum / p
+    breakdown["dp_comm"] = dp.per_step_exposed
+    breakdown["compression"] = dp.encode_s
+    breakdown["optimizer"] = optimizer_time(m, lay, core.rl)
+    crowd = oversubscription(cluster, lay.num_gpus)
+    if crowd > 1:
+        pipeline, bubble, breakdown = _shared_cores(core, lay, cluster, z, pipeline, breakdown,
+                                                    crowd)
+    step = pipeline + sum(breakdown[k] for k in ("dp_comm", "compression", "optimizer"))
+    comm = sum(t for k, t in breakdown.items() if k.endswith("_comm"))
+    tokens = lay.global_batch * m.seq_len
+    return Prediction(
+        step_s=step, pipeline_s=pipeline, bubble_s=bubble, comm_exposed_s=comm,
+        dp_comm_s=dp.total, optimizer_s=breakdown["optimizer"],
+        memory=memory_per_gpu(m, lay), memory_limit=cluster.accel.hbm_bytes,
+        model_flops=model_flops_per_token(m) * tokens, num_gpus=lay.num_gpus,
+        peak_flops=cluster.accel.peak(lay.precision), tokens=tokens,
+        breakdown={k: t for k, t in breakdown.items() if t > 0},
+    )
+
+
+def _shared_cores(core: PipelineCore, lay: Layout, cluster: Cluster, z: float,
+                  pipeline: float, breakdown: dict[str, float], crowd: float,
+                  ) -> tuple[float, float, dict[str, float]]:
+    """CPU workers with more threads than cores: everything that runs on all ranks at once
+    slows by `crowd`; a pipeline is replayed with processor sharing (``oversubscription``),
+    1F1B and GPipe only (the interleaved schedule keeps the uniform slowdown)."""
+    mb = lay.num_microbatches
+    shared = pipeline * crowd
+    if lay.pp > 1 and lay.vp == 1:
+        work = [w + z for w in core.rank_work]
+        # The ranks of one pipeline stage in every data-parallel replica and tensor group run
+        # the same tasks at the same time: they load the cores together.
+        per_stage = cpu_threads(cluster, lay.num_gpus) * lay.tp * lay.dp * lay.cp
+        shared = shared_pipeline_time([w * core.fwd_share for w in work],
+                                      [w * (1 - core.fwd_share) for w in work], mb,
+                                      lay.schedule, cluster.cores, per_stage)
+    scale = shared / pipeline
+    out = {k: v * (scale if k not in ("dp_comm", "compression", "optimizer") else crowd)
+           for k, v in breakdown.items()}
+    busy = mb * core.work_sum / lay.pp * crowd
+    return shared, max(0.0, shared - busy), out
+
+
+def simulate(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency | None = None,
+             where: str = "layout", validate: bool = True,
+             names: dict[str, str] | None = None) -> Prediction:
+    """Predict one optimizer step of `m` under `lay` on `cluster`."""
+    if validate:
+        check(m, lay, cluster, where, names)
+    return finish(pipeline_core(m, lay, cluster, eff), m, lay, cluster)

@@ -1,0 +1,94 @@
+"""An mcpar job config (``JobConfig``) as the simulator's model shape and layout.
+
+mcpar's GPT is a GELU MLP with full multi-head attention, so ``kv_heads = heads``; an MoE config
+(``model.kind: moe``) has ``num_experts`` experts of ``ffn_hidden_size`` each. Settings the cost
+model does not price (offload, the expert scheduler, dynamic batch splitting, topology-aware
+allocation) are returned as notes, so the CLI says so instead of ignoring them silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mcpar.config import JobConfig
+from mcpar.errors import UserError, problem
+from mcpar.sim.workload import Layout, ModelPreset, ModelShape
+
+# Layout field -> the config key a problem with it should name.
+CONFIG_KEYS = {
+    "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
+    "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
+    "cp": "parallelism.context", "seq_parallel": "parallelism.sequence_parallel",
+    "zero_stage": "controllers.memory.zero_stage",
+    "recompute": "controllers.memory.activation_checkpointing",
+    "compression": "controllers.communication.compression",
+    "topology": "controllers.communication.topology",
+    "global_batch": "optimization.global_batch_size",
+    "micro_batch": "optimization.micro_batch_size", "precision": "training.dtype",
+    "num_gpus": "parallelism",
+}
+PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def config_model(cfg: JobConfig) -> ModelShape:
+    m = cfg.model
+    moe = m.kind == "moe"
+    return ModelShape(
+        layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_heads,
+        ffn=m.ffn_size, ffn_kind="gelu", vocab=m.vocab_size, seq_len=m.seq_len,
+        experts=m.num_experts if moe else 0, top_k=m.top_k if moe else 0, name="config",
+    )
+
+
+def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = None,
+                  precision: str | None = None) -> Layout:
+    """The layout of `cfg` on `num_gpus` devices. The global batch is the config's
+    ``global_batch_size``, else micro-batch x ``gradient_accumulation`` x data when the
+    accumulation is set, else (with a model preset) the preset's batch."""
+    par, mem, com, opt = (cfg.parallelism, cfg.controllers.memory, cfg.controllers.communication,
+                          cfg.optimization)
+    tp, pp = par.tensor, par.pipeline
+    dp = par.data
+    if dp is None:
+        if num_gpus % (tp * pp):
+            raise UserError(problem("parallelism", f"{num_gpus} GPUs cannot be split into tensor "
+                                                   f"{tp} x pipeline {pp} groups"))
+        dp = num_gpus // (tp * pp)
+    if opt.global_batch_size is not None:
+        global_batch = opt.global_batch_size
+    elif preset is not None and opt.gradient_accumulation is None:
+        global_batch = preset.global_batch
+    else:
+        global_batch = opt.micro_batch_size * (opt.gradient_accumulation or 1) * dp
+    topology = {"flat": "flat", "hierarchical": "hierarchical", "hybrid": "auto"}[com.topology]
+    return Layout(
+        tp=tp, pp=pp, vp=par.virtual_stages, cp=1, dp=dp, ep=par.experts,
+        zero_stage=mem.zero_stage, seq_parallel=par.sequence_parallel,
+        global_batch=global_batch, micro_batch=opt.micro_batch_size,
+        recompute=mem.activation_checkpointing,
+        precision=precision or PRECISION[cfg.training.dtype],
+        schedule="gpipe" if par.schedule == "gpipe" else "1f1b",
+        compression=com.compression, topology=topology, bucket_mb=com.bucket_size_mb,
+        # mcpar's pipeline sends whole activations (a sequence shard under SP), fp32 or bf16.
+        p2p_split=par.sequence_parallel,
+    )
+
+
+def unpriced_settings(cfg: JobConfig) -> list[str]:
+    """Settings of `cfg` the cost model does not price, as notes."""
+    ctl = cfg.controllers
+    notes = []
+    for key, value, default in (
+        ("controllers.memory.offload", ctl.memory.offload, "none"),
+        ("controllers.memory.allocation", ctl.memory.allocation, "default"),
+        ("controllers.compute.scheduler", ctl.compute.scheduler, "static"),
+        ("controllers.compute.batch_splitting", ctl.compute.batch_splitting, "fixed"),
+    ):
+        if value != default:
+            notes.append(f"{key}={value!r} is not priced by the cost model (simulated as "
+                         f"{default!r})")
+    return notes
+
+
+def with_preset(model: ModelShape, preset: ModelPreset | None) -> ModelShape:
+    return replace(preset.shape) if preset is not None else model

@@ -1,0 +1,338 @@
+"""This machine as a 'cluster': a short calibration micro-benchmark of the CPU and of gloo.
+
+    python -m mcpar.sim.localprofile [--out FILE]    # measure (about 20 s) and save
+
+``mcpar simulate|plan --cluster local`` loads the saved profile (``$MCPAR_LOCAL_PROFILE`` or
+``~/.cache/mcpar/local_profile.json``) and measures it first if there is none.
+
+What is measured, all in fp32 as mcpar trains on CPU:
+
+- matmul FLOP/s with one thread and with all cores, at shapes like a small GPT's projections
+  in the forward and both backward layouts, sustained over a few tenths of a second;
+- causal ``scaled_dot_product_attention`` forward+backward FLOP/s with one thread (its ratio to
+  the matmul rate is the profile's ``attention`` efficiency);
+- element-wise throughput in bytes/s as the cost model counts element-wise traffic, over a mix
+  of adds, GELU forward/backward and LayerNorm on 4 MiB tensors (cache-resident, as a small
+  model's activations are), with one thread and with all cores;
+- the fixed cost of one small transformer block's forward+backward (eager dispatch, autograd),
+  from a block so small its arithmetic is negligible;
+- gloo all-reduce, all-gather, reduce-scatter and send/recv over loopback between two processes
+  at 16 KiB-4 MiB, each call after a burst of compute as in training (the ranks arrive a little
+  apart, the data is cold), each fitted to t = alpha + n beta; a p-rank ring then costs
+  (p - 1) alpha + 2 (p - 1) / p n beta. gloo's collectives differ a lot from one another (its
+  reduce-scatter is much slower than its all-reduce), so each is priced with its own line.
+
+The profile's efficiencies are 1 (its peaks are achieved rates), except ``attention`` (measured)
+and ``overlap``: 0, because a gloo collective needs a CPU thread that competes with the compute
+for the same cores, so nothing is hidden.
+
+Ranks share cores the way mcpar runs them: each worker gets max(1, cores // workers) threads;
+with more threads than cores every thread runs at cores / threads of its speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mcpar.sim.hardware import Accelerator, Cluster, Efficiency, LocalProfile
+
+PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
+
+
+def profile_path() -> Path:
+    env = os.environ.get(PROFILE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "mcpar" / "local_profile.json"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
+    """Median of `repeats` timings of `inner` calls, per call (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def _sustained_time(fn: Callable[[], object], seconds: float = 0.3) -> float:
+    """Mean time per call over at least `seconds` of back-to-back calls: a training step runs
+    for seconds, not for the millisecond in which a core may run faster."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / calls
+
+
+def _matmul_rate(threads: int) -> float:
+    """Sustained fp32 matmul FLOP/s at a small GPT's shapes, in the three layouts training uses
+    (forward A B, input gradient A B^T, weight gradient A^T B)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    flops = elapsed = 0.0
+    for m, k, n in ((1024, 256, 768), (1024, 256, 1024), (1024, 1024, 256), (1024, 256, 256)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        g, x = torch.randn(m, n), torch.randn(m, k)
+        for fn in (lambda a=a, b=b: a @ b, lambda g=g, b=b: g @ b.t(),
+                   lambda x=x, g=g: x.t() @ g):
+            elapsed += _sustained_time(fn, 0.1)
+            flops += 2 * m * k * n
+    return flops / elapsed
+
+
+def _attention_rate() -> float:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    b, heads, s, dh = 8, 4, 128, 64
+    q, k, v = (torch.randn(b, heads, s, dh, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    # The cost model's FLOPs: 2 T s h forward over the causal half, backward 2.5 x that.
+    flops = 2 * (b * s) * s * (heads * dh) * 3.5
+    return flops / _sustained_time(step, 0.3)
+
+
+def _stream_rate(threads: int) -> float:
+    """Bytes/s of element-wise kernels, counted as the cost model counts them (tensors read and
+    written), over the mix a transformer runs: adds, GELU forward and backward, LayerNorm. On a
+    CPU the GELU's arithmetic, not memory, bounds it, so a plain copy would be too fast."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    n = 1 << 20  # 4 MiB of fp32 per tensor: cache-resident, as a small model's activations are
+    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+    x = torch.randn(n // 256, 256)
+    weight, bias = torch.ones(256), torch.zeros(256)
+    kernels = [  # (call, tensors moved)
+        (lambda: torch.add(a, b, out=c), 3),
+        (lambda: F.gelu(a), 2),
+        (lambda: torch.ops.aten.gelu_backward(b, a), 3),
+        (lambda: F.layer_norm(x, (256,), weight, bias), 2),
+    ]
+    moved = elapsed = 0.0
+    for fn, tensors in kernels:
+        elapsed += _sustained_time(fn, 0.1)
+        moved += tensors * 4 * n
+    return moved / elapsed
+
+
+def _block_overhead() -> tuple[float, float]:
+    """(seconds per tiny op forward+backward, seconds per tiny block forward+backward)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.set_num_threads(1)
+    h, heads = 16, 2
+    x = torch.randn(1, 8, h, requires_grad=True)
+    w = torch.randn(8, h, requires_grad=True)
+
+    def one_op() -> None:
+        (x * 2).sum().backward()
+
+    ln1, ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+    qkv, proj, fc, out = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.Linear(h, 4 * h), \
+        nn.Linear(4 * h, h)
+
+    def block() -> None:
+        y = ln1(x)
+        q, k, v = (t.view(1, 8, heads, -1).transpose(1, 2) for t in qkv(y).chunk(3, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        z = x + proj(a.transpose(1, 2).reshape(1, 8, h))
+        z = z + out(F.gelu(fc(ln2(z))))
+        z.sum().backward()
+
+    del w
+    op = _best_time(one_op, inner=50)
+    return op, _best_time(block, inner=20) - op  # the final sum/backward is not the block's
+
+
+COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
+
+
+def _collective_worker(rank: int, port: int, queue: object) -> None:
+    """Prices gloo's all-reduce, all-gather, reduce-scatter and a send/recv pair between two
+    processes (one thread each) as training meets them: each call follows a burst of compute,
+    so the ranks arrive a little apart and the data is cold. The cost of an operation is the
+    time of (burst + operation) loops minus that of burst-only loops; rank 0 reports it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+
+    def burst() -> None:
+        for _ in range(3):  # about the compute between two tensor-parallel collectives
+            a @ b
+
+    def p2p(buf: torch.Tensor) -> None:
+        # One transfer each way; counted as two sends.
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    def loop(fn: Callable[[], object] | None, iters: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            burst()
+            if fn is not None:
+                fn()
+        return time.perf_counter() - t0
+
+    results: dict[str, list[tuple[int, float]]] = {op: [] for op in ("ar", "ag", "rs", "p2p")}
+    for n in COLLECTIVE_SIZES:
+        full, half = torch.zeros(n // 4), torch.zeros(n // 8)
+        ops = {"ar": lambda full=full: dist.all_reduce(full),
+               "ag": lambda full=full, half=half: dist.all_gather_single(full, half),
+               "rs": lambda full=full, half=half: dist.reduce_scatter_single(half, full),
+               "p2p": lambda full=full: p2p(full)}
+        for op, fn in ops.items():
+            fn()
+            iters = 12 if n <= 2**20 else 6
+            costs = []
+            for _ in range(3):
+                bare = loop(None, iters)
+                costs.append((loop(fn, iters) - bare) / iters)
+            per_call = max(statistics.median(costs), 1e-6) / (2 if op == "p2p" else 1)
+            results[op].append((n, per_call))
+    if rank == 0:
+        queue.put(results)  # type: ignore[attr-defined]
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of time against bytes, both kept non-negative."""
+    xs, ts = [float(n) for n, _ in points], [t for _, t in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-12)
+    return max(mt - slope * mx, 1e-6), slope
+
+
+def _collective_costs() -> dict[str, tuple[float, float]]:
+    """Per operation: (alpha, beta) of t = alpha + n beta between two ranks (n: the full buffer,
+    or the message for p2p)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_collective_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    if queue.empty():
+        raise RuntimeError("the gloo collective micro-benchmark did not report")
+    return {op: _line(points) for op, points in queue.get().items()}
+
+
+def measure() -> LocalProfile:
+    cores = _cores()
+    flops_1 = _matmul_rate(1)
+    flops_all = _matmul_rate(cores)
+    attn_1 = _attention_rate()
+    mem_1 = _stream_rate(1)
+    mem_all = _stream_rate(cores)
+    op, block = _block_overhead()
+    costs = _collective_costs()
+    return LocalProfile(
+        cores=cores, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
+        mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
+        layer_overhead_s=block, collectives={k: list(v) for k, v in costs.items()},
+        notes={"flops_all_cores": flops_all},
+    )
+
+
+def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
+    """The profile as a one-node cluster; the GPU count is the job's worker count."""
+    cores = profile.cores
+    scaling = profile.notes.get("flops_all_cores", profile.flops_per_thread * cores) / (
+        profile.flops_per_thread * cores)
+    ar_alpha, ar_beta = profile.collectives["ar"]
+    accel = Accelerator(
+        name="local-cpu", peak_flops={"fp32": profile.flops_per_thread},
+        hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        hbm_bw=profile.mem_bw_per_thread, intra_bw=1.0 / (2 * ar_beta),
+        typical_inter_gbps=0.0, is_cpu=True, mem_bw_total=profile.mem_bw_total,
+        thread_scaling=min(1.0, scaling),
+    )
+    eff = Efficiency(gemm=1.0, attention=profile.attention_flops_per_thread
+                     / profile.flops_per_thread, memory=1.0, network=1.0, overlap=0.0,
+                     layer_overhead_s=profile.layer_overhead_s)
+    return Cluster(accel=accel, num_gpus=ranks_hint, gpus_per_node=1 << 20,
+                   inter_bw=1.0 / (2 * ar_beta), alpha_intra=ar_alpha / 2,
+                   alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
+                   op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()})
+
+
+def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Cluster:
+    """The saved local profile as a cluster (measured and saved first when missing)."""
+    path = path or profile_path()
+    if remeasure or not path.is_file():
+        print(f"mcpar: measuring this machine for the 'local' profile (saved to {path})",
+              file=sys.stderr, flush=True)
+        profile = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json())
+    else:
+        profile = LocalProfile.from_json(path.read_text())
+    return local_cluster(profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="where to save the profile")
+    args = parser.parse_args(argv)
+    profile = measure()
+    path = args.out or profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    print(profile.to_json())
+    print(f"saved to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

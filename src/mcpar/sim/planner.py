@@ -1,0 +1,218 @@
+"""Search layouts and settings under the memory limit; rank them by predicted step time.
+
+The search space, for a model, a cluster, a global batch and a precision:
+
+- tp: divisors of the node size that split the heads and the MLP (sequence parallelism on
+  whenever tp > 1: it only removes work and memory in this model);
+- cp: 1, 2, 4, 8 while each rank keeps at least 2048 tokens of the sequence, and only with
+  flash-style attention (the plan keeps the attention kernel of its precision: see
+  ``Layout.attention_kind``; a planner may not switch software generations);
+- pp: divisors of the remaining GPUs that split the layers evenly; vp: divisors of the layers per
+  rank up to 8, with micro-batches a multiple of pp (Megatron's rule for interleaving);
+- dp: what is left; ep: divisors of experts and dp x cp (MoE);
+- micro-batch: divisors of the sequences per data-parallel rank, up to 32;
+- recompute: none, selective, full; ZeRO stage 0-3;
+- gradient compression: none, 16-bit, 1-bit (Adam), PowerSGD (rank 4) (the last two with ZeRO 0);
+- collective topology: flat ring or hierarchical.
+
+Each (tp, cp, pp, vp, ep, micro-batch, recompute) "core" is priced once (``pipeline_core``); ZeRO
+stage, compression and topology only change data-parallel traffic, memory and the optimizer, and
+are priced on top of it (``finish``). Layouts that do not fit in memory are dropped before
+pricing their traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mcpar.errors import UserError, problem
+from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
+from mcpar.sim.hardware import GIB, Cluster, Efficiency
+from mcpar.sim.memory import memory_per_gpu
+from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems
+
+MAX_MICRO_BATCH = 32
+MAX_VP = 8
+MIN_TOKENS_PER_CP_RANK = 2048  # ring attention pays off on long sequences only
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    prediction: Prediction
+
+
+@dataclass
+class PlanResult:
+    candidates: list[Candidate]  # fitting layouts, fastest first
+    considered: int  # layouts priced or rejected for memory
+    seconds: float
+    smallest_memory: tuple[float, Layout] | None  # when nothing fits: the closest miss
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values each setting may take (the planner's defaults, or fixed by the user)."""
+
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    compression: tuple[str, ...] = ("none", "16bit", "1bit", "powersgd")
+    topology: tuple[str, ...] = ("flat", "hierarchical")
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] = (1, 2, 4, 8)
+    micro_batch: tuple[int, ...] | None = None
+    sequence_parallel: bool = True  # with tp > 1
+
+
+def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
+                 space: SearchSpace, attention: str) -> Iterator[Layout]:
+    n, g = cluster.num_gpus, cluster.gpus_per_node
+    for tp in _divisors(g):
+        if space.tp is not None and tp not in space.tp:
+            continue
+        if m.heads % tp or m.ffn % tp or (m.kv_heads % tp and tp % m.kv_heads):
+            continue
+        for cp in space.cp:
+            if n % (tp * cp) or m.seq_len % (cp * tp) or (cp > 1 and (
+                    m.seq_len // cp < MIN_TOKENS_PER_CP_RANK or attention != "flash")):
+                continue
+            for pp in _divisors(n // (tp * cp)):
+                if m.layers % pp or (space.pp is not None and pp not in space.pp):
+                    continue
+                dp = n // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                per_rank = global_batch // dp
+                for vp in _divisors(m.layers // pp):
+                    if vp > MAX_VP or (vp > 1 and pp == 1):
+                        continue
+                    eps = [e for e in _divisors(dp * cp) if m.experts % e == 0] \
+                        if m.is_moe else [1]
+                    for ep in eps:
+                        for b in _divisors(per_rank):
+                            if b > MAX_MICRO_BATCH or (
+                                    space.micro_batch is not None and b not in space.micro_batch):
+                                continue
+                            if vp > 1 and (per_rank // b) % pp:
+                                continue
+                            for rc in space.recompute:
+                                yield Layout(tp=tp, pp=pp, vp=vp, cp=cp, dp=dp, ep=ep,
+                                             seq_parallel=space.sequence_parallel and tp > 1,
+                                             global_batch=global_batch,
+                                             micro_batch=b, recompute=rc, precision=precision,
+                                             attention=attention)
+
+
+def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
+    for zero in space.zero_stages:
+        for comp in space.compression:
+            if comp in ("1bit", "powersgd") and zero > 0:
+                continue
+            if comp == "16bit":
+                if core.precision in ("fp16", "fp32") and zero < 2:
+                    continue  # fp16 gradients are 16-bit already; fp32 training keeps fp32
+                comp = "bf16" if core.precision != "fp16" else "fp16"
+            topologies = space.topology if multi_node_dp else space.topology[:1]
+            for topo in topologies:
+                yield core.with_(zero_stage=zero, compression=comp, topology=topo)
+
+
+def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
+         space: SearchSpace | None = None, eff: Efficiency | None = None,
+         memory_limit: float | None = None, extra: list[Layout] | None = None,
+         where: str = "model", keep: int = 50) -> PlanResult:
+    """The `keep` fastest fitting layouts, fastest first. `extra` layouts (e.g. a published one)
+    are priced too, so the best is never worse than them when they fit.
+
+    Cores are visited from the lowest lower bound on their step time (the pipeline without any
+    data-parallel traffic or optimizer); once `keep` layouts are known, a core whose bound is
+    above the slowest of them cannot enter the list and is skipped."""
+    problems = model_problems(m, where)
+    if problems:
+        raise UserError(problems)
+    space = space or SearchSpace()
+    limit = memory_limit or cluster.accel.hbm_bytes
+    attention = Layout(precision=precision).attention_kind
+    start = time.perf_counter()
+    considered = 0
+    smallest: tuple[float, Layout] | None = None
+    extra = [lay for lay in extra or []
+             if not layout_problems(m, lay, cluster.num_gpus, cluster.gpus_per_node, where)]
+    ranked: list[tuple[float, Layout, PipelineCore]] = []
+    for core_layout in [*core_layouts(m, cluster, global_batch, precision, space, attention),
+                        *extra]:
+        # The leanest variant of this core (weights, gradients and optimizer state sharded).
+        lean = memory_per_gpu(m, core_layout.with_(zero_stage=3)).total
+        if core_layout in extra:
+            lean = memory_per_gpu(m, core_layout).total
+        if lean > limit:
+            considered += 1
+            if smallest is None or lean < smallest[0]:
+                smallest = (lean, core_layout.with_(zero_stage=3))
+            continue
+        core = pipeline_core(m, core_layout, cluster, eff)
+        ranked.append((_lower_bound(core, core_layout), core_layout, core))
+    ranked.sort(key=lambda item: item[0])
+    found: list[Candidate] = []
+    seen: set[Layout] = set()
+    for bound, core_layout, core in ranked:
+        if len(found) >= keep and bound > found[-1].prediction.step_s:
+            break
+        multi_node = core_layout.tp * core_layout.dp * core_layout.cp > cluster.gpus_per_node
+        variants = ([core_layout] if core_layout in extra
+                    else _variants(core_layout, space, multi_node))
+        for lay in variants:
+            if lay in seen:
+                continue
+            seen.add(lay)
+            considered += 1
+            mem = memory_per_gpu(m, lay).total
+            if mem > limit:
+                continue
+            found.append(Candidate(lay, finish(core, m, lay, cluster)))
+        found.sort(key=lambda c: c.prediction.step_s)
+        del found[keep:]
+    return PlanResult(found, considered, time.perf_counter() - start,
+                      smallest if not found else None)
+
+
+def _lower_bound(core: PipelineCore, lay: Layout) -> float:
+    mb = lay.num_microbatches
+    return max(mb * core.work_max + (core.work_sum - core.work_max) / lay.vp, core.work_sum)
+
+
+def best_or_error(result: PlanResult, cluster: Cluster, where: str) -> Candidate:
+    if result.candidates:
+        return result.candidates[0]
+    hint = ""
+    if result.smallest_memory is not None:
+        mem, lay = result.smallest_memory
+        hint = (f"; the smallest footprint found is {mem / GIB:.1f} GiB per GPU "
+                f"({lay.describe()}, ZeRO {lay.zero_stage}, recompute {lay.recompute}, "
+                f"micro-batch {lay.micro_batch})")
+    raise UserError(problem(where, f"no layout on {cluster.num_gpus} x {cluster.accel.name} "
+                                   f"fits in {cluster.accel.hbm_bytes / GIB:.0f} GiB per GPU"
+                                   f"{hint}; use more or larger GPUs, or a smaller model"))
+
+
+def format_table(result: PlanResult, top: int) -> str:
+    header = (f"{'#':>3} {'layout':<24} {'mb':>3} {'recomp':<9} {'zero':>4} {'compress':<8} "
+              f"{'topology':<12} {'step_s':>9} {'tokens/s':>11} {'MFU':>6} {'mem_GiB':>8} "
+              f"{'comm':>6} {'bubble':>6}")
+    lines = [header, "-" * len(header)]
+    for i, cand in enumerate(result.candidates[:top], 1):
+        lay, pred = cand.layout, cand.prediction
+        desc = lay.describe() + (" sp" if lay.seq_parallel else "")
+        lines.append(
+            f"{i:>3} {desc:<24} {lay.micro_batch:>3} {lay.recompute:<9} {lay.zero_stage:>4} "
+            f"{lay.compression:<8} {lay.topology:<12} {pred.step_s:>9.3f} "
+            f"{pred.tokens_per_s:>11.0f} {pred.mfu:>6.1%} {pred.memory.total / GIB:>8.1f} "
+            f"{pred.comm_fraction:>6.1%} {pred.bubble_fraction:>6.1%}")
+    return "\n".join(lines)

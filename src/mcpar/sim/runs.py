@@ -1,0 +1,230 @@
+"""Rows of the published-runs table: reading them, simulating them, writing predictions.
+
+Input rows have exactly the columns of ``calibration/published_runs.csv`` (``RUN_COLUMNS``); the
+output is the same rows, in order, with ``PREDICTION_COLUMNS`` appended. Every problem of a row
+is reported with the row's id and the column at fault.
+
+``predicted_tflops_per_gpu`` uses the formula the row names in ``tflops_formula``:
+F1 = 96 B s l h^2 (1 + s/6h + V/16lh) (counts the recomputed forward) and
+F2 = 72 B s l h^2 (1 + s/6h + V/12lh) (model FLOPs). For another formula the row's own measured
+TFLOP/s is scaled by measured / predicted step time, which is the same formula by construction.
+``predicted_mfu`` is always model FLOPs (``costmodel.model_flops_per_token``) over the peak of the
+row's precision.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from mcpar.errors import UserError, problem
+from mcpar.sim.costmodel import Prediction, simulate
+from mcpar.sim.hardware import GIB, Accelerator, Cluster, Efficiency, find_accelerator, make_cluster
+from mcpar.sim.workload import Layout, ModelShape
+
+RUN_COLUMNS = (
+    "id", "group", "grade", "gpu", "num_gpus", "gpus_per_node", "inter_node_gbps_per_gpu",
+    "layers", "hidden", "heads", "kv_heads", "ffn", "ffn_kind", "vocab", "seq_len", "experts",
+    "top_k", "tp", "pp", "vp", "cp", "dp", "ep", "zero_stage", "seq_parallel", "global_batch",
+    "micro_batch", "recompute", "precision", "measured_step_s", "measured_tflops_per_gpu",
+    "tflops_formula", "source",
+)
+PREDICTION_COLUMNS = (
+    "predicted_step_s", "predicted_tflops_per_gpu", "predicted_mfu",
+    "predicted_memory_gb_per_gpu", "predicted_comm_fraction", "predicted_bubble_fraction",
+)
+INT_COLUMNS = ("num_gpus", "gpus_per_node", "layers", "hidden", "heads", "kv_heads", "ffn",
+               "vocab", "seq_len", "experts", "top_k", "tp", "pp", "vp", "cp", "dp", "ep",
+               "zero_stage", "global_batch", "micro_batch")
+
+
+@dataclass
+class Run:
+    """One row, parsed."""
+
+    row: dict[str, str]
+    model: ModelShape
+    layout: Layout
+    cluster: Cluster
+    measured_step_s: float | None
+    measured_tflops: float | None
+
+    @property
+    def id(self) -> str:
+        return self.row["id"]
+
+
+# Spellings other tables use for the same thing.
+PRECISION_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "amp_bf16": "bf16",
+                   "fp16": "fp16", "float16": "fp16", "fp16-mixed": "fp16", "amp_fp16": "fp16",
+                   "fp8": "fp8", "fp8-hybrid": "fp8", "fp8-e4m3": "fp8", "fp32": "fp32",
+                   "float32": "fp32", "tf32": "fp32"}
+RECOMPUTE_NAMES = {"none": "none", "no": "none", "": "none", "selective": "selective",
+                   "full": "full", "uniform": "full", "block": "full"}
+
+
+def _parse_bool(text: str) -> bool | None:
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        text.strip().lower())
+
+
+def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
+    """A Run from a CSV row, or a UserError listing every problem as ``<id>.<column>: ...``."""
+    rid = row.get("id") or "<row without id>"
+    problems: list[str] = []
+    ints: dict[str, int] = {}
+    for col in INT_COLUMNS:
+        try:
+            ints[col] = int(float(row[col]))
+        except (KeyError, ValueError, TypeError):
+            problems.append(problem(f"{rid}.{col}", f"expected an integer, got {row.get(col)!r}"))
+    floats: dict[str, float | None] = {}
+    for col in ("inter_node_gbps_per_gpu", "measured_step_s", "measured_tflops_per_gpu"):
+        text = (row.get(col) or "").strip()
+        if not text and col.startswith("measured"):
+            floats[col] = None
+            continue
+        try:
+            floats[col] = float(text)
+        except ValueError:
+            problems.append(problem(f"{rid}.{col}", f"expected a number, got {text!r}"))
+    sp = _parse_bool(row.get("seq_parallel", ""))
+    if sp is None:
+        problems.append(problem(f"{rid}.seq_parallel",
+                                f"expected true or false, got {row.get('seq_parallel')!r}"))
+    accel = None
+    try:
+        accel = find_accelerator(row.get("gpu", ""), accelerators, f"{rid}.gpu")
+    except UserError as err:
+        problems += err.problems
+    precision = PRECISION_NAMES.get(row.get("precision", "").strip().lower())
+    if precision is None:
+        problems.append(problem(f"{rid}.precision", f"unknown precision {row.get('precision')!r};"
+                                                    " use bf16, fp16, fp8 or fp32"))
+    recompute = RECOMPUTE_NAMES.get(row.get("recompute", "").strip().lower())
+    if recompute is None:
+        problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
+                                                    " use none, selective or full"))
+    if problems:
+        raise UserError(problems)
+    assert accel is not None and floats["inter_node_gbps_per_gpu"] is not None
+    assert precision is not None and recompute is not None
+    dp = ints["dp"]
+    placed = ints["tp"] * ints["pp"] * ints["cp"]
+    if placed * dp != ints["num_gpus"] and placed * dp * ints["ep"] == ints["num_gpus"]:
+        # Some tables count the expert degree beside dp rather than inside it.
+        dp *= ints["ep"]
+    model = ModelShape(
+        layers=ints["layers"], hidden=ints["hidden"], heads=ints["heads"],
+        kv_heads=ints["kv_heads"] if ints["kv_heads"] > 0 else ints["heads"], ffn=ints["ffn"],
+        ffn_kind=row["ffn_kind"].strip().lower(),
+        vocab=ints["vocab"], seq_len=ints["seq_len"], experts=ints["experts"],
+        top_k=ints["top_k"], name=rid,
+    )
+    layout = Layout(
+        tp=ints["tp"], pp=ints["pp"], vp=max(1, ints["vp"]), cp=max(1, ints["cp"]), dp=dp,
+        ep=max(1, ints["ep"]), zero_stage=ints["zero_stage"], seq_parallel=bool(sp),
+        global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
+        recompute=recompute, precision=precision,
+    )
+    cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"],
+                           floats["inter_node_gbps_per_gpu"], name=rid)
+    return Run(row, model, layout, cluster, floats["measured_step_s"],
+               floats["measured_tflops_per_gpu"])
+
+
+def read_runs_text(text: str, where: str, accelerators: dict[str, Accelerator]) -> list[Run]:
+    reader = csv.DictReader(io.StringIO(text))
+    header = tuple(reader.fieldnames or ())
+    if header != RUN_COLUMNS:
+        missing = [c for c in RUN_COLUMNS if c not in header]
+        extra = [c for c in header if c not in RUN_COLUMNS]
+        detail = []
+        if missing:
+            detail.append(f"missing {missing}")
+        if extra:
+            detail.append(f"unexpected {extra}")
+        if not detail:
+            detail.append("columns out of order")
+        raise UserError(problem(where, "the columns must be exactly those of "
+                                       "published_runs.csv: " + "; ".join(detail)))
+    runs: list[Run] = []
+    problems: list[str] = []
+    for row in reader:
+        try:
+            runs.append(parse_run(row, accelerators))
+        except UserError as err:
+            problems += err.problems
+    if problems:
+        raise UserError(problems)
+    if not runs:
+        raise UserError(problem(where, "no rows"))
+    return runs
+
+
+def read_runs(path: str | Path, accelerators: dict[str, Accelerator]) -> list[Run]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(problem(str(p), "runs file not found; give a CSV with the columns of "
+                                        "calibration/published_runs.csv"))
+    return read_runs_text(p.read_text(), str(p), accelerators)
+
+
+def packaged_runs(accelerators: dict[str, Accelerator]) -> list[Run]:
+    """The calibration rows shipped with the package."""
+    from importlib import resources
+
+    text = resources.files("mcpar.sim").joinpath("data/published_runs.csv").read_text()
+    return read_runs_text(text, "published_runs.csv", accelerators)
+
+
+def formula_flops(run: Run) -> float | None:
+    """FLOPs per step under the row's named formula (None if the name is not F1/F2)."""
+    m, b = run.model, run.layout.global_batch
+    name = run.row["tflops_formula"].strip().upper()
+    s, h, layers, v = m.seq_len, m.hidden, m.layers, m.vocab
+    if name.startswith("F1"):
+        return 96.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    if name.startswith("F2"):
+        return 72.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    return None
+
+
+def predict_run(run: Run, eff: Efficiency | None = None) -> Prediction:
+    return simulate(run.model, run.layout, run.cluster, eff, where=run.id)
+
+
+def predicted_tflops(run: Run, pred: Prediction) -> float:
+    flops = formula_flops(run)
+    if flops is not None:
+        return flops / (pred.step_s * run.layout.num_gpus) / 1e12
+    if run.measured_tflops is not None and run.measured_step_s:
+        return run.measured_tflops * run.measured_step_s / pred.step_s
+    return pred.model_flops / (pred.step_s * run.layout.num_gpus) / 1e12
+
+
+def prediction_columns(run: Run, pred: Prediction) -> dict[str, str]:
+    return {
+        "predicted_step_s": f"{pred.step_s:.4f}",
+        "predicted_tflops_per_gpu": f"{predicted_tflops(run, pred):.2f}",
+        "predicted_mfu": f"{pred.mfu:.4f}",
+        "predicted_memory_gb_per_gpu": f"{pred.memory.total / GIB:.2f}",
+        "predicted_comm_fraction": f"{pred.comm_fraction:.4f}",
+        "predicted_bubble_fraction": f"{pred.bubble_fraction:.4f}",
+    }
+
+
+def write_predictions(runs: list[Run], preds: list[Prediction], out: str | Path) -> None:
+    path = Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=[*RUN_COLUMNS, *PREDICTION_COLUMNS],
+                                    lineterminator="\n")
+            writer.writeheader()
+            for run, pred in zip(runs, preds, strict=True):
+                writer.writerow({**run.row, **prediction_columns(run, pred)})
+    except OSError as err:
+        raise UserError(problem(str(path), f"cannot write: {err.strerror}")) from None
