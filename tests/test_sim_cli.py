@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_mcpar
 
 from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
 
@@ -129,3 +129,13 @@ def test_plan_prints_a_table_and_fits_nowhere_is_an_error() -> None:
     assert len(lines) == 2 + 1 + 3
     proc = sim_cli("plan", "--model", "llama3-405b", "--cluster", "a100-40gbx8")
     user_error(proc, "--model llama3-405b: no layout on 8 x A100-40GB fits in 40 GiB")
+
+
+def test_mcpar_mounts_simulate_and_plan(tmp_path: Path) -> None:
+    out = tmp_path / "out.csv"
+    proc = run_mcpar("simulate", "--runs", str(RUNS_CSV), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert tuple(rows(out)[0]) == RUN_COLUMNS + PREDICTION_COLUMNS
+    proc = run_mcpar("plan", "--model", "gpt3-13b", "--cluster", "a100x64", "--top", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "layouts considered" in proc.stdout

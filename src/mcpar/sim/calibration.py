@@ -105,7 +105,7 @@ def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float 
 
 
 def fit(runs: Sequence[Run], start: Efficiency = PRIOR,
-        free: Sequence[str] = PARAM_NAMES) -> Efficiency:
+        free: Sequence[str] = PARAM_NAMES, restarts: int = 3) -> Efficiency:
     """The MAP efficiency parameters for `runs` (those not in `free` stay at `start`)."""
 
     def make(x: list[float]) -> Efficiency:
@@ -113,7 +113,7 @@ def fit(runs: Sequence[Run], start: Efficiency = PRIOR,
 
     x0 = [_to_x(n, getattr(start, n)) for n in free]
     best = x0
-    for _ in range(3):  # restarts shake the simplex out of flat valleys
+    for _ in range(restarts):  # restarts shake the simplex out of flat valleys
         best = nelder_mead(lambda x: objective(runs, make(x), free), best, step=0.15)
     return make(best)
 
@@ -123,12 +123,12 @@ def summary(rs: Sequence[float]) -> dict[str, float]:
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
 
 
-def leave_one_out(runs: Sequence[Run]) -> list[tuple[str, float]]:
+def leave_one_out(runs: Sequence[Run], restarts: int = 3) -> list[tuple[str, float]]:
     """(row id, predicted/measured) with parameters fitted on every other row."""
     out = []
     for i, run in enumerate(runs):
         rest = [r for j, r in enumerate(runs) if j != i]
-        eff = fit(rest)
+        eff = fit(rest, restarts=restarts)
         out.append((run.id, predict_run(run, eff).step_s / run.measured_step_s))
     return out
 

@@ -143,11 +143,16 @@ def _as_json(model: ModelShape, layout: Layout, cluster: Cluster, pred: Predicti
     }
 
 
+def _params(model: ModelShape) -> str:
+    n = model.num_params()
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def _describe(model: ModelShape, lay: Layout, cluster: Cluster, pred: Prediction,
               notes: list[str]) -> str:
     mem = pred.memory
     lines = [
-        f"mcpar simulate: {model.name or 'model'} ({model.num_params() / 1e9:.2f} B parameters) "
+        f"mcpar simulate: {model.name or 'model'} ({_params(model)} parameters) "
         f"on {cluster.num_gpus} x {cluster.accel.name} ({cluster.name or 'cluster'})",
         f"layout:  {lay.describe()}{' sp' if lay.seq_parallel else ''}, micro-batch "
         f"{lay.micro_batch} x {lay.num_microbatches} micro-batches, global batch "
@@ -193,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(model, cluster, global_batch, precision, SearchSpace(), where=where,
                   keep=max(args.top, 10))
     best_or_error(result, cluster, where)
-    print(f"mcpar plan: {model.name or 'model'} ({model.num_params() / 1e9:.2f} B parameters), "
+    print(f"mcpar plan: {model.name or 'model'} ({_params(model)} parameters), "
           f"global batch {global_batch} x {model.seq_len} tokens, {precision}, on "
           f"{cluster.num_gpus} x {cluster.accel.name}: {result.considered} layouts considered "
           f"in {result.seconds:.2f} s")

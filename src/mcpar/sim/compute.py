@@ -16,13 +16,17 @@ Attention's s^2 part depends on the kernel:
 
 Memory-bound element-wise work per token, counted in tensor reads+writes of the hidden size:
 two LayerNorms (2 each) and two bias-dropout-residual adds (3.5 each, the mask at 1 byte), and
-the MLP activation (2 tensors of ffn width for GELU/ReLU^2, 3 for SwiGLU's gate). Without sequence
-parallelism the hidden-sized part runs replicated on every tensor rank; with it, on 1/tp of the
-tokens. The backward moves twice the forward's bytes.
+the MLP activation (2 tensors of ffn width for GELU/ReLU^2, 3 for SwiGLU's gate); under fp8,
+each GEMM input's cast. Without sequence parallelism the hidden-sized part runs replicated on
+every tensor rank; with it, on 1/tp of the tokens. The backward moves twice the forward's bytes.
 
-MoE layers replace the MLP: a router GEMM, and the local experts' GEMMs on the tokens routed to
-them (tokens x top_k spread evenly over experts, i.e. a balanced router), with two all-to-alls
+MoE layers replace the MLP: a router GEMM, the local experts' GEMMs on the tokens routed to them
+(tokens x top_k; with experts spread over ranks the busiest rank gets ``MOE_LOAD_IMBALANCE``
+times its share), the permutation of tokens into expert order and back, and two all-to-alls
 (dispatch and combine) per pass over the expert-parallel group.
+
+Communication inside a layer (tensor, context and expert parallelism) is priced here too, per
+pass: forward, backward, and the forward again under full recompute.
 """
 
 from __future__ import annotations
@@ -209,9 +213,13 @@ def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     out = PassTimes(fwd=gemm + ce + norm, bwd=2 * gemm + ce + 2 * norm)
     out.add("gemm", 3 * gemm)
     out.add("elementwise", 2 * ce + 3 * norm)
-    # The input gradient of the vocabulary-parallel head is summed over tensor ranks.
-    out.add("tp_comm", all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
-                                  eff.network, "flat"))
+    # The input gradient of the vocabulary-parallel head is summed over tensor ranks, and the
+    # vocabulary-parallel cross-entropy reduces three per-token values (max, sum of exponentials,
+    # the target's logit): small messages, where latency is the cost.
+    group = tp_group(lay)
+    out.add("tp_comm", all_reduce(tok * m.hidden * rl.act_bytes, group, cluster, eff.network,
+                                  "flat")
+            + 3 * all_reduce(4.0 * tok, group, cluster, eff.network, "flat"))
     return out
 
 

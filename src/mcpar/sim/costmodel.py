@@ -122,12 +122,7 @@ def oversubscription(cluster: Cluster, ranks: int) -> float:
 def rank_roofline(cluster: Cluster, lay: Layout, eff: Efficiency) -> Roofline:
     """One rank's rates at full speed (sharing of oversubscribed cores comes in ``finish``)."""
     threads = cpu_threads(cluster, lay.num_gpus)
-    share = 1.0
-    if threads > 1:
-        # Multi-threaded matmuls scale below linearly; interpolate to the measured all-core rate.
-        lost = (1 - cluster.accel.thread_scaling) * (threads - 1) / max(1, cluster.cores - 1)
-        share = 1 - lost
-    rl = roofline(cluster, lay, eff, share * threads)
+    rl = roofline(cluster, lay, eff, float(threads))
     if cluster.accel.is_cpu:
         # Memory bandwidth: each thread streams its own rate (hbm_bw holds the one-thread rate)
         # until the busy cores together saturate the socket.

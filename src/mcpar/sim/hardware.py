@@ -66,7 +66,6 @@ class Accelerator:
     typical_inter_gbps: float
     is_cpu: bool = False
     mem_bw_total: float = 0.0  # CPU only: what all cores stream together (hbm_bw: one thread)
-    thread_scaling: float = 1.0  # CPU only: matmul speed-up of all cores over cores x one thread
 
     def peak(self, precision: str, key: str = "precision") -> float:
         if precision not in self.peak_flops:

@@ -26,8 +26,10 @@ The profile's efficiencies are 1 (its peaks are achieved rates), except ``attent
 and ``overlap``: 0, because a gloo collective needs a CPU thread that competes with the compute
 for the same cores, so nothing is hidden.
 
-Ranks share cores the way mcpar runs them: each worker gets max(1, cores // workers) threads;
-with more threads than cores every thread runs at cores / threads of its speed.
+A thread's rates are the all-core rates over the cores (mcpar's workers keep every core busy
+together, and cores share caches, memory bandwidth and, as hyper-threads, execution units); the
+one-thread rates only give the attention efficiency. Each worker gets max(1, cores // workers)
+threads; with more threads than cores see ``oversubscription``.
 """
 
 from __future__ import annotations
@@ -288,15 +290,16 @@ def measure() -> LocalProfile:
 def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
     """The profile as a one-node cluster; the GPU count is the job's worker count."""
     cores = profile.cores
-    scaling = profile.notes.get("flops_all_cores", profile.flops_per_thread * cores) / (
-        profile.flops_per_thread * cores)
+    # mcpar's workers keep every core busy together (one thread per core), and cores share
+    # caches, memory and, as hyper-threads, execution units: a thread's rate is the all-core
+    # rate over the cores, not what one thread reaches alone.
+    flops_all = profile.notes.get("flops_all_cores", profile.flops_per_thread * cores)
     ar_alpha, ar_beta = profile.collectives["ar"]
     accel = Accelerator(
-        name="local-cpu", peak_flops={"fp32": profile.flops_per_thread},
+        name="local-cpu", peak_flops={"fp32": flops_all / cores},
         hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-        hbm_bw=profile.mem_bw_per_thread, intra_bw=1.0 / (2 * ar_beta),
+        hbm_bw=profile.mem_bw_total / cores, intra_bw=1.0 / (2 * ar_beta),
         typical_inter_gbps=0.0, is_cpu=True, mem_bw_total=profile.mem_bw_total,
-        thread_scaling=min(1.0, scaling),
     )
     eff = Efficiency(gemm=1.0, attention=profile.attention_flops_per_thread
                      / profile.flops_per_thread, memory=1.0, network=1.0, overlap=0.0,

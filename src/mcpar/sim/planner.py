@@ -74,7 +74,9 @@ class SearchSpace:
 def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
                  space: SearchSpace, attention: str) -> Iterator[Layout]:
     n, g = cluster.num_gpus, cluster.gpus_per_node
-    for tp in _divisors(g):
+    for tp in _divisors(min(g, n)):
+        if n % tp:
+            continue
         if space.tp is not None and tp not in space.tp:
             continue
         if m.heads % tp or m.ffn % tp or (m.kv_heads % tp and tp % m.kv_heads):

@@ -148,8 +148,8 @@ def model_problems(m: ModelShape, where: str) -> list[str]:
 
 def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: int,
                     where: str, names: dict[str, str] | None = None) -> list[str]:
-    """Every reason `lay` cannot run `m` on `num_gpus` GPUs, each naming `where`.key (or, for
-    keys in `names`, the name given there, e.g. a config key)."""
+    """Every reason `lay` cannot run `m` on `num_gpus` GPUs (in nodes of `gpus_per_node`), each
+    naming `where`.key (or, for keys in `names`, the name given there, e.g. a config key)."""
     out: list[str] = []
 
     def bad(key: str, msg: str) -> None:
@@ -166,11 +166,8 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if m.heads % lay.tp or m.kv_heads % lay.tp and lay.tp % m.kv_heads:
         bad("tp", f"tensor degree {lay.tp} does not split {m.heads} heads / {m.kv_heads} "
                   "key-value heads")
-    if m.ffn % lay.tp:
-        bad("tp", f"tensor degree {lay.tp} does not divide ffn {m.ffn}")
-    if lay.tp > gpus_per_node:
-        bad("tp", f"tensor degree {lay.tp} spans nodes of {gpus_per_node} GPUs; its collectives "
-                  "run every layer and need the intra-node links")
+    # A tensor group spanning nodes, or an ffn that tp does not divide (frameworks pad it), is
+    # priced rather than refused here: published runs may do either. The planner avoids both.
     if m.layers < lay.pp * lay.vp:
         bad("pp", f"{m.layers} layers cannot fill pp {lay.pp} x vp {lay.vp} stages")
     if lay.seq_parallel and lay.tp == 1:
