@@ -65,9 +65,9 @@ def test_cuda_requested_without_cuda(tmp_path: Path) -> None:
 
 
 def test_unimplemented_setting_is_refused_not_ignored(tmp_path: Path) -> None:
-    proc = run_mcpar("train", *sets(*TINY, "controllers.communication.compression=1bit"),
+    proc = run_mcpar("train", *sets(*TINY, "controllers.memory.offload=cpu"),
                      "--nproc", "1", "--run-dir", str(tmp_path / "r"))
-    assert_user_error(proc, "controllers.communication.compression: '1bit' is not available")
+    assert_user_error(proc, "controllers.memory.offload: 'cpu' is not available")
 
 
 def test_nproc_must_match_the_layout(tmp_path: Path) -> None:

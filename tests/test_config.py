@@ -133,3 +133,51 @@ def test_config_reference_is_current() -> None:
     assert (REPO / "docs" / "config.md").read_text() == render(), (
         "regenerate with: python -m mcpar.config_docs > docs/config.md"
     )
+
+
+# --- communication: combinations that cannot work -------------------------------------------
+
+@pytest.mark.parametrize("overrides,world,key,words", [
+    (["controllers.communication.compression=powersgd", "optimization.optimizer=onebit_adam"], 2,
+     "controllers.communication.compression", "'onebit_adam'"),
+    (["controllers.communication.compression=1bit"], 1,
+     "controllers.communication.compression", "data 1"),
+    (["optimization.optimizer=onebit_adam"], 1, "optimization.optimizer", "data 1"),
+    (["controllers.communication.compression=1bit", "optimization.freeze_step=300"], 2,
+     "optimization.freeze_step", "never compress"),
+    (["controllers.communication.compression=1bit", "controllers.memory.zero_stage=1"], 2,
+     "controllers.memory.zero_stage", "zero_stage 0"),
+    (["controllers.communication.compression=powersgd",
+      "controllers.communication.powersgd_start_step=400"], 2,
+     "controllers.communication.powersgd_start_step", "never compress"),
+    (["cluster.inter_node_bandwidth_gbps=10"], 2, "cluster", "all four"),
+])
+def test_impossible_communication_settings_are_refused(overrides: list[str], world: int,
+                                                       key: str, words: str) -> None:
+    (line,) = layout_problems(overrides, world)
+    assert line.startswith(key + ":") and words in line, line
+
+
+def test_compression_settings_that_work_pass() -> None:
+    for overrides in (["controllers.communication.compression=1bit"],
+                      ["optimization.optimizer=onebit_adam"],
+                      ["controllers.communication.compression=powersgd",
+                       "controllers.communication.topology=hierarchical"],
+                      ["controllers.communication.compression=fp16",
+                       "controllers.communication.topology=hybrid"]):
+        cfg = parse_config(apply_overrides({}, overrides))
+        assert resolve_layout(cfg, 2).dp == 2
+
+
+@pytest.mark.parametrize("overrides,world,words", [
+    (["cluster.ranks_per_node=3"], 4, "do not fill nodes of 3"),
+    (["cluster.ranks_per_node=4", "parallelism.tensor=2"], 6, "do not fill nodes"),
+    # tensor 2 x data 3 on nodes of 3 ranks: data group (0, 2, 4) has 2 ranks on one node
+    # and 1 on the other.
+    (["cluster.ranks_per_node=3", "parallelism.tensor=2"], 6, "spread unevenly"),
+])
+def test_hierarchical_needs_whole_nodes(overrides: list[str], world: int, words: str) -> None:
+    lines = layout_problems(["controllers.communication.topology=hierarchical", *overrides],
+                            world)
+    assert len(lines) == 1 and lines[0].startswith("cluster.ranks_per_node:"), lines
+    assert words in lines[0]

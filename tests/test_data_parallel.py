@@ -24,6 +24,9 @@ LAYOUTS = {
     "data2": (2, 4, 1),
     "data4": (4, 2, 1),
     "accum4": (1, 2, 4),
+    # 2 emulated nodes x 2 ranks: reduce-scatter in the node, all-reduce across, all-gather.
+    "data4_hierarchical": (4, 2, 1, "controllers.communication.topology=hierarchical",
+                           "cluster.ranks_per_node=2"),
 }
 
 
@@ -54,7 +57,7 @@ def assert_parity(reference: list[dict], other: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["data2", "data4", "accum4"])
+@pytest.mark.parametrize("name", ["data2", "data4", "accum4", "data4_hierarchical"])
 def test_loss_parity_with_single_process(runs: dict[str, list[dict]], name: str) -> None:
     assert_parity(runs["single"], runs[name])
 
@@ -110,3 +113,14 @@ def test_tensorboard_logging(tmp_path: Path) -> None:
     train(run, 1, 8, 1, "training.steps=3", "training.tensorboard=true")
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
+
+
+@pytest.mark.slow
+def test_hierarchical_comm_bytes_are_the_three_stages(runs: dict[str, list[dict]]) -> None:
+    cfg = parse_config(apply_overrides({}, TINY))
+    grad_bytes = 4 * get_model_spec("gpt").num_params(cfg.model)
+    per_node, nodes = 2, 2
+    expected = (2 * (per_node - 1) / per_node * grad_bytes  # reduce-scatter + all-gather
+                + 2 * (nodes - 1) / nodes * grad_bytes / per_node)  # shard all-reduce
+    for record in runs["data4_hierarchical"]:
+        assert abs(record["comm_bytes"] / expected - 1) <= 0.01, record

@@ -14,7 +14,7 @@ from mcpar.errors import problem
 
 def unsupported_settings(cfg: JobConfig) -> list[str]:
     """One problem line per setting `mcpar train` cannot honour in this version."""
-    par, ctl, opt, model = cfg.parallelism, cfg.controllers, cfg.optimization, cfg.model
+    par, ctl, model = cfg.parallelism, cfg.controllers, cfg.model
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
         ("model.kind", model.kind, "gpt"),
@@ -25,12 +25,18 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         ("controllers.memory.zero_stage", ctl.memory.zero_stage, 0),
         ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
          "none"),
-        ("controllers.communication.compression", ctl.communication.compression, "none"),
-        ("controllers.communication.topology", ctl.communication.topology, "flat"),
-        ("optimization.optimizer", opt.optimizer, "adamw"),
     ]
-    return [
+    problems = [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")
         for key, value, works in checks
         if value != works
     ]
+    if ctl.communication.compression in ("1bit", "powersgd"):
+        problems.append(problem("controllers.communication.compression",
+                                f"{ctl.communication.compression!r} is not available for "
+                                "training in this version; use 'none', 'fp16' or 'bf16'"))
+    if cfg.optimization.optimizer != "adamw":
+        problems.append(problem("optimization.optimizer",
+                                f"{cfg.optimization.optimizer!r} is not available for training "
+                                "in this version; use 'adamw'"))
+    return problems

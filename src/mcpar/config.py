@@ -121,6 +121,37 @@ class CommunicationControllerConfig(_Section):
         25.0, gt=0.0, description="Gradient bucket size (MiB) for the bucketed all-reduce."
     )
     overlap: bool = Field(True, description="Launch bucket all-reduces during the backward pass.")
+    powersgd_rank: int = Field(
+        4, ge=1, description="PowerSGD: rank of the low-rank gradient approximation."
+    )
+    powersgd_start_step: int = Field(
+        10, ge=1, description="PowerSGD: steps of plain all-reduce before compression starts."
+    )
+
+
+class ClusterConfig(_Section):
+    """What the CommunicationController knows of the machines (None = detected or measured)."""
+
+    ranks_per_node: int | None = Field(
+        None, ge=1, description="Ranks per node; default: detected (torchrun's GROUP_RANK, "
+        "SLURM_NODEID, else the hostname). Setting it on one host emulates nodes.",
+    )
+    intra_node_bandwidth_gbps: float | None = Field(
+        None, gt=0.0, description="Link model for topology 'hybrid': bandwidth inside a node "
+        "(Gbit/s); default: measured at start.",
+    )
+    intra_node_latency_us: float | None = Field(
+        None, ge=0.0, description="Link model: latency inside a node (microseconds); default: "
+        "measured at start.",
+    )
+    inter_node_bandwidth_gbps: float | None = Field(
+        None, gt=0.0, description="Link model: bandwidth between nodes (Gbit/s); default: "
+        "measured at start.",
+    )
+    inter_node_latency_us: float | None = Field(
+        None, ge=0.0, description="Link model: latency between nodes (microseconds); default: "
+        "measured at start.",
+    )
 
 
 class ControllersConfig(_Section):
@@ -168,6 +199,11 @@ class OptimizationConfig(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam beta1.")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="Adam beta2.")
     grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 = off.")
+    freeze_step: int = Field(
+        50, ge=1, description="onebit_adam: steps of full Adam (uncompressed gradients) before "
+        "the variance is frozen and the momentum is exchanged in 1 bit per element; 15-25% of "
+        "training.steps is the usual choice.",
+    )
     micro_batch_size: int = Field(
         16, ge=1, description="Sequences per micro-batch per data-parallel rank."
     )
@@ -210,6 +246,7 @@ class JobConfig(_Section):
     controllers: ControllersConfig = Field(default_factory=ControllersConfig)
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
 
 # --- the seed's French keys and values ------------------------------------------------------

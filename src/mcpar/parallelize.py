@@ -87,6 +87,9 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: CommunicationControlle
     grad_sync = DataParallelGradSync(
         params, comm, bucket_size_mb=cfg.controllers.communication.bucket_size_mb,
         overlap=cfg.controllers.communication.overlap,
+        # fp16/bf16 cast the wire; 1-bit and PowerSGD are set up by the trainer.
+        codec=(cfg.controllers.communication.compression
+               if cfg.controllers.communication.compression in ("fp16", "bf16") else "none"),
     )
 
     if dims.tp > 1:

@@ -8,6 +8,8 @@ controllers query this object for process groups and never build their own.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -24,10 +26,16 @@ class ParallelDims:
     ep: int
     world_size: int
     _mesh: object | None = field(default=None, repr=False)
+    # The data axis split by nodes (set by build_node_groups): 'dp_intra' joins the data-parallel
+    # ranks of one node, 'dp_inter' the ranks at the same place on every node.
+    dp_intra: int = 1
+    dp_inter: int = 1
+    _node_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"dp {self.dp} x tp {self.tp} x pp {self.pp} != {self.world_size}")
+        self.dp_inter = self.dp
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -56,15 +64,108 @@ class ParallelDims:
         )
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank along a mesh axis ('dp', 'tp', 'pp'); None if size 1."""
+        """The process group of this rank along a mesh axis ('dp', 'tp', 'pp', or the node
+        split of the data axis 'dp_intra' / 'dp_inter'); None if size 1."""
         if self._mesh is None or getattr(self, axis) == 1:
             return None
+        if axis in ("dp_intra", "dp_inter"):
+            return self._node_groups[axis]
         return self._mesh.get_group(axis)  # type: ignore[attr-defined]
 
     def axis_rank(self, axis: str) -> int:
         if self._mesh is None:
             return 0
+        if axis in ("dp_intra", "dp_inter"):
+            group = self._node_groups.get(axis)
+            return 0 if group is None else dist.get_rank(group)
         return self._mesh.get_local_rank(axis)  # type: ignore[attr-defined]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        """Global ranks of every data-parallel group (the mesh is row-major over
+        (pp, dp, tp), as init_device_mesh lays it out)."""
+        return [[(p * self.dp + d) * self.tp + t for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def build_node_groups(self, node_of_rank: list[int]) -> None:
+        """Split every data-parallel group by node, for hierarchical collectives.
+
+        Every rank calls this with the same `node_of_rank` (global rank -> node index), because
+        creating a process group is a collective over the world.
+        """
+        self.dp_intra, intra_lists, inter_lists = split_dp_by_node(self, node_of_rank)
+        self.dp_inter = self.dp // self.dp_intra
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self._node_groups = {"dp_intra": None, "dp_inter": None}
+        if not dist.is_initialized():
+            return
+        # Every rank creates every group, in the same order (new_group is collective).
+        for axis, lists, size in (("dp_intra", intra_lists, self.dp_intra),
+                                  ("dp_inter", inter_lists, self.dp_inter)):
+            for ranks in lists:
+                group = dist.new_group(ranks) if size > 1 else None
+                if me in ranks:
+                    self._node_groups[axis] = group
+
+
+def split_dp_by_node(dims: ParallelDims,
+                     node_of_rank: list[int]) -> tuple[int, list[list[int]], list[list[int]]]:
+    """(data-parallel ranks per node, intra-node rank lists, inter-node rank lists). Each node
+    must hold the same number of ranks of every data-parallel group; UserError otherwise."""
+    intra_lists: list[list[int]] = []
+    inter_lists: list[list[int]] = []
+    per_node_sizes: set[int] = set()
+    for ranks in dims.dp_group_ranks():
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(node_of_rank[r], []).append(r)
+        sizes = {len(v) for v in by_node.values()}
+        per_node_sizes |= sizes
+        members = list(by_node.values())
+        if len(sizes) != 1:
+            raise UserError([problem(
+                "cluster.ranks_per_node",
+                f"the data-parallel group {ranks} is spread unevenly over nodes "
+                f"({ {n: len(v) for n, v in by_node.items()} }); hierarchical collectives "
+                "need the same number of its ranks on every node: use topology 'flat' or "
+                "a world size that fills whole nodes",
+            )])
+        intra_lists += members
+        inter_lists += [list(col) for col in zip(*members, strict=True)]
+    if len(per_node_sizes) != 1:
+        raise UserError([problem("cluster.ranks_per_node",
+                                 "nodes hold different numbers of data-parallel ranks")])
+    return per_node_sizes.pop(), intra_lists, inter_lists
+
+
+def node_key() -> str:
+    """What names this process's node: MCPAR_NODE if set, then torchrun's GROUP_RANK, then
+    SLURM_NODEID, then the hostname. (Network namespaces share the hostname, so an emulated
+    cluster relies on GROUP_RANK or MCPAR_NODE.)"""
+    for var in ("MCPAR_NODE", "GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(var)
+        if value:
+            return f"{var}={value}"
+    return f"host={socket.gethostname()}"
+
+
+def detect_node_of_rank(ranks_per_node: int | None) -> list[int]:
+    """Node index of every global rank, the same list on every rank: from
+    ``cluster.ranks_per_node`` when given (consecutive ranks share a node), else from each
+    rank's ``node_key`` gathered over the world (nodes numbered by first appearance)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks_per_node is not None:
+        if world % ranks_per_node:
+            raise UserError([problem(
+                "cluster.ranks_per_node",
+                f"{world} ranks do not fill nodes of {ranks_per_node}; use a divisor of {world}",
+            )])
+        return [r // ranks_per_node for r in range(world)]
+    if world == 1:
+        return [0]
+    keys: list[str] = [""] * world
+    dist.all_gather_object(keys, node_key())
+    index: dict[str, int] = {}
+    return [index.setdefault(k, len(index)) for k in keys]
 
 
 def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
@@ -158,6 +259,7 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
                 "model.top_k",
                 f"top_k {model.top_k} is larger than num_experts {model.num_experts}",
             ))
+    problems += communication_problems(cfg, dp)
     accum = opt.gradient_accumulation
     if opt.global_batch_size is not None:
         per_micro = opt.micro_batch_size * dp
@@ -175,9 +277,78 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
             ))
         else:
             accum = opt.global_batch_size // per_micro
+    rpn = cfg.cluster.ranks_per_node
+    if (rpn is not None and world_size is not None and not problems
+            and cfg.controllers.communication.topology != "flat"):
+        if world_size % rpn:
+            problems.append(problem(
+                "cluster.ranks_per_node",
+                f"{world_size} ranks do not fill nodes of {rpn}; use a divisor of {world_size}",
+            ))
+        else:
+            try:
+                split_dp_by_node(ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts,
+                                              world_size=world_size),
+                                 [r // rpn for r in range(world_size)])
+            except UserError as err:
+                problems += err.problems
     if problems:
         raise UserError(problems)
     par.data = dp
     opt.gradient_accumulation = accum or 1
     opt.global_batch_size = opt.micro_batch_size * opt.gradient_accumulation * dp
     return ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, world_size=dp * tp * pp)
+
+
+def uses_onebit_adam(cfg: JobConfig) -> bool:
+    """1-bit Adam runs when either key asks for it: it is AdamW whose momentum is exchanged
+    in 1 bit past the freeze step."""
+    return (cfg.controllers.communication.compression == "1bit"
+            or cfg.optimization.optimizer == "onebit_adam")
+
+
+def communication_problems(cfg: JobConfig, dp: int) -> list[str]:
+    """Combinations of compression, optimizer, topology and layout that cannot work."""
+    comm, opt, cluster = cfg.controllers.communication, cfg.optimization, cfg.cluster
+    problems: list[str] = []
+    if opt.optimizer == "onebit_adam" and comm.compression not in ("none", "1bit"):
+        problems.append(problem(
+            "controllers.communication.compression",
+            f"{comm.compression!r} cannot be combined with optimization.optimizer "
+            "'onebit_adam', which compresses the momentum in 1 bit itself; use compression "
+            "'1bit' or optimizer 'adamw'",
+        ))
+    if (comm.compression != "none" or opt.optimizer == "onebit_adam") and dp == 1:
+        key = ("controllers.communication.compression" if comm.compression != "none"
+               else "optimization.optimizer")
+        problems.append(problem(
+            key, "compression acts on the data-parallel exchange, and this layout has data 1; "
+            "use more data-parallel ranks or compression 'none' / optimizer 'adamw'",
+        ))
+    if uses_onebit_adam(cfg):
+        if opt.freeze_step >= cfg.training.steps:
+            problems.append(problem(
+                "optimization.freeze_step",
+                f"{opt.freeze_step} is not below training.steps {cfg.training.steps}: 1-bit "
+                "Adam would never compress; use about 15-25% of the steps",
+            ))
+        if cfg.controllers.memory.zero_stage > 0:
+            problems.append(problem(
+                "controllers.memory.zero_stage",
+                "1-bit Adam needs the whole momentum on every data-parallel rank and cannot "
+                "shard optimizer state; use zero_stage 0",
+            ))
+    if comm.compression == "powersgd" and comm.powersgd_start_step >= cfg.training.steps:
+        problems.append(problem(
+            "controllers.communication.powersgd_start_step",
+            f"{comm.powersgd_start_step} is not below training.steps {cfg.training.steps}: "
+            "PowerSGD would never compress",
+        ))
+    link = [cluster.intra_node_bandwidth_gbps, cluster.intra_node_latency_us,
+            cluster.inter_node_bandwidth_gbps, cluster.inter_node_latency_us]
+    if any(v is not None for v in link) and any(v is None for v in link):
+        problems.append(problem(
+            "cluster", "give all four of intra/inter_node_bandwidth_gbps and "
+            "intra/inter_node_latency_us, or none (they are then measured)",
+        ))
+    return problems

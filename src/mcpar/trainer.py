@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mcpar.checkpoint import FaultRecoveryManager
+from mcpar.comm.collectives import LinkModel
 from mcpar.config import JobConfig, to_yaml
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
@@ -41,7 +42,7 @@ from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.parallelize import parallelize
-from mcpar.topology import resolve_layout
+from mcpar.topology import detect_node_of_rank, resolve_layout
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
 EVAL_TAG_BASE = 1 << 24
@@ -101,6 +102,7 @@ class Trainer:
         self.dims = resolve_layout(cfg, env.world_size if env else 1)
         self.dims.build_mesh(info.type)
         self.comm = CommunicationController(self.dims)
+        self._setup_topology()
         self.dp_rank = self.dims.axis_rank("dp")
 
         opt, tr = cfg.optimization, cfg.training
@@ -150,6 +152,29 @@ class Trainer:
             _truncate_metrics(run_dir, self.start_step)
         self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
 
+    def _setup_topology(self) -> None:
+        """Split the data axis by node for hierarchical / hybrid all-reduces."""
+        topology = self.cfg.controllers.communication.topology
+        if topology == "flat" or self.dims.dp == 1:
+            return
+        cluster = self.cfg.cluster
+        link = None
+        if cluster.inter_node_bandwidth_gbps is not None:
+            assert cluster.intra_node_bandwidth_gbps is not None
+            link = LinkModel(
+                (cluster.intra_node_latency_us or 0.0) * 1e-6,
+                cluster.intra_node_bandwidth_gbps * 1e9 / 8,
+                (cluster.inter_node_latency_us or 0.0) * 1e-6,
+                cluster.inter_node_bandwidth_gbps * 1e9 / 8,
+            )
+        self.comm.set_dp_topology(topology, detect_node_of_rank(cluster.ranks_per_node), link)
+        if self.rank == 0:
+            text = (f"mcpar: {topology} data-parallel all-reduce over {self.dims.dp_inter} "
+                    f"node(s) x {self.dims.dp_intra} rank(s)")
+            if self.comm.link is not None:
+                text += f"; link model: {self.comm.link.describe()}"
+            print(text, flush=True)
+
     def _agree(self, value: int) -> int:
         """Rank 0's ``value``, on every rank."""
         if self.dims.world_size == 1:
@@ -196,6 +221,8 @@ class Trainer:
         self.pm.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
+        # Past its freeze step, 1-bit Adam exchanges the momentum itself: no gradient all-reduce.
+        self.pm.grad_sync.skip_step = bool(getattr(self.optimizer, "compressing", False))
         losses = self.compute.run_step(step)
         if self.cfg.parallelism.sequence_parallel:
             sync_sequence_parallel_grads(self.pm.params, self.comm)

@@ -12,7 +12,8 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
   (n-1)/n of the buffer per rank, the average over ranks;
 - point to point: the sender counts the whole tensor, the receiver nothing.
 
-Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims) and 'world' (the default group).
+Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims), 'dp_intra' and 'dp_inter' (the data axis
+split by node, for hierarchical collectives) and 'world' (the default group).
 
 Times: a blocking call is timed around the call; an asynchronous one from its launch to its
 completion, observed through the work's future, so overlap with compute does not hide or inflate
@@ -24,11 +25,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from mcpar.comm.collectives import LinkModel, choose_all_reduce, fit_link
 from mcpar.topology import ParallelDims
 
 
@@ -84,13 +87,16 @@ class CommStats:
 
 
 class CommHandle:
-    """An in-flight asynchronous collective; ``wait()`` blocks until it is done."""
+    """An in-flight asynchronous collective; ``wait()`` blocks until it is done (and raises what
+    a collective run on the controller's communication thread raised)."""
 
-    def __init__(self, work: dist.Work | None):
+    def __init__(self, work: dist.Work | Future | None):
         self._work = work
 
     def wait(self) -> None:
-        if self._work is not None:
+        if isinstance(self._work, Future):
+            self._work.result()
+        elif self._work is not None:
             self._work.wait()
 
 
@@ -112,6 +118,108 @@ class CommunicationController:
     def __init__(self, dims: ParallelDims):
         self.dims = dims
         self.stats = CommStats()
+        # Data-parallel all-reduce algorithm: 'flat', 'hierarchical' or 'hybrid' (per size).
+        self.dp_topology = "flat"
+        self.link: LinkModel | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    # --- topology -------------------------------------------------------------------------------
+    def set_dp_topology(self, topology: str, node_of_rank: list[int],
+                        link: LinkModel | None = None) -> None:
+        """Choose the data-parallel all-reduce algorithm. 'hierarchical' and 'hybrid' split the
+        data axis by node (``node_of_rank``: node index of every global rank); 'hybrid' needs
+        a link model and measures one when none is given."""
+        self.dp_topology = topology
+        if topology == "flat":
+            return
+        self.dims.build_node_groups(node_of_rank)
+        if topology == "hybrid":
+            self.link = link or self.measure_link()
+
+    def measure_link(self, small_bytes: int = 8, large_bytes: int = 1 << 20) -> LinkModel:
+        """Fit latency and bandwidth of the intra- and inter-node links from timed all-reduces
+        on the node groups (the same figures on every rank: the slowest rank's times)."""
+        results: dict[str, tuple[float, float]] = {}
+        for axis in ("dp_intra", "dp_inter"):
+            n = self.axis_size(axis)
+            times = []
+            for nbytes in (small_bytes, large_bytes):
+                buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+                self.all_reduce(buf, axis=axis)  # warm the connection
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    self.all_reduce(buf, axis=axis)
+                    best = min(best, time.perf_counter() - start)
+                times.append(best)
+            agreed = torch.tensor(times, dtype=torch.float64)
+            self.all_reduce(agreed, axis="world", op="max")
+            if n > 1:
+                results[axis] = fit_link(float(agreed[0]), small_bytes, float(agreed[1]),
+                                         large_bytes, n)
+            else:
+                results[axis] = (0.0, float("inf"))
+        (intra_lat, intra_bw), (inter_lat, inter_bw) = results["dp_intra"], results["dp_inter"]
+        return LinkModel(intra_lat, intra_bw, inter_lat, inter_bw)
+
+    def dp_algorithm(self, nbytes: int) -> str:
+        """The algorithm the data-parallel all-reduce of `nbytes` runs with."""
+        if self.dp_topology == "hybrid":
+            assert self.link is not None
+            return choose_all_reduce(nbytes, self.dims.dp_intra, self.dims.dp_inter, self.link)
+        if self.dp_topology == "hierarchical" and self.dims.dp_intra > 1:
+            return "hierarchical"
+        return "flat"
+
+    def run_async(self, fn) -> CommHandle:  # type: ignore[no-untyped-def]
+        """Run `fn` (a sequence of blocking collectives) on the controller's one communication
+        thread, in submission order, so a multi-stage collective overlaps with compute like a
+        native asynchronous one. Only groups that the main thread is not using at the same time
+        may be used there (the data-parallel groups during the backward pass)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcpar-comm")
+        return CommHandle(self._thread.submit(fn))
+
+    def dp_all_reduce(self, tensor: torch.Tensor, codec: str = "none",
+                      async_op: bool = False) -> CommHandle:
+        """Sum `tensor` (flat) over the data axis with the configured algorithm; `codec` fp16 or
+        bf16 casts what crosses the wire (under hierarchical, only the inter-node stage)."""
+        if self.axis_size("dp") == 1:
+            return CommHandle(None)
+        algorithm = self.dp_algorithm(tensor.numel() * tensor.element_size())
+        if algorithm == "flat" and codec == "none":
+            return self.all_reduce(tensor, axis="dp", async_op=async_op)
+
+        def run() -> None:
+            if algorithm == "flat":
+                self._cast_all_reduce(tensor, "dp", codec)
+            else:
+                self._hierarchical_all_reduce(tensor, codec)
+
+        if async_op:
+            return self.run_async(run)
+        run()
+        return CommHandle(None)
+
+    def _cast_all_reduce(self, tensor: torch.Tensor, axis: str, codec: str) -> None:
+        if codec == "none":
+            self.all_reduce(tensor, axis=axis)
+            return
+        wire = tensor.to({"fp16": torch.float16, "bf16": torch.bfloat16}[codec])
+        self.all_reduce(wire, axis=axis, codec=codec)
+        tensor.copy_(wire)
+
+    def _hierarchical_all_reduce(self, tensor: torch.Tensor, codec: str) -> None:
+        """Reduce-scatter inside the node, all-reduce the shards across nodes, all-gather
+        inside the node. Sizes that do not divide by the node's rank count are padded."""
+        k = self.axis_size("dp_intra")
+        pad = (-tensor.numel()) % k
+        padded = torch.cat([tensor, tensor.new_zeros(pad)]) if pad else tensor
+        shard = self.reduce_scatter_along(padded, dim=0, axis="dp_intra")
+        self._cast_all_reduce(shard, "dp_inter", codec)
+        self.all_gather_into(padded, shard, axis="dp_intra")
+        if pad:
+            tensor.copy_(padded[:tensor.numel()])
 
     def axis_size(self, axis: str) -> int:
         if not dist.is_initialized():
@@ -207,6 +315,43 @@ class CommunicationController:
         nbytes = (n - 1) / n * moved.numel() * moved.element_size()
         self._timed(("reduce_scatter", axis, "none"), nbytes, None, start, False)
         return out.movedim(0, dim)
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, axis: str = "dp",
+                          codec: str = "none") -> torch.Tensor:
+        """Split `tensor` (1-D) into n equal chunks, send chunk j to axis rank j, and receive
+        every rank's chunk for this rank into `output`, in axis-rank order (blocking)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            output.copy_(tensor)
+            return output
+        if tensor.numel() % n:
+            raise ValueError(f"all_to_all of {tensor.numel()} elements over {n} ranks")
+        start = time.perf_counter()
+        dist.all_to_all_single(output, tensor, group=self._group(axis))
+        # Each rank keeps its own chunk and sends the other n - 1.
+        nbytes = (n - 1) / n * tensor.numel() * tensor.element_size()
+        self._timed(("all_to_all", axis, codec), nbytes, None, start, False)
+        return output
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, axis: str = "dp",
+                        codec: str = "none") -> torch.Tensor:
+        """Concatenate every axis rank's `tensor` (flat) into `output`, in axis-rank order
+        (blocking)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return output
+        start = time.perf_counter()
+        dist.all_gather_single(output, tensor, group=self._group(axis))
+        nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
+        self._timed(("all_gather", axis, codec), nbytes, None, start, False)
+        return output
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's index along a mesh axis (0 when not distributed)."""
+        if not dist.is_initialized():
+            return 0
+        return dist.get_rank() if axis == "world" else self.dims.axis_rank(axis)
 
     def send(self, tensor: torch.Tensor, dst_axis_rank: int, axis: str = "pp",
              tag: int = 0) -> CommHandle:

@@ -16,10 +16,15 @@ Mechanism (the one DDP uses, kept small):
   asynchronously. Buckets are launched strictly in bucket order on every rank, because collectives
   on a process group must be issued in the same order everywhere.
 - During gradient accumulation only the last micro-batch synchronizes.
+- The reduction itself is the CommunicationController's: flat or hierarchical (by its topology),
+  fp16/bf16 on the wire, or a bucket reducer such as PowerSGD run on its communication thread.
+  With 1-bit Adam past its freeze step the optimizer exchanges the momentum itself, and the
+  trainer switches this synchronization off (``skip_step``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +46,18 @@ class DataParallelGradSync:
     """Averages gradients over the data-parallel axis through the CommunicationController."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: CommunicationController,
-                 bucket_size_mb: float = 25.0, overlap: bool = True, axis: str = "dp"):
+                 bucket_size_mb: float = 25.0, overlap: bool = True, codec: str = "none"):
+        """``codec``: 'none', 'fp16' or 'bf16' (cast on the wire); a bucket reducer set with
+        ``set_bucket_reducer`` replaces the all-reduce altogether."""
         self.comm = comm
-        self.axis = axis
-        self.degree = comm.axis_size(axis)
+        self.degree = comm.axis_size("dp")
         self.overlap = overlap
+        self.codec = codec
+        # Off for the micro-batches that only accumulate (set by the ComputeController).
         self.sync_enabled = True
+        # Off for a whole step whose optimizer synchronizes by itself (1-bit Adam).
+        self.skip_step = False
+        self.bucket_reducer: Callable[[list[torch.Tensor]], None] | None = None
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20))
         self._next_launch = 0
@@ -80,6 +91,11 @@ class DataParallelGradSync:
             buckets.append(GradBucket(group, buffer, param_ids={id(p) for p in group}))
         return buckets
 
+    def set_bucket_reducer(self, reducer: Callable[[list[torch.Tensor]], None]) -> None:
+        """Average each bucket's gradients with ``reducer(grads)`` (in place) instead of the
+        all-reduce, e.g. PowerSGD; it runs on the controller's communication thread."""
+        self.bucket_reducer = reducer
+
     @property
     def grad_bytes(self) -> int:
         """Bytes of all gradients this rank synchronizes per step."""
@@ -90,7 +106,7 @@ class DataParallelGradSync:
             bucket.buffer.zero_()
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not (self.sync_enabled and self.overlap):
+        if not (self.sync_enabled and self.overlap) or self.skip_step:
             return
         bucket = self._bucket_of[id(param)]
         bucket.num_ready += 1
@@ -102,15 +118,20 @@ class DataParallelGradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
-        if self.degree > 1:
-            # Divide first: the sum of averages stays in range for low-precision buffers.
-            bucket.buffer.div_(self.degree)
-        bucket.handle = self.comm.all_reduce(bucket.buffer, axis=self.axis, async_op=True)
+        if self.bucket_reducer is not None:
+            reducer, grads = self.bucket_reducer, [p.grad for p in bucket.params]
+            bucket.handle = self.comm.run_async(lambda: reducer(grads))  # type: ignore[arg-type]
+        else:
+            if self.degree > 1:
+                # Divide first: the sum of averages stays in range for low-precision buffers.
+                bucket.buffer.div_(self.degree)
+            bucket.handle = self.comm.dp_all_reduce(bucket.buffer, codec=self.codec,
+                                                    async_op=True)
         bucket.launched = True
 
     def finish(self) -> None:
         """Launch whatever the hooks did not (unused parameters, overlap off) and wait for all."""
-        if not self.sync_enabled:
+        if not self.sync_enabled or self.skip_step:
             return
         for bucket in self.buckets:
             if not bucket.launched:

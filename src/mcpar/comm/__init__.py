@@ -1,0 +1,1 @@
+"""Collective algorithms and compression codecs the CommunicationController runs."""
