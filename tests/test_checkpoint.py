@@ -27,7 +27,16 @@ LAYOUTS = {
     "tensor2": ["parallelism.tensor=2"],
     "pipeline2": ["parallelism.pipeline=2", "optimization.gradient_accumulation=2",
                   "optimization.micro_batch_size=8"],
+    # Resumed past the freeze step: momentum, frozen variance and both error buffers restored.
+    "onebit_adam": ["parallelism.data=2", "controllers.communication.compression=1bit",
+                    "optimization.freeze_step=8"],
+    # Resumed past the start: each rank's error feedback, Q and step count restored.
+    "powersgd": ["parallelism.data=2", "controllers.communication.compression=powersgd",
+                 "controllers.communication.powersgd_start_step=5",
+                 "controllers.communication.powersgd_rank=2"],
 }
+# Layouts whose checkpoints hold per-rank compression state (``rank<r>/`` keys).
+COMPRESSED = {"onebit_adam", "powersgd"}
 
 
 def _train(run: Path, settings: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
@@ -80,6 +89,16 @@ def test_resume_is_bitwise_identical(layout: str, straight: dict[str, Path],
         reference = load_tensors(straight[layout] / "checkpoints" / "step-40", prefix)
         assert reference and resumed.keys() == reference.keys()
         assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+    if layout in COMPRESSED:
+        resumed = load_tensors(run / "checkpoints" / "step-40", "rank")
+        reference = load_tensors(straight[layout] / "checkpoints" / "step-40", "rank")
+        assert {k.split("/")[0] for k in reference} == {"rank0", "rank1"}
+        assert resumed.keys() == reference.keys()
+        assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+        # The replicas' errors differ: they are per-rank state, not copies.
+        names = {k.split("/", 1)[1] for k in reference if "error" in k}
+        assert any(not torch.equal(reference[f"rank0/{n}"], reference[f"rank1/{n}"])
+                   for n in names)
 
 
 def _worker_pids(run_dir: Path) -> dict[int, int]:

@@ -26,17 +26,8 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
          "none"),
     ]
-    problems = [
+    return [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")
         for key, value, works in checks
         if value != works
     ]
-    if ctl.communication.compression in ("1bit", "powersgd"):
-        problems.append(problem("controllers.communication.compression",
-                                f"{ctl.communication.compression!r} is not available for "
-                                "training in this version; use 'none', 'fp16' or 'bf16'"))
-    if cfg.optimization.optimizer != "adamw":
-        problems.append(problem("optimization.optimizer",
-                                f"{cfg.optimization.optimizer!r} is not available for training "
-                                "in this version; use 'adamw'"))
-    return problems

@@ -8,7 +8,9 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-N/``, or ``optimization.c
 
   - ``model/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>``: this rank's parameters and persistent buffers;
   - ``optim/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>/<exp_avg|exp_avg_sq|step>``: AdamW state;
-  - ``rng/rank<r>/<cpu|cuda>``: the torch generator states of every rank.
+  - ``rng/rank<r>/<cpu|cuda>``: the torch generator states of every rank;
+  - ``rank<r>/<name>``: state that differs between replicas, for every rank: compression
+    error buffers of 1-bit Adam and PowerSGD (``comm/compression_state.py``).
 
   With ``strategy: full`` every rank writes its model and optimizer state (the ``-dp<d>`` suffix
   keeps data-parallel replicas apart). With ``strategy: selective`` only data-parallel rank 0 of
@@ -285,7 +287,10 @@ class FaultRecoveryManager:
 
     def __init__(self, cfg: JobConfig, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
                  optimizer: torch.optim.Optimizer, stream: Any, rank: int,
-                 barrier: Callable[[], None], agree: Callable[[int], int]):
+                 barrier: Callable[[], None], agree: Callable[[int], int],
+                 rank_state: Any = None):
+        """``rank_state``: an object with ``tensors()`` (name -> live tensor) and
+        ``load(tensors)`` for per-rank state such as compression errors; None for none."""
         self.cfg = cfg
         self.ckpt = cfg.optimization.checkpoint
         self.dir = checkpoint_dir(cfg, run_dir)
@@ -296,6 +301,7 @@ class FaultRecoveryManager:
         self.rank = rank
         self.barrier = barrier
         self.agree = agree  # rank 0's integer, known to every rank
+        self.rank_state = rank_state
         self.layout = layout_of(dims, cfg)
         self.log = RecoveryLog(run_dir, enabled=rank == 0)
         self.stop_requested = False
@@ -363,6 +369,9 @@ class FaultRecoveryManager:
                             state[f"{prefix}/{key}"] = value
         for key, value in self._rng_states().items():
             state[key] = value.clone() if saved_keys is not None else value
+        if self.rank_state is not None and saved_keys is None:
+            for name, value in self.rank_state.tensors().items():
+                state[f"rank{self.rank}/{name}"] = value
         return state
 
     # --- save ------------------------------------------------------------------------------------
@@ -430,7 +439,18 @@ class FaultRecoveryManager:
             raise UserError(problem("--resume", f"checkpoint {path} lacks {missing[0]} (and "
                                     f"{len(missing) - 1} more keys); it was not written by "
                                     "this layout"))
+        # Per-rank state is loaded into fresh tensors of the saved shapes, then handed over
+        # (PowerSGD's matrices do not exist before its first compressed step).
+        prefix = f"rank{self.rank}/"
+        metadata = reader.read_metadata().state_dict_metadata
+        rank_tensors = {key: torch.zeros(tuple(metadata[key].size),
+                                         dtype=metadata[key].properties.dtype)
+                        for key in saved_keys if key.startswith(prefix)}
+        state.update(rank_tensors)
         dcp.load(state, storage_reader=reader)
+        if self.rank_state is not None:
+            self.rank_state.load({key[len(prefix):]: value
+                                  for key, value in rank_tensors.items()})
         torch.set_rng_state(state[f"rng/rank{self.rank}/cpu"])
         cuda_key = f"rng/rank{self.rank}/cuda"
         if cuda_key in state:

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from mcpar.checkpoint import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
+from mcpar.comm.compression import PowerSGDCompressor
+from mcpar.comm.compression_state import CompressionState
 from mcpar.config import JobConfig, to_yaml
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
@@ -38,11 +40,12 @@ from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worke
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
+from mcpar.optim.onebit_adam import OneBitAdam
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.parallelize import parallelize
-from mcpar.topology import detect_node_of_rank, resolve_layout
+from mcpar.topology import detect_node_of_rank, resolve_layout, uses_onebit_adam
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
 EVAL_TAG_BASE = 1 << 24
@@ -58,16 +61,22 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
+                    comm: CommunicationController | None = None) -> torch.optim.Optimizer:
+    """AdamW, or 1-bit Adam (AdamW whose momentum is exchanged in 1 bit past its freeze
+    step; it needs the CommunicationController)."""
     # Weight decay on matrices only; biases and norms are left alone (GPT-2 practice).
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = cfg.optimization
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opt.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=opt.lr, betas=(opt.beta1, opt.beta2),
-    )
+    groups = [{"params": decay, "weight_decay": opt.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if uses_onebit_adam(cfg):
+        if comm is None:
+            raise ValueError("1-bit Adam needs the CommunicationController")
+        return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                          freeze_step=opt.freeze_step)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
 
 
 @dataclass
@@ -128,7 +137,16 @@ class Trainer:
                 # The run directory's config.yaml records what was chosen.
                 (run_dir / "config.yaml").write_text(to_yaml(cfg))
         num_micro = opt.gradient_accumulation or 1
-        self.optimizer = build_optimizer(self.pm.params, cfg)
+        self.optimizer = build_optimizer(self.pm.params, cfg, self.comm)
+        self.powersgd: PowerSGDCompressor | None = None
+        comm_cfg = cfg.controllers.communication
+        if comm_cfg.compression == "powersgd":
+            self.powersgd = PowerSGDCompressor(comm_cfg.powersgd_rank,
+                                               start_iter=comm_cfg.powersgd_start_step,
+                                               seed=tr.seed)
+            compressor = self.powersgd
+            self.pm.grad_sync.set_bucket_reducer(
+                lambda index, grads: compressor.reduce(grads, self.comm, "dp", key=index))
         self.executor: PipelineExecutor | None = None
         if self.dims.pp > 1:
             self.executor = PipelineExecutor(
@@ -144,7 +162,8 @@ class Trainer:
                                              forward_backward=self._forward_backward)
         self.recovery = FaultRecoveryManager(
             cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
-            self.rank, barrier=self.comm.barrier, agree=self._agree)
+            self.rank, barrier=self.comm.barrier, agree=self._agree,
+            rank_state=CompressionState(self.optimizer, self.powersgd))
         if env is not None and cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
         self.start_step = self.recovery.restore() if resume else 0

@@ -57,7 +57,7 @@ class DataParallelGradSync:
         self.sync_enabled = True
         # Off for a whole step whose optimizer synchronizes by itself (1-bit Adam).
         self.skip_step = False
-        self.bucket_reducer: Callable[[list[torch.Tensor]], None] | None = None
+        self.bucket_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20))
         self._next_launch = 0
@@ -91,9 +91,10 @@ class DataParallelGradSync:
             buckets.append(GradBucket(group, buffer, param_ids={id(p) for p in group}))
         return buckets
 
-    def set_bucket_reducer(self, reducer: Callable[[list[torch.Tensor]], None]) -> None:
-        """Average each bucket's gradients with ``reducer(grads)`` (in place) instead of the
-        all-reduce, e.g. PowerSGD; it runs on the controller's communication thread."""
+    def set_bucket_reducer(self, reducer: Callable[[int, list[torch.Tensor]], None]) -> None:
+        """Average each bucket's gradients with ``reducer(bucket_index, grads)`` (in place)
+        instead of the all-reduce, e.g. PowerSGD; it runs on the controller's communication
+        thread."""
         self.bucket_reducer = reducer
 
     @property
@@ -120,7 +121,9 @@ class DataParallelGradSync:
     def _launch(self, bucket: GradBucket) -> None:
         if self.bucket_reducer is not None:
             reducer, grads = self.bucket_reducer, [p.grad for p in bucket.params]
-            bucket.handle = self.comm.run_async(lambda: reducer(grads))  # type: ignore[arg-type]
+            index = next(i for i, b in enumerate(self.buckets) if b is bucket)
+            bucket.handle = self.comm.run_async(
+                lambda: reducer(index, grads))  # type: ignore[arg-type]
         else:
             if self.degree > 1:
                 # Divide first: the sum of averages stays in range for low-precision buffers.

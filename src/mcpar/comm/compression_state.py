@@ -1,0 +1,62 @@
+"""Per-rank compression state in checkpoints: 1-bit Adam's error buffers and PowerSGD's.
+
+These tensors differ between data-parallel replicas (each rank's compression error is its own),
+so the FaultRecoveryManager stores them under ``rank<r>/`` keys for every rank, whatever the
+checkpoint strategy; without them a resumed run would restart error feedback from zero and not
+be bitwise identical to one that never stopped. (1-bit Adam's momentum, frozen variance and step
+are ordinary per-parameter optimizer state and are saved as AdamW's are.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcpar.comm.compression import PowerSGDCompressor
+
+
+class CompressionState:
+    """Names the compression tensors of this rank for saving, and restores them after a load."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, powersgd: PowerSGDCompressor | None):
+        self.optimizer = optimizer
+        self.powersgd = powersgd
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Live tensors to save, by name relative to this rank's prefix."""
+        out: dict[str, torch.Tensor] = {}
+        errors = getattr(self.optimizer, "error_buffers", None)
+        if errors is not None:
+            out["onebit/worker_error"] = errors.worker
+            out["onebit/server_error"] = errors.server
+        if self.powersgd is not None:
+            for key, group in self.powersgd.state_dict().items():
+                out[f"powersgd/{key}/iteration"] = torch.tensor([group["iteration"]],
+                                                                dtype=torch.int64)
+                for index, matrix in group["matrices"].items():  # type: ignore[union-attr]
+                    out[f"powersgd/{key}/{index}/error"] = matrix["error"]
+                    out[f"powersgd/{key}/{index}/q"] = matrix["q"]
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore from the tensors a checkpoint held under this rank's prefix."""
+        errors = getattr(self.optimizer, "error_buffers", None)
+        if errors is not None and "onebit/worker_error" in tensors:
+            for name, live in (("worker_error", errors.worker), ("server_error", errors.server)):
+                saved = tensors[f"onebit/{name}"]
+                if saved.shape != live.shape:
+                    raise ValueError(f"saved 1-bit Adam {name} has shape {tuple(saved.shape)}, "
+                                     f"this layout needs {tuple(live.shape)}")
+                live.copy_(saved)
+        if self.powersgd is not None:
+            state: dict[int, dict[str, object]] = {}
+            for name, tensor in tensors.items():
+                parts = name.split("/")
+                if parts[0] != "powersgd":
+                    continue
+                group = state.setdefault(int(parts[1]), {"iteration": 0, "matrices": {}})
+                if parts[2] == "iteration":
+                    group["iteration"] = int(tensor.item())
+                else:
+                    matrices: dict = group["matrices"]  # type: ignore[assignment]
+                    matrices.setdefault(int(parts[2]), {})[parts[3]] = tensor
+            self.powersgd.load_state_dict(state)

@@ -1,0 +1,366 @@
+"""1-bit Adam: Adam whose data-parallel communication is cut to about one bit per parameter.
+
+Algorithm (algorithms.md §1.2; Tang et al., ICML 2021; DeepSpeed's ``OnebitAdam``):
+
+- Warm-up, steps 1..freeze_step: plain Adam on the gradient the caller has already averaged
+  over the data-parallel axis, as DeepSpeed runs it: no bias correction, decoupled weight decay
+  added to the update, ``x -= lr * (m / (sqrt(v) + eps) + wd * x)``.
+- Compression stage, from step freeze_step + 1: the variance v is frozen. The caller does NOT
+  all-reduce the gradients; each rank forms its local momentum ``b1 * m + (1 - b1) * g_local``
+  and the optimizer averages it with the error-compensated 1-bit all-reduce
+  (:func:`mcpar.comm.compression.onebit_compressed_allreduce`), which leaves m bit-identical on
+  every rank. Then ``x -= lr * (m / (sqrt(v_frozen) + eps) + wd * x)``.
+
+Why it is written here: DeepSpeed's optimizer calls its own communication backend, and every
+collective of this framework has to go through the CommunicationController to be counted.
+
+All parameters of all groups share one flat float32 momentum and one flat variance buffer (a
+parameter's ``state[p]['exp_avg']`` / ``['exp_avg_sq']`` are views into them), so the compression
+stage runs ONE compressed all-reduce per step over every parameter, and the frozen denominator
+``sqrt(v) + eps`` is computed once. The flat order is the order of the parameter groups and of
+the parameters within them; the groups' ranges are contiguous, so per-group hyperparameters
+apply to a slice. Every parameter is stepped every step: a missing gradient counts as zero (the
+flat exchange needs the same layout on every rank).
+
+Step count, moments and both error buffers are optimizer state: ``state_dict()`` carries them
+(the error buffers differ per rank), and ``load_state_dict()`` restores them so that training
+resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mcpar.comm.compression import OneBitErrorBuffers, onebit_compressed_allreduce
+from mcpar.controllers.communication import CommunicationController
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """Adam with a frozen variance and 1-bit compressed momentum after ``freeze_step`` steps.
+
+    The caller's contract, per step: read :attr:`compressing` before the step's gradient
+    synchronization. When it is False, average the gradients over ``axis`` as for any optimizer;
+    when it is True, leave each rank's local gradient as it is (the optimizer communicates).
+    The learning rate (and weight decay) are read from ``param_groups`` at every step.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+                 comm: CommunicationController, axis: str = "dp", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100_000):
+        if not isinstance(freeze_step, int) or freeze_step < 1:
+            # At least one warm-up step: freezing a variance that was never estimated (zero)
+            # would divide the momentum by eps.
+            raise ValueError(f"freeze_step must be an integer >= 1, got {freeze_step!r}")
+        self._initialized = False
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            _check_hyperparameters(group)
+        self.comm = comm
+        self.axis = axis
+        self.freeze_step = freeze_step
+
+        # Flat layout: (param, offset, numel) in group order; each group a contiguous range.
+        self._layout: list[tuple[torch.nn.Parameter, int, int]] = []
+        self._group_ranges: list[tuple[int, int]] = []
+        offset = 0
+        for group in self.param_groups:
+            start = offset
+            for p in group["params"]:
+                if not p.requires_grad:
+                    raise ValueError("OneBitAdam steps every parameter it holds; pass only "
+                                     "trainable ones (requires_grad=True)")
+                if not p.is_floating_point():
+                    raise ValueError(f"cannot optimize a {p.dtype} parameter")
+                self._layout.append((p, offset, p.numel()))
+                offset += p.numel()
+            self._group_ranges.append((start, offset))
+        if not self._layout:
+            raise ValueError("OneBitAdam got no parameters")
+        devices = {p.device for p, _, _ in self._layout}
+        if len(devices) > 1:
+            raise ValueError("all parameters must be on one device, got "
+                             f"{sorted(map(str, devices))}")
+        self.numel = offset
+        self.device = devices.pop()
+
+        self._exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._flat_grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._step_count = 0
+        # Shared by every parameter's state; it mirrors _step_count for per-parameter readers
+        # (checkpoint code that looks for AdamW's 'step').
+        self._step_tensor = torch.zeros((), dtype=torch.float32)
+        # Under a hierarchical data axis the momentum is averaged inside the node in fp32 (fast
+        # links) and only the 1/k shard crosses nodes, compressed: the errors are the shard's.
+        self._intra = (comm.axis_size("dp_intra") if axis == "dp"
+                       and comm.dp_algorithm(4 * self.numel) == "hierarchical" else 1)
+        self._exchange_axis = "dp_inter" if self._intra > 1 else axis
+        self._world = comm.axis_size(axis)
+        exchanged = -(-self.numel // self._intra)
+        self._errors = OneBitErrorBuffers.zeros(exchanged, comm.axis_size(self._exchange_axis),
+                                                self.device)
+        self._denom: torch.Tensor | None = None  # sqrt(v_frozen) + eps, built at first use
+        self._bind_state()
+        self._initialized = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_initialized", False):
+            raise RuntimeError("OneBitAdam's flat buffers are fixed at construction; "
+                               "pass every parameter group to the constructor")
+        super().add_param_group(param_group)
+
+    # --- state ------------------------------------------------------------------------------
+    @property
+    def compressing(self) -> bool:
+        """True when the NEXT ``step()`` is a compression-stage step (the caller must then skip
+        its gradient all-reduce)."""
+        self._adopt_external_state()  # a checkpoint loaded in place may have moved the step
+        return self._step_count >= self.freeze_step
+
+    @property
+    def steps_done(self) -> int:
+        self._adopt_external_state()
+        return self._step_count
+
+    @property
+    def error_buffers(self) -> OneBitErrorBuffers:
+        """This rank's worker and server error buffers (live tensors; they differ per rank)."""
+        return self._errors
+
+    def _bind_state(self) -> None:
+        """Point every parameter's state at its slices of the flat buffers."""
+        self._step_tensor.fill_(float(self._step_count))
+        for p, offset, numel in self._layout:
+            self.state[p] = {
+                "step": self._step_tensor,
+                "exp_avg": self._exp_avg[offset:offset + numel].view_as(p),
+                "exp_avg_sq": self._exp_avg_sq[offset:offset + numel].view_as(p),
+            }
+
+    def _is_bound(self) -> bool:
+        m_base, v_base = self._exp_avg.data_ptr(), self._exp_avg_sq.data_ptr()
+        itemsize = self._exp_avg.element_size()
+        for p, offset, _ in self._layout:
+            state = self.state.get(p)
+            if (not state or state.get("step") is not self._step_tensor
+                    or state.get("exp_avg") is None or state.get("exp_avg_sq") is None
+                    or state["exp_avg"].data_ptr() != m_base + offset * itemsize
+                    or state["exp_avg_sq"].data_ptr() != v_base + offset * itemsize):
+                return False
+        return True
+
+    def _adopt_external_state(self) -> None:
+        """Take over per-parameter state that code outside the optimizer put in ``self.state``
+        (a checkpoint loader filling fresh tensors in place), then bind the views again.
+
+        Without this the flat buffers would silently ignore such a load. The error buffers are
+        not per-parameter: a loader that does not restore them leaves them as they are.
+        """
+        if self._is_bound():
+            return
+        step = None
+        for p, offset, numel in self._layout:
+            state = self.state.get(p) or {}
+            for key, flat in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+                value = state.get(key)
+                target = flat[offset:offset + numel]
+                if value is None:
+                    target.zero_()
+                else:
+                    target.copy_(value.reshape(-1))
+            if step is None and "step" in state:
+                step = int(state["step"])
+        self._step_count = step if step is not None else 0
+        self._denom = None
+        self._bind_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW-shaped per-parameter state plus ``'onebit'``: step, world size and this rank's
+        error buffers (references to the live tensors, as torch's state_dict gives)."""
+        state = super().state_dict()
+        state["onebit"] = {
+            "step": self._step_count,
+            "world": self._world,
+            "freeze_step": self.freeze_step,
+            "worker_error": self._errors.worker,
+            "server_error": self._errors.server,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyperparameters, moments, step and error buffers from :meth:`state_dict`.
+
+        Error buffers saved under another data-parallel size cannot be reused (their padding and
+        chunking differ); they are reset to zero with a warning, as DeepSpeed always does.
+        """
+        if "onebit" not in state_dict:
+            raise ValueError("not a OneBitAdam state dict (no 'onebit' entry)")
+        saved_state = state_dict["state"]
+        # The base class restores and checks the groups; the moments are copied below, into
+        # the flat buffers, without its cast to the parameter dtype.
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for group in self.param_groups:
+            _check_hyperparameters(group)
+        for index, (_, offset, numel) in enumerate(self._layout):
+            saved = saved_state.get(index, {})
+            for key, flat in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+                target = flat[offset:offset + numel]
+                if key in saved:
+                    if saved[key].numel() != numel:
+                        raise ValueError(f"parameter {index}: saved {key} has "
+                                         f"{saved[key].numel()} elements, expected {numel}")
+                    target.copy_(saved[key].reshape(-1))
+                else:
+                    target.zero_()
+        onebit = state_dict["onebit"]
+        self._step_count = int(onebit["step"])
+        worker, server = onebit["worker_error"], onebit["server_error"]
+        if (int(onebit["world"]) == self._world and worker.shape == self._errors.worker.shape
+                and server.shape == self._errors.server.shape):
+            self._errors.worker.copy_(worker)
+            self._errors.server.copy_(server)
+        else:
+            warnings.warn(f"1-bit Adam error buffers were saved with {onebit['world']} "
+                          f"data-parallel ranks, this run has {self._world}: reset to zero",
+                          stacklevel=2)
+            self._errors.worker.zero_()
+            self._errors.server.zero_()
+        self._denom = None
+        self._bind_state()
+
+    # --- math -------------------------------------------------------------------------------
+    def _gather_grad(self) -> torch.Tensor:
+        """Every parameter's gradient in the flat fp32 scratch buffer (None counts as zero)."""
+        for p, offset, numel in self._layout:
+            target = self._flat_grad[offset:offset + numel]
+            if p.grad is None:
+                target.zero_()
+            elif p.grad.is_sparse:
+                raise RuntimeError("OneBitAdam does not support sparse gradients")
+            else:
+                target.copy_(p.grad.reshape(-1))
+        return self._flat_grad
+
+    def _apply_update(self, group: dict[str, Any], update: torch.Tensor) -> None:
+        """x -= lr * (update + wd * x) for the parameters of one group; ``update`` is the
+        group's flat slice (consumed)."""
+        params = group["params"]
+        if not params:
+            return
+        views, offset = [], 0
+        for p in params:
+            views.append(update[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(views, params, alpha=group["weight_decay"])
+        if all(p.dtype == torch.float32 for p in params):
+            torch._foreach_add_(params, views, alpha=-group["lr"])
+        else:
+            for p, view in zip(params, views, strict=True):
+                p.add_(view.to(p.dtype), alpha=-group["lr"])
+
+    def _warmup_step(self) -> None:
+        grad = self._gather_grad()
+        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
+            beta1, beta2 = group["betas"]
+            m, v, g = self._exp_avg[start:end], self._exp_avg_sq[start:end], grad[start:end]
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            self._apply_update(group, m / v.sqrt().add_(group["eps"]))
+        self._step_count += 1
+        self._step_tensor.fill_(float(self._step_count))
+
+    @torch.no_grad()
+    def local_momentum(self) -> torch.Tensor:
+        """This rank's momentum before averaging, b1 * m + (1 - b1) * g, from the parameters'
+        current ``.grad`` (a new flat fp32 tensor; the state is not modified).
+
+        Public so that a single-process simulation of p workers can drive exactly the
+        arithmetic of :meth:`step` (see tests/test_onebit_adam.py).
+        """
+        grad = self._gather_grad()
+        local = torch.empty_like(self._exp_avg)
+        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
+            beta1 = group["betas"][0]
+            out = local[start:end]
+            torch.mul(self._exp_avg[start:end], beta1, out=out)
+            out.add_(grad[start:end], alpha=1 - beta1)
+        return local
+
+    @torch.no_grad()
+    def apply_compressed_momentum(self, averaged: torch.Tensor) -> None:
+        """Compression-stage update from the averaged momentum: m <- averaged, then
+        x -= lr * (m / (sqrt(v_frozen) + eps) + wd * x) per group, and count the step."""
+        if not self.compressing:
+            raise RuntimeError(f"step {self._step_count + 1} is a warm-up step "
+                               f"(freeze_step {self.freeze_step})")
+        if averaged.numel() != self.numel:
+            raise ValueError(f"averaged momentum has {averaged.numel()} elements, "
+                             f"expected {self.numel}")
+        self._exp_avg.copy_(averaged.reshape(-1))
+        if self._denom is None:
+            self._denom = torch.empty_like(self._exp_avg_sq)
+            for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
+                torch.sqrt(self._exp_avg_sq[start:end], out=self._denom[start:end])
+                self._denom[start:end].add_(group["eps"])
+        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
+            self._apply_update(group, self._exp_avg[start:end] / self._denom[start:end])
+        self._step_count += 1
+        self._step_tensor.fill_(float(self._step_count))
+
+    def _hierarchical_exchange(self, local: torch.Tensor) -> torch.Tensor:
+        """Mean of the node's momenta by an fp32 reduce-scatter inside the node, 1-bit exchange
+        of this rank's shard with its peers on the other nodes, all-gather inside the node."""
+        k = self._intra
+        pad = (-local.numel()) % k
+        padded = torch.cat([local, local.new_zeros(pad)]) if pad else local
+        shard = self.comm.reduce_scatter_along(padded, dim=0, axis="dp_intra").div_(k)
+        averaged_shard = onebit_compressed_allreduce(shard, self._errors.worker,
+                                                     self._errors.server, self.comm,
+                                                     self._exchange_axis)
+        self.comm.all_gather_into(padded, averaged_shard, axis="dp_intra")
+        return padded[:local.numel()]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step: warm-up Adam, or the compressed momentum exchange and update.
+
+        In the compression stage every rank of ``axis`` must call it (it is a collective).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._adopt_external_state()
+        if not self.compressing:
+            self._warmup_step()
+            return loss
+        world = self.comm.axis_size(self.axis)
+        if world != self._world:
+            raise RuntimeError(f"OneBitAdam was built for {self._world} ranks on axis "
+                               f"'{self.axis}' but it now has {world}; build the optimizer "
+                               "after the process group")
+        if self._intra > 1:
+            averaged = self._hierarchical_exchange(self.local_momentum())
+        else:
+            averaged = onebit_compressed_allreduce(self.local_momentum(), self._errors.worker,
+                                                   self._errors.server, self.comm, self.axis)
+        self.apply_compressed_momentum(averaged)
+        return loss
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    beta1, beta2 = group["betas"]
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"betas must lie in [0, 1), got {group['betas']}")
+    if group["lr"] < 0:
+        raise ValueError(f"lr must be >= 0, got {group['lr']}")
+    if group["eps"] < 0:
+        raise ValueError(f"eps must be >= 0, got {group['eps']}")
+    if group["weight_decay"] < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
