@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--variants", default="adamw,onebit,powersgd")
     p.add_argument("--freeze-fraction", type=float, default=0.15)
-    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-rank", type=int, default=8)
     p.add_argument("--powersgd-start", type=int, default=10)
     p.add_argument("--out", type=Path, default=None, help="keep the run directories here")
     args = p.parse_args(argv)

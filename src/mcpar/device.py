@@ -51,12 +51,17 @@ def available_devices(info: DeviceInfo) -> int:
 
 
 def setup_worker(info: DeviceInfo, local_rank: int, local_world_size: int) -> torch.device:
-    """Pin the worker to its device; on CPU give it its share of the cores (DESIGN.md §5)."""
+    """Pin the worker to its device; on CPU give it its share of the cores (DESIGN.md §5):
+    ``MCPAR_NUM_THREADS`` when set (e.g. emulated nodes sharing one host's cores, where the
+    ranks of one "node" are not all the workers on the machine), else cores / local ranks."""
     device = info.torch_device(local_rank)
     if info.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+        explicit = os.environ.get("MCPAR_NUM_THREADS", "")
+        threads = (int(explicit) if explicit.isdigit() and int(explicit) > 0
+                   else (os.cpu_count() or 1) // max(1, local_world_size))
+        torch.set_num_threads(max(1, threads))
     return device
 
 

@@ -1,0 +1,762 @@
+"""An emulated cluster on one machine: one network namespace per "node", joined by shaped links.
+
+Why (DESIGN.md §6)
+    Communication-bound features (gradient compression, hierarchical collectives) only show
+    their worth when the link between machines is slow. Without a real cluster, each "node" is a
+    Linux network namespace; its ranks talk over loopback inside it (playing NVLink) and over a
+    rate-limited, delayed virtual link to the other nodes (playing the inter-node fabric).
+
+Topology
+    ::
+
+        node 0 ns                 switch ns                  node 1 ns
+        lo (intra-node)           +--------------------+      lo
+        nc-n0 10.77.0.1 ==veth== nc-s0   switch   nc-s1 ==veth== nc-n1 10.77.0.2
+
+    * one namespace per node (``<prefix>-n<k>``) and one "switch" namespace (``<prefix>-sw``),
+      so the host's own network is never touched; the per-run prefix ``mcnc-<pid>-<random>``
+      keeps parallel runs apart, and since every node owns its network stack, two runs can use
+      the same subnet without colliding;
+    * one veth pair per node, created directly inside its namespaces (never in the host's);
+    * rate: ``tbf`` on BOTH ends' egress (node -> switch and switch -> node), so every node has
+      ``rate`` up and ``rate`` down, as with a switched NIC;
+    * delay: ``delay`` is the ONE-WAY node-to-node latency (RTT = 2 x delay). With ``netem`` in
+      the kernel, each hop's egress gets ``netem delay delay/2`` above its ``tbf`` and a kernel
+      bridge switches the frames. Many small VMs' kernels (this one included) ship without
+      ``sch_netem``; then the switch is a small user-space process in the switch namespace
+      (``_forward``) that reads frames from the switch-side veths with AF_PACKET sockets, holds
+      each for ``delay``, and sends it on: the kernel still does the rate shaping on the way
+      out. Frames travel with their virtio-net header (``PACKET_VNET_HDR``), so TCP's 64 KiB
+      GSO segments cross in one piece with their checksum state: a few hundred frames per
+      second at 100 Mbit/s, a few percent of one core.
+
+Teardown
+    Everything is removed on exit, on exceptions and on SIGINT/SIGTERM (the handlers turn the
+    signal into an exception so the ``with`` block unwinds); processes started on the nodes are
+    killed first. If the owner was SIGKILLed, ``python bench/netcluster.py cleanup`` removes
+    leftovers whose owner is dead (``--all``: every ``mcnc-`` namespace).
+
+CLI
+    python bench/netcluster.py run --nodes 2 --rate 100mbit --delay 1ms --nproc-per-node 1 \\
+        -- script.py args...          # torchrun on every node, exit code of the worst node
+    python bench/netcluster.py run ... -- -m mcpar.cli train --run-dir runs/x
+    python bench/netcluster.py cleanup [--all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import contextlib
+import ctypes
+import ipaddress
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TypeVar
+
+ROOT_PREFIX = "mcnc-"
+DEFAULT_SUBNET = "10.77.0.0/24"
+NODE_IF = "nc-n{k}"    # node end of node k's veth, inside node k's namespace
+SWITCH_IF = "nc-s{k}"  # switch end, inside the switch namespace
+DEFAULT_MASTER_PORT = 29400
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+
+
+class NetClusterError(RuntimeError):
+    """Setting up the emulated cluster failed (the message names the command)."""
+
+
+def parse_rate(rate: str | float) -> float:
+    """``"100mbit"`` -> 1e8 bits/s (tc's units; a bare number is bits/s)."""
+    if isinstance(rate, (int, float)):
+        return float(rate)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", rate)
+    unit = (m.group(2) or "bit").lower() if m else ""
+    if m is None or unit not in _RATE_UNITS:
+        raise ValueError(f"cannot parse rate {rate!r} (e.g. 100mbit, 1gbit, 20mbit)")
+    return float(m.group(1)) * _RATE_UNITS[unit]
+
+
+def parse_delay(delay: str | float) -> float:
+    """``"1ms"`` -> 0.001 s (a bare number is seconds)."""
+    if isinstance(delay, (int, float)):
+        return float(delay)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", delay)
+    unit = (m.group(2) or "s").lower() if m else ""
+    if m is None or unit not in _TIME_UNITS:
+        raise ValueError(f"cannot parse delay {delay!r} (e.g. 1ms, 500us, 0)")
+    return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+# --- running ip / tc --------------------------------------------------------------------------
+
+def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise NetClusterError(f"`{' '.join(argv)}` failed ({proc.returncode}): "
+                              f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def _ns(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _sh(["ip", "netns", "exec", ns, *argv], check=check)
+
+
+def list_namespaces() -> list[str]:
+    """Names of all named network namespaces (``ip netns list``)."""
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_ns_processes(ns: str, grace_s: float = 2.0) -> None:
+    """Stop every process still running inside ``ns`` (TERM, then KILL)."""
+    def pids() -> list[int]:
+        out = _sh(["ip", "netns", "pids", ns], check=False).stdout.split()
+        return [int(p) for p in out if p.isdigit() and int(p) != os.getpid()]
+
+    found = pids()
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while found and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = pids()
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def cleanup(all_runs: bool = False) -> list[str]:
+    """Delete leftover namespaces (and anything with the prefix in the host namespace).
+
+    By default only runs whose owner process is gone (its pid is in the name); ``all_runs``
+    removes every ``mcnc-`` namespace, live runs included. Returns the names removed.
+    """
+    removed = []
+    for ns in list_namespaces():
+        if not ns.startswith(ROOT_PREFIX):
+            continue
+        m = re.match(re.escape(ROOT_PREFIX) + r"(\d+)-", ns)
+        if not all_runs and m is not None and _pid_alive(int(m.group(1))):
+            continue
+        _kill_ns_processes(ns)
+        _sh(["ip", "netns", "del", ns], check=False)
+        removed.append(ns)
+    # Links are created inside the run's namespaces, so none should be here; a crash of an
+    # older version could have left one.
+    for line in _sh(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(ROOT_PREFIX):
+            name = parts[1].strip().split("@")[0]
+            _sh(["ip", "link", "del", name], check=False)
+            removed.append(name)
+    return removed
+
+
+_AVAILABLE: tuple[bool, str] | None = None
+_NETEM: bool | None = None
+
+
+def available() -> tuple[bool, str]:
+    """Can this process build a cluster? ``(True, "")`` or ``(False, why)``; probed once."""
+    global _AVAILABLE
+    if _AVAILABLE is not None:
+        return _AVAILABLE
+    if not sys.platform.startswith("linux"):
+        _AVAILABLE = (False, "network namespaces need Linux")
+    elif os.geteuid() != 0:
+        _AVAILABLE = (False, "network namespaces need root (run as root or in a root container)")
+    elif shutil.which("ip") is None or shutil.which("tc") is None:
+        _AVAILABLE = (False, "`ip` and `tc` (iproute2) are not installed")
+    else:
+        probe = f"{ROOT_PREFIX}{os.getpid()}-probe{secrets.token_hex(2)}"
+        try:
+            _sh(["ip", "netns", "add", probe])
+            _sh(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+            _ns(probe, "tc", "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "10mbit",
+                "burst", "32kb", "latency", "50ms")
+            _AVAILABLE = (True, "")
+        except (NetClusterError, OSError, subprocess.SubprocessError) as err:
+            _AVAILABLE = (False, f"cannot build a namespace with a shaped veth: {err}")
+        finally:
+            _sh(["ip", "netns", "del", probe], check=False)
+    return _AVAILABLE
+
+
+def netem_available() -> bool:
+    """Whether the kernel has ``sch_netem`` (probed once, in a scratch namespace)."""
+    global _NETEM
+    if _NETEM is None:
+        probe = f"{ROOT_PREFIX}{os.getpid()}-netem{secrets.token_hex(2)}"
+        try:
+            _sh(["ip", "netns", "add", probe])
+            _NETEM = _ns(probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                         "1ms", check=False).returncode == 0
+        except (NetClusterError, OSError, subprocess.SubprocessError):
+            _NETEM = False
+        finally:
+            _sh(["ip", "netns", "del", probe], check=False)
+    return _NETEM
+
+
+def _death_signal_preexec() -> Callable[[], None] | None:
+    """preexec_fn: the child gets SIGKILL when this process dies (Linux prctl)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+# --- the clusters -----------------------------------------------------------------------------
+
+_NS = TypeVar("_NS", bound="_Namespaces")
+
+
+class _Namespaces:
+    """Owns a set of namespaces and the processes started in them; tears all down once."""
+
+    num_nodes: int
+
+    def __init__(self) -> None:
+        self.prefix = f"{ROOT_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+        self.namespaces: list[str] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._closed = True
+        self._old_handlers: dict[int, object] = {}
+
+    # Subclasses: which namespace runs node k, its address and the interface gloo should use.
+    def node_ns(self, k: int) -> str:
+        raise NotImplementedError
+
+    def node_addr(self, k: int) -> str:
+        raise NotImplementedError
+
+    def node_ifname(self, k: int) -> str:
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _add_ns(self, name: str) -> None:
+        _sh(["ip", "netns", "add", name])
+        self.namespaces.append(name)
+        _ns(name, "ip", "link", "set", "lo", "up")
+        # No IPv6 chatter (router solicitations, DAD) on the emulated links.
+        _ns(name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", check=False)
+
+    def __enter__(self: _NS) -> _NS:
+        ok, why = available()
+        if not ok:
+            raise NetClusterError(why)
+        self._closed = False
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM unwinds the with-block like Ctrl-C does, so __exit__ tears down.
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run_on_node(self, k: int, argv: Sequence[str], env: dict[str, str] | None = None,
+                    **popen_kwargs: object) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside node ``k``'s namespace (``ip netns exec``); ``env`` is added
+        to this process's environment. The process leads its own process group and is killed
+        at teardown if still running."""
+        if self._closed:
+            raise NetClusterError("the cluster is not set up (use it as a context manager)")
+        if not 0 <= k < self.num_nodes:
+            raise IndexError(f"node {k} of {self.num_nodes}")
+        full_env = dict(os.environ, **(env or {}))
+        popen_kwargs.setdefault("start_new_session", True)
+        if threading.current_thread() is threading.main_thread():
+            # The kernel ties the death signal to the forking thread: only the main thread
+            # is sure to live as long as this process.
+            popen_kwargs.setdefault("preexec_fn", _death_signal_preexec())
+        proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
+            ["ip", "netns", "exec", self.node_ns(k), *argv], env=full_env, **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Kill what runs on the nodes, delete every namespace (and with it every veth)."""
+        if self._closed:
+            return
+        self._closed = True
+        held: dict[int, object] = {}
+        caught: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            # A Ctrl-C or SIGTERM must not cut the teardown short: hold it, deliver it after.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                held[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
+        try:
+            self._teardown()
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            self._old_handlers = {}
+            atexit.unregister(self.close)
+        if caught:
+            os.kill(os.getpid(), caught[0])
+
+    def _teardown(self) -> None:
+        for proc in self._procs:
+            _terminate(proc)
+        for ns in reversed(self.namespaces):
+            _kill_ns_processes(ns, grace_s=1.0)
+            _sh(["ip", "netns", "del", ns], check=False)
+        self.namespaces = []
+
+
+def _terminate(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
+    """TERM the process group of ``proc``, KILL it after ``grace_s``, and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+class NetCluster(_Namespaces):
+    """``num_nodes`` namespaces joined through a switch by links of ``rate`` and ``delay``.
+
+    ``delay`` is one-way node to node (RTT 2 x delay). ``delay_backend``: ``"auto"`` (netem when
+    the kernel has it, else the user-space forwarder; a zero delay needs neither and uses a
+    kernel bridge), ``"netem"`` or ``"forwarder"``. ``burst`` is tbf's bucket (default: 64 KiB
+    or 2 ms of traffic, whichever is larger, so GSO segments pass unsplit); ``queue`` how long
+    a queue tbf keeps before dropping (default 100 ms).
+    """
+
+    def __init__(self, num_nodes: int, rate: str | float = "100mbit", delay: str | float = "1ms",
+                 subnet: str = DEFAULT_SUBNET, delay_backend: str = "auto",
+                 burst: int | None = None, queue: str | float = "100ms"):
+        super().__init__()
+        if num_nodes < 1:
+            raise ValueError("num_nodes must be at least 1")
+        self.num_nodes = num_nodes
+        self.rate_bps = parse_rate(rate)
+        self.delay_s = parse_delay(delay)
+        self.net = ipaddress.ip_network(subnet)
+        if self.net.num_addresses - 2 < num_nodes:
+            raise ValueError(f"subnet {subnet} has no room for {num_nodes} nodes")
+        if delay_backend not in ("auto", "netem", "forwarder"):
+            raise ValueError("delay_backend must be auto, netem or forwarder")
+        self.requested_backend = delay_backend
+        self.backend = ""  # "bridge", "netem" or "forwarder", known after setup
+        self.burst = burst or max(65536 + 1514, int(self.rate_bps / 8 * 0.002))
+        self.queue_s = parse_delay(queue)
+        self.switch_ns = f"{self.prefix}-sw"
+        self._forwarder: subprocess.Popen[bytes] | None = None
+
+    def node_ns(self, k: int) -> str:
+        return f"{self.prefix}-n{k}"
+
+    def node_addr(self, k: int) -> str:
+        return str(self.net.network_address + 1 + k)
+
+    def node_ifname(self, k: int) -> str:
+        return NODE_IF.format(k=k)
+
+    def describe(self) -> dict[str, object]:
+        """The link as configured (for a benchmark's JSON)."""
+        return {"nodes": self.num_nodes, "rate_bit_s": self.rate_bps,
+                "one_way_delay_s": self.delay_s, "delay_backend": self.backend,
+                "tbf_burst_bytes": self.burst, "tbf_queue_s": self.queue_s}
+
+    def _tbf(self, ns: str, dev: str, parent: list[str]) -> None:
+        limit = int(self.rate_bps / 8 * self.queue_s) + self.burst
+        _ns(ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf",
+            "rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst), "limit", str(limit))
+
+    def _shape(self, ns: str, dev: str, hop_delay_s: float) -> None:
+        if self.backend == "netem":
+            # netem delays, its child tbf paces what comes out (tc-netem(8)'s own example).
+            _ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                f"{hop_delay_s * 1e6:.0f}us", "limit", "100000")
+            self._tbf(ns, dev, ["parent", "1:1", "handle", "10:"])
+        else:
+            self._tbf(ns, dev, ["root", "handle", "1:"])
+
+    def _build(self) -> None:
+        if self.delay_s == 0 and self.requested_backend == "auto":
+            self.backend = "bridge"
+        elif self.requested_backend == "auto":
+            self.backend = "netem" if netem_available() else "forwarder"
+        else:
+            self.backend = self.requested_backend
+        if self.backend == "netem" and not netem_available():
+            raise NetClusterError("this kernel has no sch_netem; use delay_backend='forwarder'")
+        self._add_ns(self.switch_ns)
+        if self.backend != "forwarder":
+            _ns(self.switch_ns, "ip", "link", "add", "br0", "type", "bridge")
+            _ns(self.switch_ns, "ip", "link", "set", "br0", "up")
+        for k in range(self.num_nodes):
+            ns, node_if, sw_if = self.node_ns(k), self.node_ifname(k), SWITCH_IF.format(k=k)
+            self._add_ns(ns)
+            # Both ends are born in their namespaces: nothing appears in the host's.
+            _sh(["ip", "link", "add", node_if, "netns", ns, "type", "veth",
+                 "peer", "name", sw_if, "netns", self.switch_ns])
+            _ns(ns, "ip", "addr", "add", f"{self.node_addr(k)}/{self.net.prefixlen}",
+                "dev", node_if)
+            _ns(ns, "ip", "link", "set", node_if, "up")
+            if self.backend != "forwarder":
+                _ns(self.switch_ns, "ip", "link", "set", sw_if, "master", "br0")
+            _ns(self.switch_ns, "ip", "link", "set", sw_if, "up")
+            hop = self.delay_s / 2
+            self._shape(ns, node_if, hop)
+            self._shape(self.switch_ns, sw_if, hop)
+        if self.backend == "forwarder":
+            self._start_forwarder()
+
+    def _start_forwarder(self) -> None:
+        ifaces = ",".join(SWITCH_IF.format(k=k) for k in range(self.num_nodes))
+        argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, os.path.abspath(__file__),
+                "_forward", "--delay-s", repr(self.delay_s), "--ifaces", ifaces]
+        proc: subprocess.Popen[bytes] = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_death_signal_preexec())
+        self._forwarder = proc
+        self._procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "ready" once every socket is bound
+        if line.strip() != b"ready":
+            raise NetClusterError(f"the switch forwarder did not start (exit {proc.poll()})")
+
+    def close(self) -> None:
+        super().close()
+        self._forwarder = None
+
+
+class LoopbackCluster(_Namespaces):
+    """The same interface as ``NetCluster``, but every "node" runs in ONE unshaped namespace
+    and talks over loopback: the reference for what the slow link costs."""
+
+    def __init__(self, num_nodes: int):
+        super().__init__()
+        self.num_nodes = num_nodes
+        self.backend = "loopback"
+
+    def node_ns(self, k: int) -> str:
+        return f"{self.prefix}-lo"
+
+    def node_addr(self, k: int) -> str:
+        return "127.0.0.1"
+
+    def node_ifname(self, k: int) -> str:
+        return "lo"
+
+    def describe(self) -> dict[str, object]:
+        return {"nodes": self.num_nodes, "link": "loopback (one namespace)"}
+
+    def _build(self) -> None:
+        self._add_ns(self.node_ns(0))
+
+
+# --- torchrun on every node -------------------------------------------------------------------
+
+@dataclass
+class TorchrunResult:
+    """How each node's torchrun ended; ``output[k]`` is node k's stdout+stderr."""
+
+    returncodes: list[int | None]
+    output: list[str]
+    elapsed_s: float
+    timed_out: bool = False
+    failed_node: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(c == 0 for c in self.returncodes)
+
+    def worker_exitcodes(self, k: int) -> list[int]:
+        """Exit codes of node k's failed workers, from torchrun's failure report (torchrun
+        itself exits 1 whatever its workers did; mcpar's refusals are exit 2)."""
+        return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", self.output[k])]
+
+    def exit_code(self) -> int:
+        """One code for the job: 0, 124 on timeout, else the first failed worker's own code
+        (falling back to its torchrun's)."""
+        if self.ok:
+            return 0
+        if self.timed_out:
+            return 124
+        k = self.failed_node if self.failed_node is not None else 0
+        codes = self.worker_exitcodes(k)
+        return next((c for c in codes if c), 0) or self.returncodes[k] or 1
+
+
+def threads_per_worker(total_workers: int, cores: int | None = None) -> int:
+    """DESIGN §5's ``max(1, cores // workers)``: all emulated nodes share this host's cores."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, total_workers))
+
+
+def launch_torchrun(cluster: _Namespaces, nproc_per_node: int, script_argv: Sequence[str], *,
+                    master_port: int = DEFAULT_MASTER_PORT, env: dict[str, str] | None = None,
+                    timeout_s: float = 600.0, echo: bool = False, cwd: str | None = None,
+                    kill_grace_s: float = 5.0) -> TorchrunResult:
+    """Start one ``torchrun`` per node of ``cluster`` and wait for all of them.
+
+    Static rendezvous: node k runs ``torchrun --nnodes N --node-rank k --nproc-per-node m
+    --master-addr <node 0> --master-port P``; ``script_argv`` is what follows (a script and its
+    arguments, or ``-m module ...``). Every worker gets ``GLOO_SOCKET_IFNAME`` (the node's
+    link: hostnames are the same in every namespace, so gloo must not guess from them),
+    ``OMP_NUM_THREADS = max(1, cores // all workers)`` unless ``env`` sets it, and ``env``.
+    When a node fails, or ``timeout_s`` passes, the other nodes are killed. ``echo`` copies
+    every line to stderr, prefixed with its node.
+    """
+    total = cluster.num_nodes * nproc_per_node
+    threads = threads_per_worker(total)
+    base = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1"}
+    base.update(env or {})
+    procs: list[subprocess.Popen[bytes]] = []
+    outputs: list[list[str]] = [[] for _ in range(cluster.num_nodes)]
+    readers: list[threading.Thread] = []
+    lock = threading.Lock()
+
+    def pump(k: int, stream: object) -> None:
+        for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+            line = raw.decode(errors="replace")
+            with lock:
+                outputs[k].append(line)
+                if echo:
+                    sys.stderr.write(f"[node {k}] {line}")
+                    sys.stderr.flush()
+
+    start = time.monotonic()
+    for k in range(cluster.num_nodes):
+        node_env = dict(base, GLOO_SOCKET_IFNAME=cluster.node_ifname(k),
+                        TP_SOCKET_IFNAME=cluster.node_ifname(k), NETCLUSTER_NODE=str(k))
+        argv = [sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", str(cluster.num_nodes), "--node-rank", str(k),
+                "--nproc-per-node", str(nproc_per_node),
+                "--master-addr", cluster.node_addr(0), "--master-port", str(master_port),
+                "--max-restarts", "0", "--monitor-interval", "0.2", *script_argv]
+        proc = cluster.run_on_node(k, argv, env=node_env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        procs.append(proc)
+        reader = threading.Thread(target=pump, args=(k, proc.stdout), daemon=True)
+        reader.start()
+        readers.append(reader)
+    timed_out, failed = False, None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [k for k, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() - start > timeout_s:
+                timed_out = True
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _terminate(p, kill_grace_s)
+        for r in readers:
+            r.join(5)
+    return TorchrunResult([p.returncode for p in procs], ["".join(o) for o in outputs],
+                          time.monotonic() - start, timed_out, failed, base)
+
+
+# --- the user-space switch (delay line) -------------------------------------------------------
+
+_ETH_P_ALL = 0x0003
+_SOL_PACKET = 263
+_PACKET_VNET_HDR = 15
+_PACKET_IGNORE_OUTGOING = 23
+_PACKET_OUTGOING = 4
+_SO_RCVBUFFORCE = 33
+_VNET_HDR_LEN = 10
+_MAX_FRAME = 10 + 14 + 65536 + 64  # vnet header + Ethernet + the largest GSO frame
+
+
+def forward(ifaces: Sequence[str], delay_s: float, stop: Callable[[], bool] = lambda: False,
+            ready: Callable[[], None] = lambda: None) -> None:
+    """A learning Ethernet switch between ``ifaces`` that holds every frame ``delay_s``.
+
+    Runs in the switch namespace. Frames are read and written with their virtio-net header, so
+    GSO super-frames and checksum offload state pass through untouched. Rate limiting is the
+    kernel's (tbf on each interface's egress), since AF_PACKET sends go through the qdisc.
+    The loop is kept lean (one clock read per wake-up, our own sends filtered by the kernel):
+    it costs about a tenth of a core per 100 Mbit/s forwarded.
+    """
+    socks = []
+    for name in ifaces:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
+        s.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
+        with contextlib.suppress(OSError):  # Linux >= 4.20; else filtered below
+            s.setsockopt(_SOL_PACKET, _PACKET_IGNORE_OUTGOING, 1)
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
+        s.bind((name, _ETH_P_ALL))
+        s.setblocking(False)
+        socks.append(s)
+    by_fd = {s.fileno(): i for i, s in enumerate(socks)}
+    ep = select.epoll()
+    for s in socks:
+        ep.register(s.fileno(), select.EPOLLIN)
+    macs: dict[bytes, int] = {}
+    queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
+    src_at, dst_at = slice(_VNET_HDR_LEN + 6, _VNET_HDR_LEN + 12), slice(_VNET_HDR_LEN,
+                                                                          _VNET_HDR_LEN + 6)
+    monotonic = time.monotonic
+    ready()
+    while not stop():
+        timeout = 0.5 if not queue else max(0.0, queue[0][0] - monotonic())
+        events = ep.poll(timeout)
+        now = monotonic()
+        for fd, _ in events:
+            port = by_fd[fd]
+            recvfrom = socks[port].recvfrom
+            while True:
+                try:
+                    data, addr = recvfrom(_MAX_FRAME)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    break  # e.g. the interface went down at teardown
+                if addr[2] == _PACKET_OUTGOING:
+                    continue
+                macs[data[src_at]] = port
+                queue.append((now + delay_s, port, data))
+        if not queue or queue[0][0] > now:
+            continue
+        while queue and queue[0][0] <= now:
+            _, port, data = queue.popleft()
+            dst = data[dst_at]
+            out = None if dst[0] & 1 else macs.get(dst)
+            for t in ([out] if out is not None else range(len(socks))):
+                if t == port:
+                    continue
+                # A full egress queue drops the frame (ENOBUFS), as a switch would; TCP
+                # recovers. Any other error (interface gone at teardown) also just drops it.
+                with contextlib.suppress(OSError):
+                    socks[t].send(data)
+
+
+def _forward_main(args: argparse.Namespace) -> int:
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, _f: stopping.append(s))
+
+    def ready() -> None:
+        print("ready", flush=True)
+
+    forward(args.ifaces.split(","), args.delay_s, stop=lambda: bool(stopping), ready=ready)
+    return 0
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+def _run_main(args: argparse.Namespace) -> int:
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        print("netcluster: nothing to run (give the script after --)", file=sys.stderr)
+        return 2
+    with NetCluster(args.nodes, rate=args.rate, delay=args.delay, subnet=args.subnet,
+                    delay_backend=args.delay_backend) as cluster:
+        print(f"netcluster: {cluster.describe()}; nodes at "
+              f"{[cluster.node_addr(k) for k in range(args.nodes)]}", file=sys.stderr, flush=True)
+        result = launch_torchrun(cluster, args.nproc_per_node, script, timeout_s=args.timeout,
+                                 echo=True, cwd=os.getcwd())
+    if result.timed_out:
+        print(f"netcluster: timed out after {args.timeout:.0f} s", file=sys.stderr)
+    else:
+        print(f"netcluster: torchrun exit codes {result.returncodes} in "
+              f"{result.elapsed_s:.1f} s", file=sys.stderr)
+    return result.exit_code()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,cleanup}")
+    run = sub.add_parser("run", help="run torchrun on every node of a fresh cluster")
+    run.add_argument("--nodes", type=int, default=2)
+    run.add_argument("--rate", default="100mbit", help="link rate, tc units (100mbit, 1gbit)")
+    run.add_argument("--delay", default="1ms", help="one-way node-to-node delay (1ms, 0)")
+    run.add_argument("--subnet", default=DEFAULT_SUBNET)
+    run.add_argument("--delay-backend", default="auto", choices=["auto", "netem", "forwarder"])
+    run.add_argument("--nproc-per-node", type=int, default=1)
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds before all is killed")
+    run.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py args...")
+    clean = sub.add_parser("cleanup", help="remove namespaces left by dead runs")
+    clean.add_argument("--all", action="store_true", help="also those of runs still alive")
+    fwd = sub.add_parser("_forward", help=argparse.SUPPRESS)
+    fwd.add_argument("--ifaces", required=True)
+    fwd.add_argument("--delay-s", type=float, required=True)
+    args = p.parse_args(argv)
+    if args.command == "_forward":
+        return _forward_main(args)
+    ok, why = available()
+    if not ok:
+        print(f"netcluster: {why}", file=sys.stderr)
+        return 2
+    if args.command == "cleanup":
+        removed = cleanup(all_runs=args.all)
+        print(f"netcluster: removed {len(removed)}: {' '.join(removed)}" if removed
+              else "netcluster: nothing to remove", file=sys.stderr)
+        return 0
+    try:
+        return _run_main(args)
+    except NetClusterError as err:
+        print(f"netcluster: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The emulated cluster (bench/netcluster.py) really shapes its links and always cleans up.
+
+Why these tests: every slow-link benchmark figure rests on the link being what it claims. So
+the rate and the delay are measured with real TCP traffic between two node namespaces, the
+teardown is checked after a normal exit, an exception and SIGTERM, and a 2-node torchrun job
+must all-reduce the right sum over the emulated link. Tests that need namespaces skip (with
+the reason) where they cannot be made: not root, no iproute2, a kernel without veth or tbf.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import netcluster  # noqa: E402
+from netcluster import NetCluster  # noqa: E402
+
+OK, WHY = netcluster.available()
+needs_netns = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
+
+RECEIVER = textwrap.dedent("""
+    import socket, sys, time
+    skip, port = int(sys.argv[1]), int(sys.argv[2])
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("0.0.0.0", port))
+    lsock.listen(1)
+    print("listening", flush=True)
+    conn, _ = lsock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:  # echo single bytes until the sender says "go"
+        b = conn.recv(1)
+        if b == b"g":
+            break
+        conn.sendall(b)
+    got, t_skip, n_skip = 0, None, 0
+    while True:
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+        if t_skip is None and got >= skip:  # leave out TCP slow start and tbf's burst
+            t_skip, n_skip = time.monotonic(), got
+    end = time.monotonic()
+    print(f"{got} {(got - n_skip) * 8 / (end - t_skip)}", flush=True)
+""")
+
+SENDER = textwrap.dedent("""
+    import socket, sys, time
+    addr, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    s = socket.create_connection((addr, port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(7):
+        t = time.perf_counter()
+        s.sendall(b"x")
+        assert s.recv(1) == b"x"
+        rtts.append(time.perf_counter() - t)
+    s.sendall(b"g" + b"\\0" * size)
+    s.close()
+    print(min(rtts), flush=True)
+""")
+
+
+def root_links() -> str:
+    return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+
+
+def test_units() -> None:
+    assert netcluster.parse_rate("100mbit") == 1e8
+    assert netcluster.parse_rate("1gbit") == 1e9
+    assert netcluster.parse_rate("2mbps") == 16e6
+    assert netcluster.parse_delay("20ms") == pytest.approx(0.02)
+    assert netcluster.parse_delay("0") == 0.0
+    with pytest.raises(ValueError):
+        netcluster.parse_rate("fast")
+    assert netcluster.threads_per_worker(4, cores=2) == 1
+    assert netcluster.threads_per_worker(1, cores=2) == 2
+
+
+@needs_netns
+def test_rate_and_delay_are_measured_on_the_link() -> None:
+    rate_bps, delay_s, size, skip = 20e6, 0.020, 4_000_000, 1_000_000
+    with NetCluster(2, rate="20mbit", delay="20ms") as cluster:
+        names = list(cluster.namespaces)
+        assert set(names) <= set(netcluster.list_namespaces())
+        receiver = cluster.run_on_node(1, [sys.executable, "-c", RECEIVER, str(skip), "5001"],
+                                       stdout=subprocess.PIPE)
+        assert receiver.stdout is not None
+        assert receiver.stdout.readline().strip() == b"listening"
+        sender = cluster.run_on_node(
+            0, [sys.executable, "-c", SENDER, cluster.node_addr(1), "5001", str(size)],
+            stdout=subprocess.PIPE)
+        out_s, _ = sender.communicate(timeout=60)
+        out_r, _ = receiver.communicate(timeout=60)
+        backend = cluster.backend
+    assert sender.returncode == 0 and receiver.returncode == 0
+    rtt = float(out_s.split()[-1])
+    got, measured_bps = (float(x) for x in out_r.split())
+    assert got == size
+    # One-way delay 20 ms each way: RTT >= 40 ms, plus little more (user-space switch, stack).
+    assert 2 * delay_s * 0.97 <= rtt <= 2 * delay_s + 0.015, (rtt, backend)
+    assert abs(measured_bps - rate_bps) <= 0.35 * rate_bps, (measured_bps, backend)
+    left = set(netcluster.list_namespaces())
+    assert not set(names) & left
+    assert cluster.prefix not in root_links()
+
+
+@needs_netns
+def test_teardown_when_the_body_raises() -> None:
+    cluster = NetCluster(3, rate="50mbit", delay="2ms")
+    with pytest.raises(RuntimeError, match="boom"), cluster:
+        names = list(cluster.namespaces)
+        assert len(names) == 4  # switch + 3 nodes
+        sleeper = cluster.run_on_node(0, ["sleep", "60"])
+        raise RuntimeError("boom")
+    assert not set(names) & set(netcluster.list_namespaces())
+    assert sleeper.poll() is not None  # processes on the nodes were stopped
+    assert "nc-n" not in root_links() and "nc-s" not in root_links()
+
+
+@needs_netns
+def test_teardown_on_sigterm() -> None:
+    code = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(REPO / 'bench')!r})
+        from netcluster import NetCluster
+        with NetCluster(2, rate="10mbit", delay="5ms") as c:
+            sleeper = c.run_on_node(1, ["sleep", "60"])
+            print(json.dumps({{"ns": c.namespaces, "pid": sleeper.pid}}), flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    assert set(info["ns"]) <= set(netcluster.list_namespaces())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert not set(info["ns"]) & set(netcluster.list_namespaces())
+    with pytest.raises(ProcessLookupError):
+        os.kill(info["pid"], 0)
+
+
+@needs_netns
+def test_cleanup_removes_runs_whose_owner_is_dead() -> None:
+    dead = 4_000_000 + os.getpid() % 100_000  # above pid_max's default: never a live pid
+    if os.path.exists(f"/proc/{dead}"):
+        pytest.skip("the made-up pid is alive")
+    stale = f"{netcluster.ROOT_PREFIX}{dead}-abcdef-n0"
+    live = f"{netcluster.ROOT_PREFIX}{os.getpid()}-abcdef-n0"
+    for ns in (stale, live):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        removed = netcluster.cleanup()
+        names = netcluster.list_namespaces()
+        assert stale in removed and stale not in names
+        assert live in names  # the owner (this test) is alive: not touched
+    finally:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+ALL_REDUCE = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {k: os.environ.get(k) for k in (
+        "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME",
+        "OMP_NUM_THREADS")})
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"sum": t.item(), "workers": rows}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+@needs_netns
+def test_torchrun_all_reduce_across_two_nodes(tmp_path: Path) -> None:
+    script, out = tmp_path / "all_reduce.py", tmp_path / "out.json"
+    script.write_text(ALL_REDUCE)
+    with NetCluster(2, rate="100mbit", delay="1ms") as cluster:
+        result = netcluster.launch_torchrun(cluster, 1, [str(script), str(out)], timeout_s=120)
+        sent = int(subprocess.run(
+            ["ip", "netns", "exec", cluster.node_ns(0), "cat",
+             f"/sys/class/net/{cluster.node_ifname(0)}/statistics/tx_bytes"],
+            capture_output=True, text=True, check=True).stdout)
+    assert result.ok, "\n".join(o[-2000:] for o in result.output)
+    data = json.loads(out.read_text())
+    assert data["sum"] == 3.0  # ranks 0 and 1 contribute 1 + 2
+    workers = sorted(data["workers"], key=lambda w: int(w["RANK"]))
+    assert [w["GROUP_RANK"] for w in workers] == ["0", "1"]  # one rank per node
+    assert [w["GLOO_SOCKET_IFNAME"] for w in workers] == ["nc-n0", "nc-n1"]
+    assert all(w["LOCAL_WORLD_SIZE"] == "1" and w["OMP_NUM_THREADS"] for w in workers)
+    assert sent > 0  # the job talked over node 0's shaped link
