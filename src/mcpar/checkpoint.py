@@ -27,6 +27,19 @@ manifest exists and every checksum matches, so a save killed half-way (no manife
 ``.tmp``) or a file corrupted later is never loaded. The LR schedule is a pure function of the
 step and needs no state of its own.
 
+Asynchronous saves (``optimization.checkpoint.async_save``, the default): ``save`` stages this
+rank's tensors into CPU buffers and captures the step, data position and RNG states, then
+returns before the next optimizer step; a background thread writes the files and runs the same
+commit, with its collectives on a gloo group of its own (``checkpoint_async.py`` says why). Rank
+0 commits only after DCP has gathered every rank's write results, i.e. after every shard file is
+written and fsynced, so a kill at any point of an asynchronous save leaves a ``.tmp`` folder
+without a manifest, never a valid checkpoint. One save is in flight at a time: the next save,
+``restore`` and ``wait`` (the end of training) wait for it and raise its error, if any.
+
+Compression (``optimization.checkpoint.compression: zstd``): DCP's zstd stream extension
+compresses every tensor as it is written; ``.metadata`` records it per item, so loading is
+transparent. The manifest's checksums are of the compressed files, as written.
+
 Loading never runs code from the checkpoint: tensors are read by DCP with
 ``torch.load(weights_only=True)``, and DCP's pickled ``.metadata`` is read here with an unpickler
 that only admits DCP's own metadata classes.
@@ -53,8 +66,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from mcpar.checkpoint_async import (
+    BackgroundSave,
+    CheckpointSaveError,
+    Coordination,
+    StagingBuffers,
+    apply_test_delay,
+)
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
+from mcpar.reshard import restore_resharded
+
+try:  # DCP's zstd stream transform (experimental API); it needs `zstandard` or `pyzstd`
+    from torch.distributed.checkpoint._extension import ZStandard
+except ImportError:  # pragma: no cover - a torch without it
+    ZStandard = None  # type: ignore[assignment,misc]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -63,6 +89,9 @@ RECOVERY_LOG = "recovery.jsonl"
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
 _FROZEN_KEYS = ("model", "data", "training.seed")
+_ZSTD_DESCRIPTOR = "stream.zstd"
+_ZSTD_FIX = ("install the zstandard package (pip install zstandard, or mcpar's optional "
+             "dependency) in the environment of every worker")
 # Keys that only change how a run is shown or checkpointed, not what it computes.
 _COSMETIC_KEYS = ("optimization.checkpoint", "training.progress", "training.tensorboard",
                   "training.log_interval")
@@ -205,12 +234,6 @@ def resume_problems(meta: dict[str, Any], cfg: JobConfig, layout: dict[str, int]
     if meta.get("format_version") != FORMAT_VERSION:
         problems.append(problem("--resume", f"checkpoint format {meta.get('format_version')} is "
                                 f"not the format {FORMAT_VERSION} this version reads"))
-    if meta["layout"] != layout:
-        problems.append(problem(
-            "parallelism",
-            f"the checkpoint was saved with layout {meta['layout']} but this run has {layout}; "
-            "resuming on another layout (resharding) is not available in this version: resume "
-            "with the saved degrees"))
     saved = _flatten(meta["config"])
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(saved):
@@ -219,6 +242,20 @@ def resume_problems(meta: dict[str, Any], cfg: JobConfig, layout: dict[str, int]
             problems.append(problem(key, f"the checkpoint was trained with {saved[key]!r}, this "
                                     f"run has {now.get(key)!r}; resume with the saved value"))
     return problems
+
+
+# --- compression ---------------------------------------------------------------------------------
+
+def zstd_available() -> bool:
+    """Whether DCP can write and read zstd-compressed checkpoints in this environment."""
+    return ZStandard is not None and ZStandard.is_available()
+
+
+def is_compressed(metadata: Metadata) -> bool:
+    """Whether any item of a DCP checkpoint was written through the zstd transform."""
+    return any(desc.partition("/")[0] == _ZSTD_DESCRIPTOR
+               for info in (metadata.storage_data or {}).values()
+               for desc in (getattr(info, "transform_descriptors", None) or ()))
 
 
 # --- safe reading of DCP metadata ----------------------------------------------------------------
@@ -262,6 +299,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        if is_compressed(metadata) and not zstd_available():
+            # DCP would fail deep inside the read with a bare ValueError; say what to do.
+            raise UserError(problem(str(self.path), f"this checkpoint is zstd-compressed "
+                                    f"(optimization.checkpoint.compression: zstd) and no zstd "
+                                    f"module is installed: {_ZSTD_FIX}"))
         return metadata
 
 
@@ -282,7 +324,8 @@ def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 class FaultRecoveryManager:
     """Saves this rank's part of every checkpoint and restores the newest valid one.
 
-    Every method is collective: all ranks call it at the same point of the loop.
+    Every method is collective: all ranks call it at the same point of the loop (the
+    constructor too: it may create the process group of asynchronous saves).
     """
 
     def __init__(self, cfg: JobConfig, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
@@ -306,6 +349,19 @@ class FaultRecoveryManager:
         self.log = RecoveryLog(run_dir, enabled=rank == 0)
         self.stop_requested = False
         self.distributed = dist.is_initialized()
+        if self.enabled and self.ckpt.compression == "zstd" and not zstd_available():
+            raise UserError(problem("optimization.checkpoint.compression",
+                                    f"zstd needs a zstd module, and none is installed: "
+                                    f"{_ZSTD_FIX}; or set it to none"))
+        # Synchronous saves coordinate on the training's own collectives, between steps.
+        self._sync_coord = Coordination.default(agree)
+        self.async_save = self.enabled and self.ckpt.async_save
+        self._async_coord = self._sync_coord  # one process: nothing runs concurrently
+        if self.async_save and self.distributed and dist.get_world_size() > 1:
+            # Created by every rank, here, in the same order: new_group is collective.
+            self._async_coord = Coordination.for_group(dist.new_group(backend="gloo"), rank)
+        self._staging = StagingBuffers()
+        self._pending: BackgroundSave | None = None
 
     @property
     def enabled(self) -> bool:
@@ -376,49 +432,147 @@ class FaultRecoveryManager:
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        """Write the checkpoint of ``step`` (optimizer steps done) and commit it atomically."""
+        """Checkpoint ``step`` (optimizer steps done); the path it is committed to.
+
+        Synchronous: written and committed on return. Asynchronous: on return this rank's state
+        is staged (copied), so the caller may step the optimizer at once; the files are written
+        and committed in the background, and ``wait`` (or the next save) blocks until they are.
+        """
         t0 = time.perf_counter()
+        # One save in flight: its staging buffers are reused, and its error surfaces here.
+        waited = self.wait()
+        state = self._state_dict(self.ckpt.strategy, None)
+        # What resume needs besides the tensors, captured now (as JSON text: nothing the
+        # training thread mutates later can leak into it).
+        meta = json.dumps(self._meta(step), indent=2) if self.rank == 0 else ""
+        timing = {"t0": t0, "waited": waited}
+        if not self.async_save:
+            self._write_and_commit(step, state, None, meta, self._sync_coord, timing)
+            return self.dir / f"step-{step}"
+        staged, ready = self._staging.stage(state)
+        timing["staged"] = time.perf_counter() - t0
+        self._pending = BackgroundSave(step, lambda: self._write_and_commit(
+            step, staged, ready, meta, self._async_coord, timing))
+        return self.dir / f"step-{step}"
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is committed; the seconds waited. Raises
+        ``CheckpointSaveError`` (on every rank) if that save failed."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else 0.0
+
+    def close(self) -> None:
+        """The end of training: the last checkpoint is committed before the run ends."""
+        self.wait()
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "step": step, "layout": self.layout,
+                "strategy": self.ckpt.strategy, "compression": self.ckpt.compression,
+                "data_stream": self.stream.state_dict(), "config_hash": config_hash(self.cfg),
+                "torch": torch.__version__, "config": self.cfg.model_dump(mode="json")}
+
+    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+        extensions = [ZStandard()] if self.ckpt.compression == "zstd" else None
+        return dcp.FileSystemWriter(path, sync_files=True, _extensions=extensions)
+
+    def _write_and_commit(self, step: int, state: dict[str, torch.Tensor], ready: Any,
+                          meta: str, coord: Coordination, timing: dict[str, float]) -> None:
+        """Write every rank's files into ``step-N.tmp`` and let rank 0 commit them.
+
+        Runs on the training thread (synchronous) or the save's thread (asynchronous, with
+        ``coord`` over the save's own group). A failure on rank 0 is told to every rank, so
+        that all of them raise and none waits forever on a collective."""
         final = self.dir / f"step-{step}"
         tmp = self.dir / f"step-{step}.tmp"
+        error: Exception | None = None
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # A leftover of a save killed at this step: never valid, and in the way.
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self.barrier()
-        dcp.save(self._state_dict(self.ckpt.strategy, None),
-                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-        self.barrier()  # every rank's files are on disk before rank 0 checksums them
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                # A leftover of a save killed at this step: never valid, and in the way.
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as exc:
+                error = exc
+        if coord.agree(int(error is not None)):
+            raise error or CheckpointSaveError(f"rank 0 could not create {tmp}")
+        if ready is not None:
+            ready.synchronize()  # the staging copies from the GPU have landed
+        t_write, cpu0 = time.perf_counter(), time.thread_time()
+        # One process: no collectives at all (the default group may be busy on the training
+        # thread, and there is nobody to coordinate with).
+        alone = not self.distributed or dist.get_world_size() == 1
+        dcp.save(state, storage_writer=self._writer(tmp), process_group=coord.group,
+                 no_dist=alone)
+        # Each rank checksums the shard files it wrote (DCP names them ``__<rank>_<i>``), which
+        # spreads the hashing over the ranks. The gather is also what tells rank 0 that every
+        # rank's files are written and fsynced: a rank joins it only after its own write.
+        own = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+               for p in tmp.glob(f"__{self._dcp_rank(coord)}_*") if p.is_file()}
+        reports = coord.gather(own)
+        write_s = time.perf_counter() - t_write
+        apply_test_delay(step, self.rank)
         if self.rank == 0:
-            meta = {"format_version": FORMAT_VERSION, "step": step, "layout": self.layout,
-                    "strategy": self.ckpt.strategy, "data_stream": self.stream.state_dict(),
-                    "config_hash": config_hash(self.cfg), "torch": torch.__version__,
-                    "config": self.cfg.model_dump(mode="json")}
-            _write_synced(tmp / META, json.dumps(meta, indent=2))
-            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            _write_synced(tmp / MANIFEST, json.dumps({"format_version": FORMAT_VERSION,
-                                                      "files": files}, indent=2))
-            _fsync_dir(tmp)
-            if final.exists():  # an older save of the same step (e.g. before a restart)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            self.log.log("save", step=step, path=str(final), strategy=self.ckpt.strategy,
-                         bytes=sum(f["bytes"] for f in files.values()),
-                         seconds=round(time.perf_counter() - t0, 4))
-            self._prune()
-        self.barrier()
-        return final
+            try:
+                assert reports is not None
+                files = self._commit(tmp, final, meta,
+                                     {k: v for report in reports for k, v in report.items()})
+                self.log.log("save", step=step, path=str(final), strategy=self.ckpt.strategy,
+                             compression=self.ckpt.compression, asynchronous=self.async_save,
+                             bytes=sum(f["bytes"] for f in files.values()),
+                             seconds=round(time.perf_counter() - timing["t0"], 4),
+                             write_seconds=round(write_s, 4),
+                             # CPU time of this thread: what an asynchronous save takes from
+                             # training on a machine whose cores are all busy.
+                             cpu_seconds=round(time.thread_time() - cpu0, 4),
+                             blocked_seconds=round(timing.get("staged", 0.0), 4)
+                             if self.async_save else None,
+                             waited_seconds=round(timing["waited"], 4))
+                self._prune()
+            except Exception as exc:
+                error = exc
+                self.log.log("save_failed", echo=True, step=step, error=repr(exc))
+        if coord.agree(int(error is not None)):
+            raise error or CheckpointSaveError(f"rank 0 could not commit the checkpoint of "
+                                               f"step {step} (its recovery.jsonl says why)")
+
+    @staticmethod
+    def _dcp_rank(coord: Coordination) -> int:
+        """This process's rank in DCP's numbering (its rank in the save's group)."""
+        return dist.get_rank(coord.group) if dist.is_initialized() else 0
+
+    def _commit(self, tmp: Path, final: Path, meta: str,
+                hashed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Rank 0: ``meta.json``, then the manifest of checksums, fsync, rename. Until the
+        rename the folder is ``.tmp`` and has no manifest: never taken for a checkpoint.
+        ``hashed``: the ranks' checksums of their shards; every other file (DCP's
+        ``.metadata``, ``meta.json``) is hashed here."""
+        _write_synced(tmp / META, meta)
+        files = {p.name: hashed.get(p.name) or {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        _write_synced(tmp / MANIFEST, json.dumps({"format_version": FORMAT_VERSION,
+                                                  "files": files}, indent=2))
+        _fsync_dir(tmp)
+        if final.exists():  # an older save of the same step (e.g. before a restart)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        return files
 
     def _prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints, and the ``.tmp`` folders of saves
+        that were killed (called after a commit, when no other save is in flight)."""
         for _, path in list_checkpoints(self.dir)[self.ckpt.keep:]:
             shutil.rmtree(path, ignore_errors=True)
             self.log.log("delete", path=str(path))
+        for path in self.dir.glob("step-*.tmp"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                self.log.log("delete", path=str(path), reason="unfinished save")
 
     # --- load ------------------------------------------------------------------------------------
     def restore(self) -> int:
         """Restore the newest valid checkpoint; return the step it holds (0 if none)."""
+        self.wait()  # a save of this process still in flight is part of what may be restored
         found = find_latest_valid(self.dir, self.log) if self.rank == 0 else None
         # Rank 0 alone verifies checksums, then tells everyone which step it chose.
         step = self.agree(found[0] if found else -1)
@@ -431,6 +585,13 @@ class FaultRecoveryManager:
         problems = resume_problems(meta, self.cfg, self.layout)
         if problems:
             raise UserError(problems)
+        if meta["layout"] != self.layout:
+            # Saved under other degrees: rebuild this rank's shards from the saved ones.
+            restore_resharded(self, path, meta)
+            self.stream.load_state_dict(meta["data_stream"])
+            self.log.log("load", echo=True, step=step, path=str(path),
+                         resharded_from=meta["layout"], resharded_to=self.layout)
+            return step
         reader = SafeFileSystemReader(path)
         saved_keys = set(reader.read_metadata().state_dict_metadata)
         state = self._state_dict(meta["strategy"], saved_keys)

@@ -122,7 +122,7 @@ class CommunicationControllerConfig(_Section):
     )
     overlap: bool = Field(True, description="Launch bucket all-reduces during the backward pass.")
     powersgd_rank: int = Field(
-        4, ge=1, description="PowerSGD: rank of the low-rank gradient approximation."
+        8, ge=1, description="PowerSGD: rank of the low-rank gradient approximation."
     )
     powersgd_start_step: int = Field(
         10, ge=1, description="PowerSGD: steps of plain all-reduce before compression starts."
@@ -179,6 +179,17 @@ class CheckpointConfig(_Section):
         None, ge=0, description="Automatic restarts of a local job after a worker dies, each "
         "resuming from the newest valid checkpoint; default 3 when interval > 0, else 0.",
     )
+    async_save: bool = Field(
+        True, description="Save in the background: the state is copied to CPU memory before "
+        "the next optimizer step and written and committed by a thread while training goes on; "
+        "the next save, and the end of the run, wait for it. false: training waits for each "
+        "save to be written and committed.",
+    )
+    compression: Literal["none", "zstd"] = Field(
+        "none", description="'zstd': compress the checkpoint's tensor files as they are written "
+        "(needs the zstandard package); loading detects it. Checksums are of the files as "
+        "written.",
+    )
 
     @property
     def restarts(self) -> int:
@@ -231,6 +242,16 @@ class TrainingConfig(_Section):
         "float32", description="Compute dtype; bfloat16 is autocast mixed precision."
     )
     eval_interval: int = Field(50, ge=0, description="Validation every N steps; 0 = only at end.")
+    collective_timeout_s: float = Field(
+        300.0, gt=0.0, description="A collective that does not complete within this time fails "
+        "the job (naming the operation, the axis and the ranks that never timed out, i.e. the "
+        "stalled ones), which then restarts from its last checkpoint like after a crash.",
+    )
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="A step whose loss or gradients are NaN/Inf on any rank is skipped "
+        "(no update, counted as 'skipped' in metrics.jsonl); this many in a row stop the run "
+        "with an error.",
+    )
     eval_batches: int = Field(
         4, ge=1, description="Validation global batches per evaluation (the same ones each time)."
     )

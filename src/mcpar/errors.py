@@ -19,3 +19,8 @@ class UserError(Exception):
 def problem(key: str, message: str) -> str:
     """Format one problem line: ``<key>: <message>``."""
     return f"{key}: {message}"
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many steps in a row with non-finite loss or gradients. Restarting from a checkpoint
+    would replay the same numbers, so the launcher does not restart the job for it."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -210,6 +211,28 @@ def _pick_first(failures: list[WorkerFailure]) -> WorkerFailure:
     return min(failures, key=lambda f: (f.signal_name is None and f.error is None, f.rank))
 
 
+def _name_stalled_ranks(first: WorkerFailure, procs: list[subprocess.Popen[bytes]],
+                        err_files: list[str], poll_interval_s: float,
+                        settle_s: float = 2.0) -> WorkerFailure:
+    """A collective timed out: the ranks of the job that did not time out themselves are the
+    ones that stalled (or died first). Peers blocked in the same collective time out within
+    moments of each other, so their records are given ``settle_s`` to arrive."""
+    deadline = time.monotonic() + settle_s
+    timed_out: set[int] = set()
+    while True:
+        timed_out = {r for r, f in enumerate(err_files)
+                     if "timed out" in (_read_error(f) or "")}
+        alive = [r for r, p in enumerate(procs) if p.poll() is None and r not in timed_out]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_interval_s)
+    stalled = [r for r in range(len(procs)) if r not in timed_out]
+    if not stalled:
+        return first
+    note = f"; rank(s) {stalled} never timed out: they stalled or failed first"
+    return dataclasses.replace(first, error=(first.error or "") + note)
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     # Each worker leads its own process group, so this also reaches processes it started.
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -253,7 +276,9 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
                          kill_grace_s if stop_grace_s is None else stop_grace_s)
             return
         except LaunchFailed as failed:
-            if attempt >= max_restarts:
+            # A diverged run would replay the same numbers from its checkpoint: no restart.
+            diverged = (failed.failure.error or "").startswith("TrainingDiverged")
+            if attempt >= max_restarts or diverged:
                 raise
             attempt += 1
             if on_restart is not None:
@@ -297,6 +322,8 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
             failed = [_failure(r, c, err_files[r]) for r, c in enumerate(codes) if c]
             if failed:
                 first = _pick_first(failed)
+                if first.error and "timed out" in first.error:
+                    first = _name_stalled_ranks(first, procs, err_files, poll_interval_s)
                 break
             if all(c == 0 for c in codes):
                 return

@@ -37,6 +37,7 @@ from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
+from mcpar.errors import TrainingDiverged
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
@@ -81,8 +82,19 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
 
 @dataclass
 class StepResult:
-    loss: float
+    loss: float  # mean over the ranks that hold a loss
     grad_norm: float
+    peak_mem_bytes: int  # the largest rank's
+    max_params_per_rank: int
+    stop_requested: bool  # some rank got SIGTERM
+    skipped: bool  # non-finite loss or gradients somewhere: no optimizer step
+
+
+def fault_nonfinite_steps() -> set[int]:
+    """Fault injection for tests: 1-based steps whose loss is made NaN on rank
+    ``MCPAR_FAULT_RANK`` (default 0), from ``MCPAR_FAULT_NONFINITE_STEPS`` ("3,4")."""
+    raw = os.environ.get("MCPAR_FAULT_NONFINITE_STEPS", "")
+    return {int(v) for v in raw.split(",") if v.strip()}
 
 
 class Trainer:
@@ -93,13 +105,22 @@ class Trainer:
         schedule (the LR decay still targets ``training.steps``)."""
         self.cfg = cfg
         self.stop_after = stop_after
+        self.skipped_steps = 0
+        self.nonfinite_in_a_row = 0
+        self.fault_steps = fault_nonfinite_steps()
+        self.fault_rank = int(os.environ.get("MCPAR_FAULT_RANK", "0"))
+        # Fault injection for tests: rank MCPAR_FAULT_RANK hangs at this 1-based step, on the
+        # first start of the job only (a restarted job runs normally).
+        first_start = os.environ.get("MCPAR_RESTART_COUNT", "0") in ("", "0")
+        self.fault_stall_step = (int(os.environ.get("MCPAR_FAULT_STALL_STEP", "0"))
+                                 if first_start else 0)
         self.run_dir = run_dir
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
             dist.init_process_group(
                 backend=info.backend, rank=env.rank, world_size=env.world_size,
                 init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                timeout=datetime.timedelta(minutes=5),
+                timeout=datetime.timedelta(seconds=cfg.training.collective_timeout_s),
             )
         self.rank = env.rank if env else 0
         self.device = setup_worker(info, env.local_rank if env else 0,
@@ -222,6 +243,8 @@ class Trainer:
 
     def _forward_backward(self, task: MicroBatchTask) -> float:
         loss = self._loss(*self._micro(self.train_stream, task.step, task.micro_index))
+        if task.step + 1 in self.fault_steps and self.rank == self.fault_rank:
+            loss = loss * float("nan")
         # Mean over the step's micro-batches; the data-parallel mean happens in the all-reduce.
         (loss / self.compute.num_microbatches).backward()
         return loss.item()
@@ -246,9 +269,30 @@ class Trainer:
         if self.cfg.parallelism.sequence_parallel:
             sync_sequence_parallel_grads(self.pm.params, self.comm)
         grad_norm = clip_grad_norm(self.pm.params, self.cfg.optimization.grad_clip, self.comm)
-        self.optimizer.step()
+        local_loss = sum(losses) / len(losses) if losses else None
+        nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
+                                                     and not math.isfinite(local_loss))
+        # One collective over the world before the update, so every rank agrees on skipping
+        # (under 1-bit Adam's compressed phase the replicas' gradients differ).
+        result = self._gather_step_stats(local_loss, grad_norm, nonfinite)
+        if result.skipped:
+            self.skipped_steps += 1
+            self.nonfinite_in_a_row += 1
+            limit = self.cfg.training.max_nonfinite_steps
+            if self.rank == 0:
+                print(f"mcpar: step {step + 1}: non-finite loss or gradients (loss "
+                      f"{result.loss}, grad norm {result.grad_norm}); step skipped "
+                      f"({self.nonfinite_in_a_row} in a row, limit {limit})", flush=True)
+            if self.nonfinite_in_a_row >= limit:
+                raise TrainingDiverged(
+                    f"{limit} steps in a row had non-finite loss or gradients (last: step "
+                    f"{step + 1}); lower optimization.lr, raise optimization.warmup_steps or "
+                    "use training.dtype float32, then resume from the last checkpoint")
+        else:
+            self.nonfinite_in_a_row = 0
+            self.optimizer.step()
         self.train_stream.advance()
-        return StepResult(sum(losses) / len(losses) if losses else float("nan"), grad_norm)
+        return result
 
     def _pipeline_eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward-only pass of one micro-batch through every stage in order; the loss on the
@@ -295,19 +339,22 @@ class Trainer:
         self.comm.all_reduce(total, axis="world")
         return float(total[0] / total[1])
 
-    def _gather_step_stats(self, losses_mean: float) -> tuple[float, int, int, bool]:
-        """Mean loss over the ranks that hold it, the largest peak memory, the largest
-        per-rank parameter count, and whether any rank was asked to stop (SIGTERM), in one
-        collective over the world (so every rank agrees on stopping at the same step)."""
-        has_loss = not math.isnan(losses_mean)
-        local = torch.tensor([losses_mean if has_loss else 0.0, float(has_loss),
+    def _gather_step_stats(self, local_loss: float | None, grad_norm: float,
+                           nonfinite: bool) -> StepResult:
+        """The step's figures agreed over the world in one collective: mean loss over the
+        ranks that hold one, the largest peak memory and per-rank parameter count, whether any
+        rank was asked to stop (SIGTERM), and whether any rank saw a non-finite value."""
+        local = torch.tensor([0.0 if local_loss is None else local_loss,
+                              float(local_loss is not None),
                               float(peak_memory_bytes(self.device)),
                               float(sum(p.numel() for p in self.pm.params)),
-                              float(self.recovery.stop_requested)],
+                              float(self.recovery.stop_requested), float(nonfinite)],
                              dtype=torch.float64)
         rows = torch.stack(self.comm.all_gather(local, axis="world"))
-        loss = float(rows[:, 0].sum() / rows[:, 1].sum())
-        return loss, int(rows[:, 2].max()), int(rows[:, 3].max()), bool(rows[:, 4].max() > 0)
+        held = rows[:, 1] > 0
+        loss = float(rows[held, 0].sum() / held.sum())
+        return StepResult(loss, grad_norm, int(rows[:, 2].max()), int(rows[:, 3].max()),
+                          bool(rows[:, 4].max() > 0), bool(rows[:, 5].max() > 0))
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -337,17 +384,22 @@ class Trainer:
             self.comm.stats.reset_step()
             synchronize(self.device)
             t0 = time.perf_counter()
+            if step + 1 == self.fault_stall_step and self.rank == self.fault_rank:
+                time.sleep(3600)  # fault injection: this rank hangs; its peers must time out
             result = self.train_step(step)
             synchronize(self.device)
             step_time = time.perf_counter() - t0
-            loss, peak_mem, self.max_params_per_rank, stop = self._gather_step_stats(result.loss)
+            loss, peak_mem, stop = result.loss, result.peak_mem_bytes, result.stop_requested
+            self.max_params_per_rank = result.max_params_per_rank
             steps_run += 1
             record = {
                 "step": step + 1, "loss": loss, "lr": lr_at(step, cfg),
                 "grad_norm": result.grad_norm, "tokens": tokens_per_step,
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "comm_bytes": self.comm.stats.step_bytes(),
+                "comm_bytes_by_axis": self.comm.stats.step_bytes_by_axis(),
                 "comm_time_s": self.comm.stats.step_time_s(), "peak_mem_bytes": peak_mem,
+                "skipped": result.skipped,
             }
             tokens_per_s_sum += record["tokens_per_s"]
             last = step + 1 == tr.steps
@@ -367,6 +419,8 @@ class Trainer:
                 self.recovery.save(step + 1)
             if stop:
                 break
+        # An asynchronous save still in flight is committed (or raises) before the run ends.
+        self.recovery.close()
         if progress is not None:
             progress.close()
         if tr.steps > self.start_step + steps_run:
@@ -384,6 +438,7 @@ class Trainer:
                        "experts": self.dims.ep, "world_size": self.dims.world_size},
             "wall_time_s": time.perf_counter() - start_wall, "num_params": num_params,
             "max_params_per_rank": self.max_params_per_rank,
+            "skipped_steps": self.skipped_steps,
             "micro_batch_size": cfg.optimization.micro_batch_size,
             "gradient_accumulation": cfg.optimization.gradient_accumulation,
             "pipeline_stages": [list(r) for r in self.pm.layer_ranges],

@@ -22,9 +22,12 @@ it.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,6 +74,14 @@ class CommStats:
         with self._lock:
             return sum(c.time_s for c in self.step.values())
 
+    def step_bytes_by_axis(self) -> dict[str, float]:
+        """This step's bytes per mesh axis (e.g. 'dp_intra' vs 'dp_inter' under hierarchical)."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for (_, axis, _), c in self.step.items():
+                out[axis] = out.get(axis, 0.0) + c.bytes
+        return out
+
     def reset_step(self) -> None:
         with self._lock:
             self.step = defaultdict(CommCounter)
@@ -90,14 +101,34 @@ class CommHandle:
     """An in-flight asynchronous collective; ``wait()`` blocks until it is done (and raises what
     a collective run on the controller's communication thread raised)."""
 
-    def __init__(self, work: dist.Work | Future | None):
+    def __init__(self, work: dist.Work | Future | None, op: str = "", axis: str = "",
+                 ranks: list[int] | None = None):
         self._work = work
+        self._name = (op, axis, ranks or [])
 
     def wait(self) -> None:
         if isinstance(self._work, Future):
             self._work.result()
         elif self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise collective_error(*self._name, err) from err
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the operation, axis and ranks."""
+
+
+def collective_error(op: str, axis: str, ranks: list[int], err: BaseException) -> BaseException:
+    """The error to raise for a failed collective (an already-named one passes through)."""
+    if isinstance(err, CollectiveError):
+        return err
+    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+    detail = detail.split("] ", 1)[-1]  # drop the backend's source-file prefix
+    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure".
+    kind = "timed out" if re.search(r"timed out|timeout", detail, re.IGNORECASE) else "failed"
+    return CollectiveError(f"{op} on axis '{axis}' (ranks {ranks}) {kind}: {detail}")
 
 
 def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
@@ -229,6 +260,21 @@ class CommunicationController:
     def _group(self, axis: str) -> dist.ProcessGroup | None:
         return None if axis == "world" else self.dims.group(axis)
 
+    @contextlib.contextmanager
+    def _named(self, op: str, axis: str) -> Iterator[None]:
+        """Turn a backend failure into one that names the operation, the mesh axis and the
+        group's ranks (a timeout means a peer of this group stalled or died)."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise collective_error(op, axis, self._group_ranks(axis), err) from err
+
+    def _group_ranks(self, axis: str) -> list[int]:
+        group = self._group(axis)
+        if group is None:
+            return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+        return dist.get_process_group_ranks(group)
+
     def _timed(self, key: tuple[str, str, str], nbytes: float, work: dist.Work | None,
                start: float, async_op: bool) -> CommHandle:
         if async_op and work is not None:
@@ -242,9 +288,9 @@ class CommunicationController:
                 # wait(), which the pipeline calls late (end of step). Count the bytes now with
                 # the launch time; the receiver's blocking recv records the exposed wait.
                 self.stats.record(key, nbytes, time.perf_counter() - start)
-                return CommHandle(work)
+                return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
             future.add_done_callback(done)
-            return CommHandle(work)
+            return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
         self.stats.record(key, nbytes, time.perf_counter() - start)
         return CommHandle(None)
 
@@ -256,8 +302,9 @@ class CommunicationController:
             return CommHandle(None)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
-        work = dist.all_reduce(tensor, op=reduce_op, group=self._group(axis),
-                               async_op=async_op)
+        with self._named("all_reduce", axis):
+            work = dist.all_reduce(tensor, op=reduce_op, group=self._group(axis),
+                                   async_op=async_op)
         nbytes = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), n)
         return self._timed(("all_reduce", axis, codec), nbytes, work, start, async_op)
 
@@ -268,7 +315,8 @@ class CommunicationController:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(n)]
         start = time.perf_counter()
-        dist.all_gather(out, tensor, group=self._group(axis))
+        with self._named("all_gather", axis):
+            dist.all_gather(out, tensor, group=self._group(axis))
         nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
         return out
@@ -281,7 +329,8 @@ class CommunicationController:
         group = self._group(axis)
         src = src_axis_rank if group is None else dist.get_global_rank(group, src_axis_rank)
         start = time.perf_counter()
-        dist.broadcast(tensor, src=src, group=group)
+        with self._named("broadcast", axis):
+            dist.broadcast(tensor, src=src, group=group)
         nbytes = broadcast_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("broadcast", axis, "none"), nbytes, None, start, False)
 
@@ -294,7 +343,8 @@ class CommunicationController:
         out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
                           device=moved.device)
         start = time.perf_counter()
-        dist.all_gather_single(out, moved, group=self._group(axis))
+        with self._named("all_gather", axis):
+            dist.all_gather_single(out, moved, group=self._group(axis))
         nbytes = ring_all_gather_bytes(moved.numel() * moved.element_size(), n)
         self._timed(("all_gather", axis, "none"), nbytes, None, start, False)
         return out.movedim(0, dim)
@@ -311,7 +361,8 @@ class CommunicationController:
         out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype,
                           device=moved.device)
         start = time.perf_counter()
-        dist.reduce_scatter_single(out, moved, group=self._group(axis))
+        with self._named("reduce_scatter", axis):
+            dist.reduce_scatter_single(out, moved, group=self._group(axis))
         nbytes = (n - 1) / n * moved.numel() * moved.element_size()
         self._timed(("reduce_scatter", axis, "none"), nbytes, None, start, False)
         return out.movedim(0, dim)
@@ -327,7 +378,8 @@ class CommunicationController:
         if tensor.numel() % n:
             raise ValueError(f"all_to_all of {tensor.numel()} elements over {n} ranks")
         start = time.perf_counter()
-        dist.all_to_all_single(output, tensor, group=self._group(axis))
+        with self._named("all_to_all", axis):
+            dist.all_to_all_single(output, tensor, group=self._group(axis))
         # Each rank keeps its own chunk and sends the other n - 1.
         nbytes = (n - 1) / n * tensor.numel() * tensor.element_size()
         self._timed(("all_to_all", axis, codec), nbytes, None, start, False)
@@ -342,7 +394,8 @@ class CommunicationController:
             output.copy_(tensor.reshape(output.shape))
             return output
         start = time.perf_counter()
-        dist.all_gather_single(output, tensor, group=self._group(axis))
+        with self._named("all_gather", axis):
+            dist.all_gather_single(output, tensor, group=self._group(axis))
         nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("all_gather", axis, codec), nbytes, None, start, False)
         return output
@@ -359,7 +412,8 @@ class CommunicationController:
         group = self._group(axis)
         dst = dst_axis_rank if group is None else dist.get_global_rank(group, dst_axis_rank)
         start = time.perf_counter()
-        work = dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+        with self._named("send", axis):
+            work = dist.isend(tensor.contiguous(), dst=dst, tag=tag)
         nbytes = tensor.numel() * tensor.element_size()
         return self._timed(("send", axis, "none"), nbytes, work, start, True)
 
@@ -369,11 +423,13 @@ class CommunicationController:
         group = self._group(axis)
         src = src_axis_rank if group is None else dist.get_global_rank(group, src_axis_rank)
         start = time.perf_counter()
-        dist.recv(tensor, src=src, tag=tag)
+        with self._named("recv", axis):
+            dist.recv(tensor, src=src, tag=tag)
         self._timed(("recv", axis, "none"), 0.0, None, start, False)
 
     def barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             start = time.perf_counter()
-            dist.barrier()
+            with self._named("barrier", "world"):
+                dist.barrier()
             self._timed(("barrier", "world", "none"), 0.0, None, start, False)

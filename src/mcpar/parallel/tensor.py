@@ -264,7 +264,7 @@ def _validate(module: nn.Module, comm: CommunicationController, tp_rank: int, tp
     if sequence_parallel and module.embed is not None and module.embed.pos.num_embeddings % tp:
         raise ValueError(f"sequence parallelism: seq_len {module.embed.pos.num_embeddings} is "
                          f"not divisible by tensor-parallel degree {tp}")
-    if dist.is_initialized() and (comm.axis_size("tp") != tp
+    if comm is not None and dist.is_initialized() and (comm.axis_size("tp") != tp
                                   or comm.dims.axis_rank("tp") != tp_rank):
         raise ValueError(f"tp rank {tp_rank} of {tp} does not match the mesh: rank "
                          f"{comm.dims.axis_rank('tp')} of {comm.axis_size('tp')}")

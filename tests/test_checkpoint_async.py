@@ -1,0 +1,218 @@
+"""Asynchronous and compressed checkpoints: the staged snapshot is the step's state (bitwise, as
+a synchronous save writes it), a kill while a save is in flight never leaves a valid checkpoint,
+zstd round-trips and shrinks the files, and a background failure is raised, not lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import REPO, TINY, run_mcpar, sets
+
+import mcpar.checkpoint as checkpoint
+from mcpar.checkpoint import (
+    FaultRecoveryManager,
+    SafeFileSystemReader,
+    find_latest_valid,
+    load_tensors,
+    verify_checkpoint,
+    zstd_available,
+)
+from mcpar.checkpoint_async import (
+    TEST_DELAY_ENV,
+    BackgroundSave,
+    CheckpointSaveError,
+    StagingBuffers,
+)
+from mcpar.config import load_config
+from mcpar.errors import UserError
+from mcpar.metrics import read_metrics
+
+BASE = [*TINY, "training.steps=40", "parallelism.data=2", "optimization.checkpoint.interval=10"]
+ASYNC = ["optimization.checkpoint.async_save=true"]
+
+
+def _train(run: Path, settings: list[str], *extra: str,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = run_mcpar("train", *sets(*BASE, *settings), "--nproc", "2", "--run-dir", str(run),
+                     *extra, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run)]
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 uninterrupted steps with synchronous saves at 10, 20, 30, 40."""
+    run = tmp_path_factory.mktemp("sync") / "run"
+    _train(run, ["optimization.checkpoint.async_save=false",
+                 "optimization.checkpoint.keep=4"])
+    assert {e["asynchronous"] for e in _events(run) if e["event"] == "save"} == {False}
+    return run
+
+
+def _same_tensors(run: Path, reference: Path, step: int) -> None:
+    for prefix in ("model/", "optim/", "rng/"):
+        got = load_tensors(run / "checkpoints" / f"step-{step}", prefix)
+        want = load_tensors(reference / "checkpoints" / f"step-{step}", prefix)
+        assert want and got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), (step, prefix)
+
+
+def _stop_and_resume(run: Path, settings: list[str]) -> None:
+    first = _train(run, settings, "--stop-after", "20")
+    assert "stopped after step 20 of 40" in first.stdout
+    _train(run, settings, "--resume")
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
+                continue
+            if (entry / "stat").read_text().split()[2] == "Z":
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
+            int(entry.name)
+    return found
+
+
+def _steps_logged(run: Path) -> int:
+    """Lines of metrics.jsonl so far (a line being written counts as not yet there)."""
+    try:
+        return (run / "metrics.jsonl").read_text().count("\n")
+    except OSError:
+        return 0
+
+
+def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
+                                                           tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    # Saves every 5 steps; the save of step 10 sleeps (test hook) after its shards are written
+    # and before rank 0 commits it. Rank 0 is killed in that window, training having gone on.
+    settings = [*ASYNC, "optimization.checkpoint.interval=5",
+                "optimization.checkpoint.max_restarts=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcpar.cli", "train", *sets(*BASE, *settings),
+         "--nproc", "2", "--run-dir", str(run)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, **{TEST_DELAY_ENV: "10:60"}),
+    )
+    try:
+        deadline = time.time() + 120
+        # Shards and DCP metadata of step 10 written; the training thread is past step 12.
+        while time.time() < deadline and not (
+                (ckpts / "step-10.tmp" / ".metadata").exists() and _steps_logged(run) >= 12):
+            time.sleep(0.05)
+        assert (ckpts / "step-10.tmp" / ".metadata").exists(), "the save of step 10 never ran"
+        os.kill(_worker_pids(run)[0], signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert len(read_metrics(run)) >= 12  # the step loop did not wait for the save
+    assert not (ckpts / "step-10").exists()
+    assert "no manifest" in (verify_checkpoint(ckpts / "step-10.tmp") or "")
+    found = find_latest_valid(ckpts)
+    assert found is not None and found[0] == 5
+    resumed = _train(run, settings, "--resume")
+    assert "Traceback" not in resumed.stderr
+    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [5]
+    assert _losses(run) == _losses(reference)
+    assert not list(ckpts.glob("*.tmp"))  # the killed save's leftover was cleaned up
+    saves = [e for e in _events(run) if e["event"] == "save"]
+    assert all(e["asynchronous"] for e in saves) and saves[-1]["step"] == 40
+    # The resumed run stepped on while its saves were written: each checkpoint still holds its
+    # step's state, bit for bit what a synchronous save wrote, and resume's data position.
+    for step in (30, 40):
+        assert verify_checkpoint(ckpts / f"step-{step}") is None
+        _same_tensors(run, reference, step)
+        meta = json.loads((ckpts / f"step-{step}" / "meta.json").read_text())
+        ref = json.loads((reference / "checkpoints" / f"step-{step}" / "meta.json").read_text())
+        assert meta["step"] == step and meta["data_stream"] == ref["data_stream"]
+
+
+def test_async_stop_resume_with_zstd_is_bitwise(reference: Path, tmp_path: Path) -> None:
+    """Stop at 20 (its save waited for), resume, finish: the same losses and checkpoints as the
+    synchronous run. With zstd when a zstd module is installed (else uncompressed, and the
+    compression checks are left out): the files are smaller and load transparently."""
+    run = tmp_path / "run"
+    zstd = zstd_available()
+    settings = [*ASYNC, f"optimization.checkpoint.compression={'zstd' if zstd else 'none'}"]
+    first = _train(run, settings, "--stop-after", "20")
+    assert "stopped after step 20 of 40" in first.stdout
+    _train(run, settings, "--resume")
+    assert _losses(run) == _losses(reference)
+    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [20]
+    for step in (30, 40):
+        path = run / "checkpoints" / f"step-{step}"
+        assert verify_checkpoint(path) is None
+        _same_tensors(run, reference, step)
+        if not zstd:
+            continue
+        assert json.loads((path / "meta.json").read_text())["compression"] == "zstd"
+        assert checkpoint.is_compressed(SafeFileSystemReader(path).read_metadata())
+
+        def shard_bytes(ckpt: Path) -> int:
+            return sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+
+        assert shard_bytes(path) < 0.95 * shard_bytes(reference / "checkpoints" / f"step-{step}")
+
+
+def test_missing_zstd_is_a_user_error(reference: Path, monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
+    monkeypatch.setattr(checkpoint, "zstd_available", lambda: False)
+    cfg = load_config(None, ["optimization.checkpoint.interval=10",
+                             "optimization.checkpoint.compression=zstd"])
+    dims = SimpleNamespace(dp=1, tp=1, pp=1, world_size=1)
+    with pytest.raises(UserError, match="optimization.checkpoint.compression.*pip install "
+                                        "zstandard"):
+        FaultRecoveryManager(cfg, tmp_path, dims, [], None, None, 0,  # type: ignore[arg-type]
+                             barrier=lambda: None, agree=lambda v: v)
+    # An uncompressed checkpoint reads without it.
+    assert load_tensors(reference / "checkpoints" / "step-40", "model/")
+
+
+def test_staging_is_a_snapshot_in_reused_buffers() -> None:
+    live = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3.0)}
+    stager = StagingBuffers()
+    staged, ready = stager.stage(live)
+    assert ready is None
+    live["w"].add_(100.0)  # the optimizer steps on after staging
+    assert torch.equal(staged["w"], torch.arange(6.0).reshape(2, 3))
+    again, _ = stager.stage(live)
+    assert again["w"].data_ptr() == staged["w"].data_ptr()  # no new allocation per save
+    assert torch.equal(again["w"], live["w"])
+
+
+def test_background_failure_is_raised_at_wait() -> None:
+    def fail() -> None:
+        raise OSError("disk full")
+
+    save = BackgroundSave(7, fail)
+    with pytest.raises(CheckpointSaveError, match="step 7.*disk full"):
+        save.wait()
+    assert BackgroundSave(8, lambda: None).wait() >= 0.0

@@ -1,0 +1,61 @@
+"""Resharding maps: a model sharded under one layout, assembled through its index maps and
+sharded again under another, equals the other layout's direct shards exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcpar.config import ModelConfig
+from mcpar.controllers.compute import partition_layers
+from mcpar.models.spec import get_model_spec
+from mcpar.parallel.pipeline import global_stage
+from mcpar.parallel.stage import cut_model
+from mcpar.parallel.tensor import apply_tensor_parallel
+from mcpar.reshard import reshard, shard_maps
+
+MODEL = ModelConfig(num_layers=4, hidden_size=32, num_heads=4, seq_len=16, vocab_size=64)
+
+
+def real_shards(pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int
+                ) -> dict[str, torch.Tensor]:
+    """What parallelize gives this coordinate: the seeded model, cut and tensor-sharded."""
+    full = get_model_spec("gpt").build(MODEL, 7)
+    ranges = partition_layers(MODEL, pp * virtual)
+    chunks = [cut_model(full, ranges, global_stage(c, pp_rank, pp)) for c in range(virtual)]
+    if tp > 1:
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, None, tp_rank, tp, False)  # type: ignore[arg-type]
+    return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(chunks)
+            for n, p in c.named_parameters()}
+
+
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1)]  # pp, tp, virtual
+
+
+@pytest.mark.parametrize("old", LAYOUTS)
+@pytest.mark.parametrize("new", [(1, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2)])
+def test_reshard_equals_direct_sharding(old: tuple[int, int, int],
+                                        new: tuple[int, int, int]) -> None:
+    pp, tp, virtual = old
+    saved = {(p, t): real_shards(pp, virtual, p, tp, t) for p in range(pp) for t in range(tp)}
+    npp, ntp, nvirtual = new
+    for p in range(npp):
+        for t in range(ntp):
+            maps = shard_maps(MODEL, "gpt", npp, nvirtual, p, ntp, t)
+            got = reshard(MODEL, "gpt", {"pipeline": pp, "tensor": tp, "virtual_stages": virtual},
+                          lambda a, b: saved[(a, b)], maps)
+            want = real_shards(npp, nvirtual, p, ntp, t)
+            assert got.keys() == want.keys()
+            for name in want:
+                assert torch.equal(got[name], want[name]), name
+
+
+def test_maps_cover_every_element() -> None:
+    # Sharded tensors split the elements; replicated ones (norms, biases of row-parallel
+    # layers, positions) repeat on each tensor rank. Together they cover the model exactly.
+    codes = torch.cat([c.reshape(-1) for p in range(2) for t in range(2)
+                       for c in shard_maps(MODEL, "gpt", 2, 1, p, 2, t).values()])
+    full = get_model_spec("gpt").build(MODEL, 0)
+    assert codes.unique().numel() == sum(p.numel() for p in full.parameters())
+    assert codes.numel() > codes.unique().numel()
