@@ -90,8 +90,8 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
 _FROZEN_KEYS = ("model", "data", "training.seed")
 _ZSTD_DESCRIPTOR = "stream.zstd"
-_ZSTD_FIX = ("install the zstandard package (pip install zstandard, or mcpar's optional "
-             "dependency) in the environment of every worker")
+_ZSTD_FIX = ("install the zstandard package (pip install zstandard, or mcpar's 'zstd' extra: "
+             "pip install 'mcpar[zstd]') in the environment of every worker")
 # Keys that only change how a run is shown or checkpointed, not what it computes.
 _COSMETIC_KEYS = ("optimization.checkpoint", "training.progress", "training.tensorboard",
                   "training.log_interval")
