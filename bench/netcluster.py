@@ -24,11 +24,11 @@ Topology
       the kernel, each hop's egress gets ``netem delay delay/2`` above its ``tbf`` and a kernel
       bridge switches the frames. Many small VMs' kernels (this one included) ship without
       ``sch_netem``; then the switch is a small user-space process in the switch namespace
-      (``_forward``) that reads frames from the switch-side veths with AF_PACKET sockets, holds
-      each for ``delay``, and sends it on: the kernel still does the rate shaping on the way
-      out. Frames travel with their virtio-net header (``PACKET_VNET_HDR``), so TCP's 64 KiB
-      GSO segments cross in one piece with their checksum state: a few hundred frames per
-      second at 100 Mbit/s, a few percent of one core.
+      (``netcluster_forwarder.py``) that reads frames from the switch-side veths with
+      AF_PACKET sockets, holds each for ``delay``, and sends it on: the kernel still does the
+      rate shaping on the way out. Frames travel with their virtio-net header
+      (``PACKET_VNET_HDR``), so TCP's 64 KiB GSO segments cross in one piece with their checksum
+      state: a few hundred frames per second at 100 Mbit/s, a few percent of one core.
 
 Teardown
     Everything is removed on exit, on exceptions and on SIGINT/SIGTERM (the handlers turn the
@@ -45,19 +45,17 @@ CLI
 
 from __future__ import annotations
 
+import abc
 import argparse
 import atexit
-import collections
 import contextlib
 import ctypes
 import ipaddress
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -244,7 +242,7 @@ def _death_signal_preexec() -> Callable[[], None] | None:
 _NS = TypeVar("_NS", bound="_Namespaces")
 
 
-class _Namespaces:
+class _Namespaces(abc.ABC):
     """Owns a set of namespaces and the processes started in them; tears all down once."""
 
     num_nodes: int
@@ -257,17 +255,21 @@ class _Namespaces:
         self._old_handlers: dict[int, object] = {}
 
     # Subclasses: which namespace runs node k, its address and the interface gloo should use.
+    @abc.abstractmethod
     def node_ns(self, k: int) -> str:
-        raise NotImplementedError
+        """Defined by each cluster kind."""
 
+    @abc.abstractmethod
     def node_addr(self, k: int) -> str:
-        raise NotImplementedError
+        """Defined by each cluster kind."""
 
+    @abc.abstractmethod
     def node_ifname(self, k: int) -> str:
-        raise NotImplementedError
+        """Defined by each cluster kind."""
 
+    @abc.abstractmethod
     def _build(self) -> None:
-        raise NotImplementedError
+        """Defined by each cluster kind."""
 
     def _add_ns(self, name: str) -> None:
         _sh(["ip", "netns", "add", name])
@@ -459,8 +461,10 @@ class NetCluster(_Namespaces):
 
     def _start_forwarder(self) -> None:
         ifaces = ",".join(SWITCH_IF.format(k=k) for k in range(self.num_nodes))
-        argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, os.path.abspath(__file__),
-                "_forward", "--delay-s", repr(self.delay_s), "--ifaces", ifaces]
+        forwarder = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                 "netcluster_forwarder.py")
+        argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder,
+                "--delay-s", repr(self.delay_s), "--ifaces", ifaces]
         proc: subprocess.Popen[bytes] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_death_signal_preexec())
@@ -612,93 +616,6 @@ def launch_torchrun(cluster: _Namespaces, nproc_per_node: int, script_argv: Sequ
                           time.monotonic() - start, timed_out, failed, base)
 
 
-# --- the user-space switch (delay line) -------------------------------------------------------
-
-_ETH_P_ALL = 0x0003
-_SOL_PACKET = 263
-_PACKET_VNET_HDR = 15
-_PACKET_IGNORE_OUTGOING = 23
-_PACKET_OUTGOING = 4
-_SO_RCVBUFFORCE = 33
-_VNET_HDR_LEN = 10
-_MAX_FRAME = 10 + 14 + 65536 + 64  # vnet header + Ethernet + the largest GSO frame
-
-
-def forward(ifaces: Sequence[str], delay_s: float, stop: Callable[[], bool] = lambda: False,
-            ready: Callable[[], None] = lambda: None) -> None:
-    """A learning Ethernet switch between ``ifaces`` that holds every frame ``delay_s``.
-
-    Runs in the switch namespace. Frames are read and written with their virtio-net header, so
-    GSO super-frames and checksum offload state pass through untouched. Rate limiting is the
-    kernel's (tbf on each interface's egress), since AF_PACKET sends go through the qdisc.
-    The loop is kept lean (one clock read per wake-up, our own sends filtered by the kernel):
-    it costs about a tenth of a core per 100 Mbit/s forwarded.
-    """
-    socks = []
-    for name in ifaces:
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
-        s.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
-        with contextlib.suppress(OSError):  # Linux >= 4.20; else filtered below
-            s.setsockopt(_SOL_PACKET, _PACKET_IGNORE_OUTGOING, 1)
-        with contextlib.suppress(OSError):
-            s.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
-        s.bind((name, _ETH_P_ALL))
-        s.setblocking(False)
-        socks.append(s)
-    by_fd = {s.fileno(): i for i, s in enumerate(socks)}
-    ep = select.epoll()
-    for s in socks:
-        ep.register(s.fileno(), select.EPOLLIN)
-    macs: dict[bytes, int] = {}
-    queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
-    src_at, dst_at = slice(_VNET_HDR_LEN + 6, _VNET_HDR_LEN + 12), slice(_VNET_HDR_LEN,
-                                                                          _VNET_HDR_LEN + 6)
-    monotonic = time.monotonic
-    ready()
-    while not stop():
-        timeout = 0.5 if not queue else max(0.0, queue[0][0] - monotonic())
-        events = ep.poll(timeout)
-        now = monotonic()
-        for fd, _ in events:
-            port = by_fd[fd]
-            recvfrom = socks[port].recvfrom
-            while True:
-                try:
-                    data, addr = recvfrom(_MAX_FRAME)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    break  # e.g. the interface went down at teardown
-                if addr[2] == _PACKET_OUTGOING:
-                    continue
-                macs[data[src_at]] = port
-                queue.append((now + delay_s, port, data))
-        if not queue or queue[0][0] > now:
-            continue
-        while queue and queue[0][0] <= now:
-            _, port, data = queue.popleft()
-            dst = data[dst_at]
-            out = None if dst[0] & 1 else macs.get(dst)
-            for t in ([out] if out is not None else range(len(socks))):
-                if t == port:
-                    continue
-                # A full egress queue drops the frame (ENOBUFS), as a switch would; TCP
-                # recovers. Any other error (interface gone at teardown) also just drops it.
-                with contextlib.suppress(OSError):
-                    socks[t].send(data)
-
-
-def _forward_main(args: argparse.Namespace) -> int:
-    stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda s, _f: stopping.append(s))
-
-    def ready() -> None:
-        print("ready", flush=True)
-
-    forward(args.ifaces.split(","), args.delay_s, stop=lambda: bool(stopping), ready=ready)
-    return 0
-
-
 # --- CLI --------------------------------------------------------------------------------------
 
 def _run_main(args: argparse.Namespace) -> int:
@@ -736,12 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py args...")
     clean = sub.add_parser("cleanup", help="remove namespaces left by dead runs")
     clean.add_argument("--all", action="store_true", help="also those of runs still alive")
-    fwd = sub.add_parser("_forward", help=argparse.SUPPRESS)
-    fwd.add_argument("--ifaces", required=True)
-    fwd.add_argument("--delay-s", type=float, required=True)
     args = p.parse_args(argv)
-    if args.command == "_forward":
-        return _forward_main(args)
     ok, why = available()
     if not ok:
         print(f"netcluster: {why}", file=sys.stderr)
