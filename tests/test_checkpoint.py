@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, run_mcpar, sets
+from conftest import REPO, TINY, run_mcpar, sets, worker_pids
 
 from mcpar.checkpoint import SafeFileSystemReader, load_tensors, verify_checkpoint
 from mcpar.metrics import read_metrics
@@ -115,25 +115,6 @@ def test_resume_is_bitwise_identical(layout: str, straight: dict[str, Path],
                    for n in names)
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
-                continue
-            if (entry / "stat").read_text().split()[2] == "Z":
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
-            int(entry.name)
-    return found
-
-
 def test_killed_worker_restarts_from_checkpoint(straight: dict[str, Path],
                                                 tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -151,7 +132,7 @@ def test_killed_worker_restarts_from_checkpoint(straight: dict[str, Path],
         deadline = time.time() + 120
         while not (run / "checkpoints" / "step-2").exists() and time.time() < deadline:
             time.sleep(0.02)
-        pids = _worker_pids(run)
+        pids = worker_pids(run)
         os.kill(pids[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:

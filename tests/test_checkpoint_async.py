@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY, run_mcpar, sets
+from conftest import REPO, TINY, run_mcpar, sets, worker_pids
 
 import mcpar.checkpoint as checkpoint
 from mcpar.checkpoint import (
@@ -80,25 +80,6 @@ def _stop_and_resume(run: Path, settings: list[str]) -> None:
     _train(run, settings, "--resume")
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
-                continue
-            if (entry / "stat").read_text().split()[2] == "Z":
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
-            int(entry.name)
-    return found
-
-
 def _steps_logged(run: Path) -> int:
     """Lines of metrics.jsonl so far (a line being written counts as not yet there)."""
     try:
@@ -128,7 +109,7 @@ def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
                 (ckpts / "step-10.tmp" / ".metadata").exists() and _steps_logged(run) >= 12):
             time.sleep(0.05)
         assert (ckpts / "step-10.tmp" / ".metadata").exists(), "the save of step 10 never ran"
-        os.kill(_worker_pids(run)[0], signal.SIGKILL)
+        os.kill(worker_pids(run)[0], signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:
         proc.kill()

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, TINY, run_mcpar, sets
+from conftest import REPO, TINY, run_mcpar, sets, worker_pids
 
 
 def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -85,26 +85,6 @@ def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the live mcpar workers of `run_dir` (read from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
-                continue
-            if (entry / "stat").read_text().split()[2] == "Z":
-                continue  # already dead, waiting to be reaped
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        rank = next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))
-        found[rank] = int(entry.name)
-    return found
-
-
 def test_worker_killed_by_a_signal_stops_the_job(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -119,7 +99,7 @@ def test_worker_killed_by_a_signal_stops_the_job(tmp_path: Path) -> None:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.2)
-        pids = _worker_pids(run)
+        pids = worker_pids(run)
         assert sorted(pids) == [0, 1]
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.time()
@@ -130,7 +110,7 @@ def test_worker_killed_by_a_signal_stops_the_job(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "rank 1 was killed by signal SIGKILL" in stderr, stderr
     assert stopped_in < 15
-    assert _worker_pids(run) == {}
+    assert worker_pids(run) == {}
 
 
 LAYOUT_ERRORS = [
