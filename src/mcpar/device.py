@@ -21,7 +21,9 @@ from mcpar.errors import UserError, problem
 @dataclass(frozen=True)
 class DeviceInfo:
     type: str  # "cpu" | "cuda"
-    backend: str  # process-group backend: "gloo" | "nccl"
+    # Process-group backend: "gloo" on CPU; on CUDA, NCCL for device tensors and gloo for the
+    # small host tensors of bookkeeping collectives (step statistics, norms, routing counts).
+    backend: str
     reason: str  # why this device, for the log
 
     def torch_device(self, local_rank: int) -> torch.device:
@@ -38,7 +40,8 @@ def select_device(requested: str) -> DeviceInfo:
         ))
     if requested == "cuda" or (requested == "auto" and has_cuda):
         why = "asked for" if requested == "cuda" else "auto: CUDA is available"
-        return DeviceInfo("cuda", "nccl", f"cuda ({torch.cuda.device_count()} visible, {why})")
+        return DeviceInfo("cuda", "cpu:gloo,cuda:nccl",
+                          f"cuda ({torch.cuda.device_count()} visible, {why})")
     why = "asked for" if requested == "cpu" else "auto: no CUDA device visible"
     return DeviceInfo("cpu", "gloo", f"cpu ({why})")
 
