@@ -1,0 +1,165 @@
+"""The MoE expert load balancer: load arithmetic, policies, determinism and checkpointing."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mcpar.controllers.load_balance import (
+    ExpertLoadBalancer,
+    Swap,
+    imbalance,
+    plan_layer,
+    rank_loads,
+)
+
+
+def zipf_trace(steps: int, layers: int, experts: int, exponent: float, shift_every: int,
+               seed: int, assignments: int = 65536) -> np.ndarray:
+    """[steps, layers, experts] multinomial counts of a Zipf popularity whose ranking half
+    re-permutes every `shift_every` steps (the bench's trace, small)."""
+    rng = np.random.default_rng(seed)
+    shares = np.arange(1, experts + 1, dtype=np.float64) ** -exponent
+    shares /= shares.sum()
+    rank_of = np.stack([rng.permutation(experts) for _ in range(layers)])
+    counts = np.empty((steps, layers, experts))
+    for step in range(steps):
+        if step and step % shift_every == 0:
+            for layer in range(layers):
+                chosen = rng.choice(experts, experts // 2, replace=False)
+                rank_of[layer, chosen] = rank_of[layer, rng.permutation(chosen)]
+        for layer in range(layers):
+            counts[step, layer] = rng.multinomial(assignments, shares[rank_of[layer]])
+    return counts
+
+
+def run(balancer: ExpertLoadBalancer, counts: np.ndarray, first_step: int = 0) -> dict:
+    """Feeds `counts`; returns the mean step cost and every step's swaps and placement."""
+    costs, swaps, placements = [], [], []
+    for offset, step_counts in enumerate(counts):
+        imb = float(imbalance(step_counts, balancer.expert_of_slot, balancer.ep).mean())
+        step_swaps = balancer.observe(first_step + offset, step_counts)
+        costs.append(imb + balancer.migration_cost * 2 * len(step_swaps))
+        swaps.append(step_swaps)
+        placements.append(balancer.expert_of_slot.copy())
+    return {"cost": float(np.mean(costs)), "swaps": swaps, "placements": placements}
+
+
+def test_rank_loads_and_imbalance_by_hand():
+    counts = np.array([[10, 0, 5, 5], [4, 4, 4, 4]])
+    identity = np.array([[0, 1, 2, 3], [0, 1, 2, 3]])
+    assert rank_loads(counts, identity, 2).tolist() == [[10, 10], [8, 8]]
+    np.testing.assert_allclose(imbalance(counts, identity, 2), [1.0, 1.0])
+    # Experts 0 and 2 together on rank 0: 15 tokens against 5, mean 10.
+    moved = np.array([[0, 2, 1, 3], [3, 2, 1, 0]])
+    assert rank_loads(counts, moved, 2).tolist() == [[15, 5], [8, 8]]
+    np.testing.assert_allclose(imbalance(counts, moved, 2), [1.5, 1.0])
+    assert rank_loads(counts, identity, 4).tolist() == [[10, 0, 5, 5], [4, 4, 4, 4]]
+    np.testing.assert_allclose(imbalance(counts, identity, 4), [2.0, 1.0])
+    np.testing.assert_allclose(imbalance(np.zeros((1, 4)), identity[:1], 2), [1.0])
+
+
+def test_plan_layer_evens_out_the_hot_rank():
+    load = np.array([9.0, 5.0, 3.0, 1.0, 1.0, 1.0])  # ranks of 3 slots: 17 and 3, mean 10
+    swaps, imbs = plan_layer(load, np.arange(6), 2, max_swaps=4)
+    # 9 <-> 1 gives ranks 9 and 11; no further swap lowers the 11 without lifting the 9 as high.
+    assert swaps == [(0, 3)]
+    np.testing.assert_allclose(imbs, [17 / 10, 11 / 10])
+    placement = np.array([3, 4, 5, 0, 1, 2])  # the same loads, the hot rank now rank 1
+    assert plan_layer(load, placement, 2, max_swaps=4)[0] == [(3, 0)]
+
+
+def test_static_never_moves():
+    counts = zipf_trace(60, 2, 16, 1.0, 1000, seed=0)
+    balancer = ExpertLoadBalancer("static", 2, 16, 4, interval=5)
+    result = run(balancer, counts)
+    assert all(not s for s in result["swaps"])
+    assert (balancer.expert_of_slot == np.arange(16)).all()
+    assert balancer.decisions == []
+
+
+def test_greedy_balances_a_stationary_skew_with_valid_swaps():
+    experts, ep = 32, 4
+    counts = zipf_trace(200, 2, experts, 0.6, 10**6, seed=1)
+    balancer = ExpertLoadBalancer("greedy", 2, experts, ep)
+    start = imbalance(counts[:20].mean(0), balancer.expert_of_slot, ep).mean()
+    previous = balancer.expert_of_slot.copy()
+    result = run(balancer, counts)
+    for step_swaps, placement in zip(result["swaps"], result["placements"], strict=True):
+        expected = previous.copy()
+        for s in step_swaps:
+            assert s.slot_a // (experts // ep) != s.slot_b // (experts // ep)
+            expected[s.layer, [s.slot_a, s.slot_b]] = expected[s.layer, [s.slot_b, s.slot_a]]
+        assert (placement == expected).all()
+        # Each layer stays a permutation: every expert in exactly one slot, E/ep per rank.
+        assert (np.sort(placement, axis=1) == np.arange(experts)).all()
+        previous = placement
+    end = imbalance(counts[-20:].mean(0), balancer.expert_of_slot, ep).mean()
+    assert start > 1.3 and end < 1.1, (start, end)
+    moved = sum(len(s) for s in result["swaps"])
+    assert 0 < moved <= 2 * 20  # a stationary trace settles: no swaps for the noise
+    assert len(balancer.decisions) == 20 and balancer.decisions[0]["action"] == "migrate"
+
+
+def test_same_seed_same_decisions():
+    counts = zipf_trace(300, 2, 32, 0.6, 100, seed=2)
+    a = run(ExpertLoadBalancer("reinforcement", 2, 32, 4, seed=7), counts)
+    b = run(ExpertLoadBalancer("reinforcement", 2, 32, 4, seed=7), counts)
+    assert a["swaps"] == b["swaps"]
+    assert all((x == y).all() for x, y in zip(a["placements"], b["placements"], strict=True))
+
+
+@pytest.mark.parametrize("policy", ["greedy", "reinforcement"])
+def test_restored_balancer_continues_identically(policy):
+    counts = zipf_trace(500, 2, 32, 0.6, 100, seed=3)
+    original = ExpertLoadBalancer(policy, 2, 32, 4, seed=5)
+    run(original, counts[:255])  # stop mid-interval: a decision's reward is still pending
+    buffer = io.BytesIO()
+    torch.save(original.state_tensors(), buffer)
+    buffer.seek(0)
+    restored = ExpertLoadBalancer(policy, 2, 32, 4, seed=99)
+    restored.load_state_tensors(torch.load(buffer))
+    after_original = run(original, counts[255:], first_step=255)
+    after_restored = run(restored, counts[255:], first_step=255)
+    assert after_original["swaps"] == after_restored["swaps"]
+    assert sum(len(s) for s in after_original["swaps"]) > 0
+    assert (original.expert_of_slot == restored.expert_of_slot).all()
+    for key, tensor in original.state_tensors().items():
+        assert torch.equal(tensor, restored.state_tensors()[key]), key
+
+
+def test_reinforcement_matches_greedy_on_a_drifting_trace():
+    counts = zipf_trace(1000, 2, 64, 0.5, 200, seed=0)
+    costs = {policy: run(ExpertLoadBalancer(policy, 2, 64, 8, seed=0), counts)["cost"]
+             for policy in ("static", "greedy", "reinforcement")}
+    assert costs["static"] > 1.3
+    assert costs["greedy"] < 1.1
+    assert costs["reinforcement"] <= costs["greedy"] + 0.02, costs
+    balancer = ExpertLoadBalancer("reinforcement", 2, 64, 8, seed=0)
+    run(balancer, counts[:200])
+    record = balancer.decisions[0]
+    assert record["action"] in ("hold", "one_swap", "greedy", "full_plan")
+    assert isinstance(record["reward"], float) and len(record["counterfactual_rewards"]) == 4
+    assert {"state", "features", "explored", "epsilon", "q_values", "swaps"} <= set(record)
+    json.dumps(balancer.decisions)  # they go to the logs
+
+
+def test_bad_input_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown load-balancing policy"):
+        ExpertLoadBalancer("round_robin", 1, 8, 2)
+    with pytest.raises(ValueError, match="10 experts do not divide over 4"):
+        ExpertLoadBalancer("greedy", 1, 10, 4)
+    balancer = ExpertLoadBalancer("greedy", 2, 8, 2)
+    with pytest.raises(ValueError, match=r"counts must be \[layers, experts\] = \[2, 8\]"):
+        balancer.observe(0, np.ones((1, 8)))
+    with pytest.raises(ValueError, match="finite token counts"):
+        balancer.observe(0, -np.ones((2, 8)))
+    with pytest.raises(ValueError, match="must both be"):
+        rank_loads(np.ones((2, 8)), np.zeros((1, 8), dtype=int), 2)
+    with pytest.raises(ValueError, match="saved by policy 'greedy'"):
+        ExpertLoadBalancer("reinforcement", 2, 8, 2).load_state_tensors(balancer.state_tensors())
+    assert Swap(0, 1, 5) == Swap(layer=0, slot_a=1, slot_b=5)
