@@ -1,9 +1,13 @@
-"""What this build can train, and a clear refusal for what it cannot yet.
+"""What this build can train, and a clear refusal for what it cannot.
 
 The schema accepts the whole MCP configuration (so plans of the seed's 1024-device layout can be
-checked), but ``mcpar train`` must never accept a setting and then silently ignore it. Each entry
-below is a setting whose mechanism has not landed: training refuses it with the key and the value
-that works. Entries leave this list as their mechanisms land.
+checked, and the seed's file, which names no model, loads), but ``mcpar train`` must never accept
+a setting and then silently ignore it. Two kinds of refusals live here, both with the key and the
+value that works:
+- settings whose mechanism has not landed (they leave the list as their mechanisms land);
+- combinations that have nothing to act on in a real run (an expert axis without experts, a load
+  balancer without expert ranks to balance) or that this version does not combine (gradient
+  compression with expert parallelism).
 """
 
 from __future__ import annotations
@@ -14,20 +18,46 @@ from mcpar.errors import problem
 
 def unsupported_settings(cfg: JobConfig) -> list[str]:
     """One problem line per setting `mcpar train` cannot honour in this version."""
-    par, ctl, model = cfg.parallelism, cfg.controllers, cfg.model
+    ctl = cfg.controllers
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
-        ("model.kind", model.kind, "gpt"),
-        ("parallelism.experts", par.experts, 1),
-        ("controllers.compute.scheduler", ctl.compute.scheduler, "static"),
         ("controllers.memory.allocation", ctl.memory.allocation, "default"),
         ("controllers.memory.offload", ctl.memory.offload, "none"),
         ("controllers.memory.zero_stage", ctl.memory.zero_stage, 0),
         ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
          "none"),
     ]
-    return [
+    problems = [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")
         for key, value, works in checks
         if value != works
     ]
+    return problems + expert_problems(cfg)
+
+
+def expert_problems(cfg: JobConfig) -> list[str]:
+    """Expert settings a training run cannot honour."""
+    par, model, ctl, opt = cfg.parallelism, cfg.model, cfg.controllers, cfg.optimization
+    problems = []
+    if par.experts > 1 and model.kind != "moe":
+        problems.append(problem(
+            "parallelism.experts",
+            f"{par.experts} needs a model with experts: set model.kind 'moe' or use 1",
+        ))
+    scheduler = ctl.compute.scheduler
+    if scheduler != "static" and (model.kind != "moe" or par.experts == 1):
+        problems.append(problem(
+            "controllers.compute.scheduler",
+            f"{scheduler!r} balances experts over expert-parallel ranks; it needs model.kind "
+            "'moe' and parallelism.experts > 1 (or use 'static')",
+        ))
+    compression = ctl.communication.compression
+    if par.experts > 1 and (compression != "none" or opt.optimizer == "onebit_adam"):
+        key = ("controllers.communication.compression" if compression != "none"
+               else "optimization.optimizer")
+        problems.append(problem(
+            key, "gradient compression is not supported with parallelism.experts > 1 (expert "
+            "weights are reduced over their own replicas, uncompressed); use compression "
+            "'none' and optimizer 'adamw', or parallelism.experts 1",
+        ))
+    return problems

@@ -125,7 +125,7 @@ def config_hash(cfg: JobConfig) -> str:
 
 
 def layout_of(dims: Any, cfg: JobConfig) -> dict[str, int]:
-    return {"data": dims.dp, "tensor": dims.tp, "pipeline": dims.pp,
+    return {"data": dims.dp, "tensor": dims.tp, "pipeline": dims.pp, "experts": dims.ep,
             "virtual_stages": cfg.parallelism.virtual_stages, "world_size": dims.world_size}
 
 
@@ -210,6 +210,9 @@ class FaultRecoveryManager:
     # --- state dict ------------------------------------------------------------------------------
     def _coord(self, strategy: str) -> str:
         coord = f"pp{self.dims.axis_rank('pp')}-tp{self.dims.axis_rank('tp')}"
+        if self.dims.ep > 1:
+            # Expert groups hold different experts: one shard per expert-axis rank.
+            coord += f"-ep{self.dims.axis_rank('ep')}"
         return coord if strategy == "selective" else f"{coord}-dp{self.dims.axis_rank('dp')}"
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
@@ -233,7 +236,8 @@ class FaultRecoveryManager:
         """The tensors this rank saves (or loads into). ``saved_keys``: the checkpoint's keys,
         when loading, so that optimizer state is only expected where it was saved."""
         state: dict[str, torch.Tensor] = {}
-        writes_shards = (strategy == "full" or self.dims.axis_rank("dp") == 0
+        # 'edp' rank 0: the first replica of each expert group (data rank 0 without experts).
+        writes_shards = (strategy == "full" or self.dims.axis_rank("edp") == 0
                          or saved_keys is not None)
         if writes_shards:
             coord = self._coord(strategy)
@@ -419,6 +423,11 @@ class FaultRecoveryManager:
         problems = resume_problems(meta, self.cfg, self.layout)
         if problems:
             raise UserError(problems)
+        if meta["layout"] != self.layout and self.cfg.model.kind == "moe":
+            raise UserError([problem(
+                "--resume", f"this MoE checkpoint was saved with layout {meta['layout']} and "
+                f"this run has {self.layout}; MoE checkpoints resume on the layout they were "
+                "saved with (resharding experts is not supported): use the saved degrees")])
         if meta["layout"] != self.layout:
             # Saved under other degrees: rebuild this rank's shards from the saved ones.
             restore_resharded(self, path, meta)

@@ -38,6 +38,28 @@ class ModelConfig(_Section):
     vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the bytes tokenizer.")
     num_experts: int = Field(1, ge=1, description="Experts per MoE layer (model.kind: moe).")
     top_k: int = Field(1, ge=1, description="Experts each token is routed to (model.kind: moe).")
+    router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="MoE: router scores, softmax over experts (Switch) or a sigmoid "
+        "per expert (DeepSeek-V3); with top_k > 1 the chosen scores are renormalized to sum 1.",
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0.0, description="MoE: each expert takes at most capacity_factor x tokens x "
+        "top_k / num_experts of a rank's micro-batch, later tokens are dropped (the residual "
+        "carries them); None = dropless.",
+    )
+    aux_loss_coef: float = Field(
+        0.0, ge=0.0, description="MoE: weight of the Switch-style load-balancing loss, computed "
+        "per sequence and averaged (so it is the same for every layout); 0 = off.",
+    )
+    router_bias_update_rate: float = Field(
+        3e-3, ge=0.0, description="MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each "
+        "step every expert's selection bias moves by this much towards balance, by the sign of "
+        "its load error over the global batch; the bias only selects, never weights; 0 = off.",
+    )
+    shared_expert: bool = Field(
+        False, description="MoE: add a dense MLP that every token goes through, beside the "
+        "routed experts.",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability; 0 = off.")
     tie_embeddings: bool = Field(
         False, description="Share the token embedding with the output head (pipeline 1 only)."
@@ -86,7 +108,17 @@ class ParallelismConfig(_Section):
 
 class ComputeControllerConfig(_Section):
     scheduler: Literal["static", "greedy", "reinforcement"] = Field(
-        "static", description="Expert load-balancing policy."
+        "static", description="Expert load balancing under expert parallelism: 'static' "
+        "keeps experts where they start; 'greedy' and 'reinforcement' move hot experts between "
+        "expert-axis ranks (parameters and optimizer state) to even out the tokens per rank.",
+    )
+    balance_interval: int = Field(
+        10, ge=1, description="Steps between the load balancer's decisions.",
+    )
+    migration_cost: float = Field(
+        0.02, ge=0.0, description="Load balancer: the fraction of a step that moving one "
+        "expert (parameters and optimizer state) is assumed to cost, weighed against the "
+        "imbalance it removes.",
     )
     batch_splitting: Literal["fixed", "dynamic"] = Field(
         "fixed", description="'dynamic' lets the controller choose the number of micro-batches."

@@ -5,8 +5,11 @@
 2. Pipeline: the ComputeController's partitioner cuts the blocks into pp x virtual_stages stages;
    this rank keeps the chunks of its global stages (rank r holds stages r, r + pp, ...).
 3. Tensor (and sequence) parallelism shards each kept chunk in place.
-4. Move to the device.
-5. Data parallelism: one bucketed gradient all-reduce over every parameter this rank holds.
+4. Expert parallelism: each MoE layer keeps this rank's experts (split over the expert axis, their
+   width over the tensor axis) and exchanges tokens by all-to-all.
+5. Move to the device.
+6. Data parallelism: one bucketed gradient all-reduce over every parameter this rank holds
+   (expert weights over their replicas only).
 
 Building the whole model first costs host memory on every rank; it is what makes the shards
 bit-identical to the single-process model, which the parity tests rely on.
@@ -26,6 +29,7 @@ from mcpar.controllers.communication import CommunicationController
 from mcpar.controllers.compute import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.data import DataParallelGradSync
+from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import StageModule, cut_model
 from mcpar.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -75,10 +79,16 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: CommunicationControlle
             apply_tensor_parallel(chunk, comm, tp_rank, dims.tp,
                                   cfg.parallelism.sequence_parallel)
 
-    # 4. device
+    # 4. expert parallelism (and the tensor split of the experts)
+    if cfg.model.kind == "moe" and (dims.ep > 1 or dims.tp > 1):
+        for chunk in chunks:
+            apply_expert_parallel(chunk, comm, dims.axis_rank("ep"), dims.ep,
+                                  dims.axis_rank("tp"), dims.tp)
+
+    # 5. device
     chunks = [chunk.to(device) for chunk in chunks]
 
-    # 5. data parallelism over the unique parameters (a tied weight is one parameter)
+    # 6. data parallelism over the unique parameters (a tied weight is one parameter)
     unique: dict[int, nn.Parameter] = {}
     for chunk in chunks:
         for p in chunk.parameters():

@@ -31,11 +31,20 @@ class ParallelDims:
     dp_intra: int = 1
     dp_inter: int = 1
     _node_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    # The data axis split for experts (set by build_mesh when ep > 1): 'ep' joins ep consecutive
+    # data-parallel ranks, which hold different experts and exchange tokens; 'edp' joins the
+    # ranks at the same place of every expert group, which hold the same experts (replicas).
+    edp: int = 1
+    _expert_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict,
+                                                                repr=False)
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"dp {self.dp} x tp {self.tp} x pp {self.pp} != {self.world_size}")
+        if self.dp % self.ep:
+            raise ValueError(f"expert degree {self.ep} does not divide data degree {self.dp}")
         self.dp_inter = self.dp
+        self.edp = self.dp // self.ep
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -62,14 +71,39 @@ class ParallelDims:
         self._mesh = init_device_mesh(
             device_type, self.mesh_shape, mesh_dim_names=self.mesh_axis_names
         )
+        if self.ep > 1:
+            self._build_expert_groups()
+
+    def expert_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Global ranks of every 'ep' group and every 'edp' group (carved out of each
+        data-parallel group: consecutive data ranks share an expert group, so that on a
+        cluster filled node by node the token all-to-all stays inside a node where it can)."""
+        ep_lists, edp_lists = [], []
+        for ranks in self.dp_group_ranks():
+            ep_lists += [ranks[i:i + self.ep] for i in range(0, self.dp, self.ep)]
+            edp_lists += [ranks[i::self.ep] for i in range(self.ep)]
+        return ep_lists, edp_lists
+
+    def _build_expert_groups(self) -> None:
+        me = dist.get_rank()
+        self._expert_groups = {"ep": None, "edp": None}
+        # Every rank creates every group, in the same order (new_group is collective).
+        for axis, lists in zip(("ep", "edp"), self.expert_group_ranks(), strict=True):
+            for ranks in lists:
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if me in ranks:
+                    self._expert_groups[axis] = group
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank along a mesh axis ('dp', 'tp', 'pp', or the node
-        split of the data axis 'dp_intra' / 'dp_inter'); None if size 1."""
+        """The process group of this rank along a mesh axis ('dp', 'tp', 'pp', the node split
+        of the data axis 'dp_intra' / 'dp_inter', or its expert split 'ep' / 'edp'); None if
+        size 1."""
         if self._mesh is None or getattr(self, axis) == 1:
             return None
         if axis in ("dp_intra", "dp_inter"):
             return self._node_groups[axis]
+        if axis in ("ep", "edp"):
+            return self._expert_groups[axis]
         return self._mesh.get_group(axis)  # type: ignore[attr-defined]
 
     def axis_rank(self, axis: str) -> int:
@@ -78,6 +112,9 @@ class ParallelDims:
         if axis in ("dp_intra", "dp_inter"):
             group = self._node_groups.get(axis)
             return 0 if group is None else dist.get_rank(group)
+        if axis in ("ep", "edp"):
+            dp_rank = self._mesh.get_local_rank("dp")  # type: ignore[attr-defined]
+            return dp_rank % self.ep if axis == "ep" else dp_rank // self.ep
         return self._mesh.get_local_rank(axis)  # type: ignore[attr-defined]
 
     def dp_group_ranks(self) -> list[list[int]]:
@@ -245,7 +282,14 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
     if dp % par.experts:
         problems.append(problem(
             "parallelism.experts",
-            f"expert degree {par.experts} does not divide the data degree {dp}",
+            f"expert degree {par.experts} does not divide the data degree {dp} (the expert "
+            f"axis is carved out of the data axis); use a divisor of {dp}",
+        ))
+    if model.kind == "moe" and par.sequence_parallel:
+        problems.append(problem(
+            "parallelism.sequence_parallel",
+            "is not supported with model.kind 'moe' (the router needs every token of the "
+            "sequence on each tensor rank); set it to false",
         ))
     if model.kind == "moe":
         if model.num_experts % par.experts:
@@ -257,7 +301,8 @@ def resolve_layout(cfg: JobConfig, world_size: int | None) -> ParallelDims:
         if model.top_k > model.num_experts:
             problems.append(problem(
                 "model.top_k",
-                f"top_k {model.top_k} is larger than num_experts {model.num_experts}",
+                f"top_k {model.top_k} is larger than num_experts {model.num_experts}; use at "
+                f"most {model.num_experts}",
             ))
     problems += communication_problems(cfg, dp)
     accum = opt.gradient_accumulation

@@ -31,10 +31,11 @@ import torch.distributed as dist
 from mcpar.checkpoint import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
 from mcpar.comm.compression import PowerSGDCompressor
-from mcpar.comm.compression_state import CompressionState
+from mcpar.comm.compression_state import CompressionState, RankStateGroup
 from mcpar.config import JobConfig, to_yaml
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask
+from mcpar.controllers.moe_routing import MoERoutingController
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
@@ -88,6 +89,7 @@ class StepResult:
     max_params_per_rank: int
     stop_requested: bool  # some rank got SIGTERM
     skipped: bool  # non-finite loss or gradients somewhere: no optimizer step
+    moe: dict[str, object] | None = None  # routing metrics of a MoE model
 
 
 def fault_nonfinite_steps() -> set[int]:
@@ -181,10 +183,15 @@ class Trainer:
         else:
             self.compute = ComputeController(num_micro, self.pm.grad_sync,
                                              forward_backward=self._forward_backward)
+        self.moe: MoERoutingController | None = None
+        if cfg.model.kind == "moe":
+            self.moe = MoERoutingController(cfg, self.dims, self.comm, self.pm.chunks,
+                                            self.optimizer, run_dir, is_main=self.rank == 0)
+        rank_state = RankStateGroup([CompressionState(self.optimizer, self.powersgd),
+                                     *([self.moe] if self.moe is not None else [])])
         self.recovery = FaultRecoveryManager(
             cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
-            self.rank, barrier=self.comm.barrier, agree=self._agree,
-            rank_state=CompressionState(self.optimizer, self.powersgd))
+            self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state)
         if env is not None and cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
         self.start_step = self.recovery.restore() if resume else 0
@@ -291,6 +298,9 @@ class Trainer:
         else:
             self.nonfinite_in_a_row = 0
             self.optimizer.step()
+        if self.moe is not None:
+            # Bias balancing and expert migration happen inside the step: their cost is timed.
+            result.moe = self.moe.after_step(step)
         self.train_stream.advance()
         return result
 
@@ -401,6 +411,8 @@ class Trainer:
                 "comm_time_s": self.comm.stats.step_time_s(), "peak_mem_bytes": peak_mem,
                 "skipped": result.skipped,
             }
+            if result.moe is not None:
+                record["moe"] = result.moe
             tokens_per_s_sum += record["tokens_per_s"]
             last = step + 1 == tr.steps
             if last or (tr.eval_interval and (step + 1) % tr.eval_interval == 0):

@@ -60,3 +60,21 @@ class CompressionState:
                     matrices: dict = group["matrices"]  # type: ignore[assignment]
                     matrices.setdefault(int(parts[2]), {})[parts[3]] = tensor
             self.powersgd.load_state_dict(state)
+
+
+class RankStateGroup:
+    """Several per-rank states saved under one rank prefix; each part names its own tensors
+    (distinct names) and picks its own out of what a checkpoint holds."""
+
+    def __init__(self, parts: list) -> None:  # type: ignore[type-arg]
+        self.parts = parts
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            out.update(part.tensors())
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        for part in self.parts:
+            part.load(tensors)

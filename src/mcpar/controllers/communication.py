@@ -13,7 +13,8 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 - point to point: the sender counts the whole tensor, the receiver nothing.
 
 Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims), 'dp_intra' and 'dp_inter' (the data axis
-split by node, for hierarchical collectives) and 'world' (the default group).
+split by node, for hierarchical collectives), 'ep' and 'edp' (the data axis split for experts)
+and 'world' (the default group).
 
 Times: a blocking call is timed around the call; an asynchronous one from its launch to its
 completion, observed through the work's future, so overlap with compute does not hide or inflate
@@ -384,6 +385,24 @@ class CommunicationController:
         nbytes = (n - 1) / n * tensor.numel() * tensor.element_size()
         self._timed(("all_to_all", axis, codec), nbytes, None, start, False)
         return output
+
+    def all_to_all_rows(self, tensor: torch.Tensor, send_counts: list[int],
+                        recv_counts: list[int], axis: str = "ep") -> torch.Tensor:
+        """Send the rows of `tensor` [N, ...], split by `send_counts`, to the axis ranks in
+        order, and return the rows received, by source rank (blocking). Uneven splits: the
+        token exchange of expert parallelism. The bytes are the rows that leave this rank."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return tensor.clone()
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        start = time.perf_counter()
+        with self._named("all_to_all", axis):
+            dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv_counts,
+                                   input_split_sizes=send_counts, group=self._group(axis))
+        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() else 0
+        nbytes = (sum(send_counts) - send_counts[self.axis_rank(axis)]) * row_bytes
+        self._timed(("all_to_all", axis, "none"), nbytes, None, start, False)
+        return out
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, axis: str = "dp",
                         codec: str = "none") -> torch.Tensor:

@@ -43,7 +43,7 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     m, opt = cfg.model, cfg.optimization
-    spec = get_model_spec("gpt")  # MoE adds expert weights; its spec plugs in here when it exists
+    spec = get_model_spec(m.kind)
     num_params = spec.num_params(m)
     h = m.hidden_size
     per_rank = max(params_per_pipeline_rank(cfg, dims))
@@ -73,13 +73,13 @@ def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
 def params_per_pipeline_rank(cfg: JobConfig, dims: ParallelDims) -> list[int]:
     """Exact parameters held by one rank of each pipeline position (stages cut as the
     ComputeController cuts them; a rank holds `virtual_stages` of them)."""
-    spec = get_model_spec("gpt")
+    spec = get_model_spec(cfg.model.kind)
     num_stages = dims.pp * cfg.parallelism.virtual_stages
     ranges = partition_layers(cfg.model, num_stages)
     counts = [0] * dims.pp
     for stage, (start, end) in enumerate(ranges):
         counts[stage % dims.pp] += spec.stage_num_params(
-            cfg.model, end - start, stage == 0, stage == num_stages - 1, dims.tp)
+            cfg.model, end - start, stage == 0, stage == num_stages - 1, dims.tp, dims.ep)
     return counts
 
 

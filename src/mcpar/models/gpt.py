@@ -15,6 +15,7 @@ attention has fewer local heads; a sequence-parallel block sees a slice of the s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,11 +95,12 @@ class OutputHead(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: Callable[[ModelConfig], nn.Module] = Block):
+        """``block`` builds one transformer block (the MoE model passes its own)."""
         super().__init__()
         self.cfg = cfg
         self.embed = TokenEmbedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
         self.head = OutputHead(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tok.weight
@@ -133,11 +135,11 @@ def gpt_num_params(cfg: ModelConfig) -> int:
 
 
 def gpt_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1) -> int:
+                         tp: int = 1, ep: int = 1) -> int:
     """Parameters one rank holds for a pipeline stage of `num_blocks` blocks (plus the embedding
     on the first stage, the head on the last) under tensor parallelism `tp`: matrices, column
     biases and the vocabulary are split; norms, position embedding and row-parallel output biases
-    are replicated."""
+    are replicated. (``ep`` is for the MoE spec's signature; a dense model has no experts.)"""
     h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
     sharded = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h
     replicated = 4 * h + 2 * h

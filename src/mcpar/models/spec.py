@@ -14,6 +14,7 @@ from torch import nn
 
 from mcpar.config import ModelConfig
 from mcpar.models.gpt import GPT, gpt_flops_per_token, gpt_num_params, gpt_stage_num_params
+from mcpar.models.moe import build_moe, moe_flops_per_token, moe_num_params, moe_stage_num_params
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,9 @@ class ModelSpec:
     build: Callable[[ModelConfig, int], nn.Module]  # (config, seed) -> initialized module
     num_params: Callable[[ModelConfig], int]
     flops_per_token: Callable[[ModelConfig], float]
-    # (config, blocks, holds embedding, holds head, tensor degree) -> parameters on one rank
-    stage_num_params: Callable[[ModelConfig, int, bool, bool, int], int]
+    # (config, blocks, holds embedding, holds head, tensor degree, expert degree) -> parameters
+    # on one rank
+    stage_num_params: Callable[[ModelConfig, int, bool, bool, int, int], int]
 
 
 def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
@@ -35,6 +37,8 @@ def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
 MODEL_SPECS: dict[str, ModelSpec] = {
     "gpt": ModelSpec("gpt", _build_gpt, gpt_num_params, gpt_flops_per_token,
                      gpt_stage_num_params),
+    "moe": ModelSpec("moe", build_moe, moe_num_params, moe_flops_per_token,
+                     moe_stage_num_params),
 }
 
 

@@ -20,6 +20,9 @@ Mechanism (the one DDP uses, kept small):
   fp16/bf16 on the wire, or a bucket reducer such as PowerSGD run on its communication thread.
   With 1-bit Adam past its freeze step the optimizer exchanges the momentum itself, and the
   trainer switches this synchronization off (``skip_step``).
+- Expert-parallel parameters (parallel/expert.py) differ between the ranks of an expert group:
+  they have buckets of their own, summed over the 'edp' axis (their replicas) and divided by the
+  data degree like every other gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcpar.controllers.communication import CommHandle, CommunicationController
+from mcpar.parallel.expert import is_expert_sharded
 
 
 @dataclass
@@ -40,6 +44,7 @@ class GradBucket:
     handle: CommHandle | None = None
     launched: bool = False
     param_ids: set[int] = field(default_factory=set)
+    expert: bool = False  # expert-parallel parameters: reduced over 'edp', not 'dp'
 
 
 class DataParallelGradSync:
@@ -75,7 +80,8 @@ class DataParallelGradSync:
             nbytes = p.numel() * p.element_size()
             # A new bucket starts when this one is full or the dtype/device changes.
             if (not groups or size + nbytes > bucket_bytes and groups[-1]
-                    or groups[-1][0].dtype != p.dtype or groups[-1][0].device != p.device):
+                    or groups[-1][0].dtype != p.dtype or groups[-1][0].device != p.device
+                    or is_expert_sharded(groups[-1][0]) != is_expert_sharded(p)):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -88,7 +94,8 @@ class DataParallelGradSync:
             for p in group:
                 p.grad = buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            buckets.append(GradBucket(group, buffer, param_ids={id(p) for p in group}))
+            buckets.append(GradBucket(group, buffer, param_ids={id(p) for p in group},
+                                      expert=is_expert_sharded(group[0])))
         return buckets
 
     def set_bucket_reducer(self, reducer: Callable[[int, list[torch.Tensor]], None]) -> None:
@@ -119,7 +126,11 @@ class DataParallelGradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
-        if self.bucket_reducer is not None:
+        if bucket.expert:
+            if self.degree > 1:
+                bucket.buffer.div_(self.degree)
+            bucket.handle = self.comm.all_reduce(bucket.buffer, axis="edp", async_op=True)
+        elif self.bucket_reducer is not None:
             reducer, grads = self.bucket_reducer, [p.grad for p in bucket.params]
             index = next(i for i, b in enumerate(self.buckets) if b is bucket)
             bucket.handle = self.comm.run_async(

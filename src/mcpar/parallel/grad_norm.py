@@ -3,7 +3,8 @@
 ``torch.nn.utils.clip_grad_norm_`` sees only this rank's parameters. The true norm sums the squares
 of every parameter once: tensor-sharded parameters are summed over the tensor axis, replicated ones
 (identical on every tensor rank once their gradients are synchronized) are counted once, and
-stages add up over the pipeline axis. Data-parallel replicas already hold the same averaged
+stages add up over the pipeline axis; expert-parallel weights add up over the expert axis (and
+the tensor axis, which splits their width). Data-parallel replicas already hold the same averaged
 gradients, so that axis is left alone.
 """
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from mcpar.controllers.communication import CommunicationController
+from mcpar.parallel.expert import is_expert_sharded
 from mcpar.parallel.tensor import is_tp_sharded
 
 
@@ -23,8 +25,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     Returns the global norm before clipping.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [p.grad for p in params if p.grad is not None and is_tp_sharded(p)]
-    replicated = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
+    dense = [p for p in params if p.grad is not None and not is_expert_sharded(p)]
+    sharded = [p.grad for p in dense if is_tp_sharded(p)]
+    replicated = [p.grad for p in dense if not is_tp_sharded(p)]
+    experts = [p.grad for p in params if p.grad is not None and is_expert_sharded(p)]
 
     def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
@@ -35,6 +39,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     total = sum_of_squares(sharded)
     comm.all_reduce(total, axis="tp")
     total += sum_of_squares(replicated)
+    if experts:
+        # Expert weights are split over ep (different experts) and, under tp, by width.
+        expert_total = sum_of_squares(experts)
+        comm.all_reduce(expert_total, axis="tp")
+        comm.all_reduce(expert_total, axis="ep")
+        total += expert_total
     comm.all_reduce(total, axis="pp")
     norm = total.sqrt().squeeze(0)
     if max_norm > 0 and grads:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.controllers.communication import CommunicationController
-from mcpar.models.gpt import TokenEmbedding
+from mcpar.models.gpt import MLP, TokenEmbedding
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 TP_SHARDED_ATTR = "_mcpar_tp_sharded"
@@ -135,6 +135,16 @@ def _leave_parallel_region(x: torch.Tensor, comm: CommunicationController,
         return x
     fn = _ReduceScatterAlongSequence if sequence_parallel else _ReduceFromTensorParallel
     return fn.apply(x, comm)
+
+
+def enter_tensor_parallel(x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    """f on a replicated input (identity forward, gradient summed over tp backward)."""
+    return _enter_parallel_region(x, comm, sequence_parallel=False)
+
+
+def leave_tensor_parallel(x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    """g on partial outputs (summed over tp forward, identity backward)."""
+    return _leave_parallel_region(x, comm, sequence_parallel=False)
 
 
 # --- sharded modules ------------------------------------------------------------------------
@@ -251,7 +261,7 @@ def _validate(module: nn.Module, comm: CommunicationController, tp_rank: int, tp
         if block.attn.num_heads % tp:
             raise ValueError(f"block {i}: {block.attn.num_heads} attention heads are not "
                              f"divisible by tensor-parallel degree {tp}")
-        if block.mlp.fc.out_features % tp:
+        if isinstance(block.mlp, MLP) and block.mlp.fc.out_features % tp:
             raise ValueError(f"block {i}: MLP width {block.mlp.fc.out_features} is not "
                              f"divisible by tensor-parallel degree {tp}")
     vocab = (module.embed.tok.num_embeddings if module.embed is not None
@@ -268,6 +278,17 @@ def _validate(module: nn.Module, comm: CommunicationController, tp_rank: int, tp
                                   or comm.dims.axis_rank("tp") != tp_rank):
         raise ValueError(f"tp rank {tp_rank} of {tp} does not match the mesh: rank "
                          f"{comm.dims.axis_rank('tp')} of {comm.axis_size('tp')}")
+
+
+def shard_dense_mlp(mlp: nn.Module, comm: CommunicationController, tp_rank: int, tp: int,
+                    sequence_parallel: bool) -> None:
+    """An MLP's ``fc`` column-parallel and ``proj`` row-parallel, in place."""
+    mlp.fc = ColumnParallelLinear(_shard(mlp.fc.weight, 0, tp_rank, tp),
+                                  _shard(mlp.fc.bias, 0, tp_rank, tp), comm, sequence_parallel)
+    mlp.proj = RowParallelLinear(_shard(mlp.proj.weight, 1, tp_rank, tp), mlp.proj.bias,
+                                 comm, sequence_parallel)
+    if sequence_parallel and mlp.proj.bias is not None:
+        _mark_sequence_parallel([mlp.proj.bias])
 
 
 def apply_tensor_parallel(module: nn.Module, comm: CommunicationController, tp_rank: int, tp: int,
@@ -301,13 +322,12 @@ def apply_tensor_parallel(module: nn.Module, comm: CommunicationController, tp_r
         attn.proj = RowParallelLinear(_shard(attn.proj.weight, 1, tp_rank, tp), attn.proj.bias,
                                       comm, sp)
         attn.num_heads //= tp
-        mlp.fc = ColumnParallelLinear(_shard(mlp.fc.weight, 0, tp_rank, tp),
-                                      _shard(mlp.fc.bias, 0, tp_rank, tp), comm, sp)
-        mlp.proj = RowParallelLinear(_shard(mlp.proj.weight, 1, tp_rank, tp), mlp.proj.bias,
-                                     comm, sp)
+        # A MoE layer's experts and shared expert are sharded by parallel/expert.py.
+        if isinstance(mlp, MLP):
+            shard_dense_mlp(mlp, comm, tp_rank, tp, sp)
         if sp:
             _mark_sequence_parallel([*block.ln_attn.parameters(), *block.ln_mlp.parameters()])
-            _mark_sequence_parallel(p for p in (attn.proj.bias, mlp.proj.bias) if p is not None)
+            _mark_sequence_parallel(p for p in (attn.proj.bias,) if p is not None)
 
     if module.head is not None:
         head = module.head

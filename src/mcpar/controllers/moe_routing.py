@@ -1,0 +1,154 @@
+"""The MoE side of a training step: routing statistics, bias balancing and expert migration.
+
+After every optimizer step (inside the step, so its cost is in the step time):
+1. each rank's MoE layers report the tokens they routed to each expert over the step's
+   micro-batches; the counts are summed over the data axis (the global batch) and over the
+   pipeline axis (every stage's layers), so every rank holds the same [layers, experts] table;
+2. auxiliary-loss-free balancing (DeepSeek-V3): each expert's selection bias moves by
+   ``router_bias_update_rate`` times the sign of (mean load - its load);
+3. the ComputeController's load balancer (controllers/load_balance.py) observes the table and may
+   swap experts between expert-axis ranks; every rank runs the same deterministic balancer on the
+   same table, so all take the same decision without a message, and the ranks involved exchange
+   the experts' weights and optimizer state through the CommunicationController;
+4. the step's routing metrics: per layer, tokens per expert (min/max/std), imbalance = max/mean
+   tokens per expert-axis rank, dropped tokens; experts migrated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mcpar.config import JobConfig
+from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.load_balance import ExpertLoadBalancer, imbalance
+from mcpar.models.moe import MoELayer
+from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
+from mcpar.topology import ParallelDims
+
+BALANCER_PREFIX = "balancer/"
+
+
+class MoERoutingController:
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, comm: CommunicationController,
+                 chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 run_dir: Path | None, is_main: bool):
+        model, compute = cfg.model, cfg.controllers.compute
+        self.comm, self.optimizer, self.dims = comm, optimizer, dims
+        self.num_layers, self.num_experts = model.num_layers, model.num_experts
+        self.bias_rate = model.router_bias_update_rate
+        # Global layer index -> this rank's MoE layer (a pipeline stage holds some of them).
+        self.layers: dict[int, MoELayer] = {}
+        for chunk in chunks:
+            blocks = getattr(chunk, "blocks", [])
+            first = getattr(chunk, "first_layer", 0)
+            for i, block in enumerate(blocks):
+                if isinstance(block.mlp, MoELayer):
+                    self.layers[first + i] = block.mlp
+        num_micro = cfg.optimization.gradient_accumulation or 1
+        for layer in self.layers.values():
+            # The language-model loss of a micro-batch is divided by the number of
+            # micro-batches before backward; the auxiliary loss must be too.
+            layer.aux_grad_scale = 1.0 / num_micro
+            layer.reset_step_stats()  # forward passes before training (measurements) don't count
+        self.balancer: ExpertLoadBalancer | None = None
+        if dims.ep > 1 and compute.scheduler != "static":
+            self.balancer = ExpertLoadBalancer(
+                compute.scheduler, model.num_layers, model.num_experts, dims.ep,
+                interval=compute.balance_interval, migration_cost=compute.migration_cost,
+                seed=cfg.training.seed)
+        self.migrations_total = 0
+        self.decision_log = (run_dir / "load_balance.jsonl"
+                             if is_main and run_dir is not None and self.balancer else None)
+        self._logged_decisions = 0
+
+    def placement(self) -> np.ndarray:
+        """[layers, experts] expert of each slot (identity without expert parallelism)."""
+        if self.balancer is not None:
+            return self.balancer.expert_of_slot.copy()
+        return np.tile(np.arange(self.num_experts), (self.num_layers, 1))
+
+    def _gather_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
+        dropped = torch.zeros(self.num_layers, dtype=torch.int64)
+        for index, layer in self.layers.items():
+            counts[index] = layer.step_counts
+            dropped[index] = layer.step_dropped
+        table = torch.cat([counts, dropped.unsqueeze(1)], dim=1)
+        self.comm.all_reduce(table, axis="dp")
+        self.comm.all_reduce(table, axis="pp")
+        return table[:, :-1].numpy(), table[:, -1].numpy()
+
+    def after_step(self, step: int) -> dict[str, object]:
+        """Balance and report; returns the step's MoE metrics."""
+        counts, dropped = self._gather_counts()
+        if self.bias_rate > 0:
+            for index, layer in self.layers.items():
+                load = torch.from_numpy(counts[index]).double()
+                error = torch.sign(load.mean() - load).float()
+                layer.router.expert_bias += self.bias_rate * error.to(
+                    layer.router.expert_bias.device)
+        moved = 0
+        if self.balancer is not None:
+            swaps = self.balancer.observe(step, counts)
+            for tag, swap in enumerate(swaps):
+                layer = self.layers.get(swap.layer)
+                if layer is not None:
+                    assert isinstance(layer.experts, ShardedExperts)
+                    swap_expert_slots(layer.experts, self.optimizer, swap.slot_a, swap.slot_b,
+                                      tag=tag)
+            moved = 2 * len(swaps)
+            self.migrations_total += moved
+            self._log_decisions()
+        for layer in self.layers.values():
+            layer.reset_step_stats()
+        return self._metrics(counts, dropped, moved)
+
+    def _metrics(self, counts: np.ndarray, dropped: np.ndarray, moved: int) -> dict[str, object]:
+        per_layer = []
+        rank_imbalance = imbalance(counts, self.placement(), self.dims.ep)
+        for index in range(self.num_layers):
+            load = counts[index].astype(np.float64)
+            per_layer.append({
+                "min": int(load.min()), "max": int(load.max()), "std": float(load.std()),
+                "imbalance": float(rank_imbalance[index]), "dropped": int(dropped[index]),
+                "tokens_per_expert": [int(v) for v in counts[index]],
+            })
+        mean_load = counts.mean(axis=1, keepdims=True).clip(min=1e-9)
+        return {
+            "layers": per_layer,
+            "imbalance": float(rank_imbalance.mean()),
+            "max_expert_load_ratio": float((counts / mean_load).max()),
+            "dropped_tokens": int(dropped.sum()),
+            "migrations": moved,
+            "migrations_total": self.migrations_total,
+        }
+
+    def _log_decisions(self) -> None:
+        assert self.balancer is not None
+        new = self.balancer.decisions[self._logged_decisions:]
+        self._logged_decisions = len(self.balancer.decisions)
+        if self.decision_log is not None and new:
+            with self.decision_log.open("a") as out:
+                for record in new:
+                    out.write(json.dumps(record) + "\n")
+
+    # --- checkpoint: the balancer's state (the same on every rank) ------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"moe/migrations_total": torch.tensor([self.migrations_total])}
+        if self.balancer is not None:
+            for name, tensor in self.balancer.state_tensors().items():
+                out[BALANCER_PREFIX + name] = tensor
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        if "moe/migrations_total" in tensors:
+            self.migrations_total = int(tensors["moe/migrations_total"].item())
+        if self.balancer is not None:
+            self.balancer.load_state_tensors({
+                name[len(BALANCER_PREFIX):]: value for name, value in tensors.items()
+                if name.startswith(BALANCER_PREFIX)})
+            self._logged_decisions = len(self.balancer.decisions)

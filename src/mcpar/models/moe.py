@@ -1,0 +1,254 @@
+"""MoE: the GPT of gpt.py whose blocks route each token to top-k of E expert MLPs.
+
+Each block's MLP is a ``MoELayer``:
+
+- ``Router``: a linear gate scores every expert, with a softmax over experts (Switch) or a sigmoid
+  per expert (DeepSeek-V3). The top-k experts are chosen on ``score + expert_bias``; the bias
+  (a buffer, never trained by gradients) is the auxiliary-loss-free balancing of DeepSeek-V3: after
+  each step it moves every expert by ``router_bias_update_rate`` towards balance, by the sign of
+  its load error over the global batch. The chosen experts' *unbiased* scores weight their
+  outputs (renormalized to sum 1 when top_k > 1).
+- Switch-style auxiliary loss ``E / (k S) * sum_e f_e P_e``, computed per sequence and averaged
+  over sequences (DeepSeek-V3's sequence-wise form): a mean over sequences splits over micro-batches
+  and data-parallel ranks exactly as the language-model loss does, so every layout computes the
+  same loss. It enters the backward pass through ``_AddAuxLossGrad`` (the output is unchanged, the
+  loss's gradient is injected), so pipeline stages need not carry it to the last stage.
+- Capacity: with ``capacity_factor`` each expert takes at most ``ceil(cf x T x k / E)`` of the T
+  tokens of one rank's micro-batch, in token order; the rest are dropped (their residual passes
+  unchanged) and counted. ``None`` is dropless.
+- ``Experts``: E bias-free GELU MLPs stored as two stacked weights ``[E, hidden, ffn]`` and
+  ``[E, ffn, hidden]``; rows are sorted by expert and each expert runs one matmul pair on its
+  rows. Expert parallelism (parallel/expert.py) swaps this module for one that holds a subset of
+  the experts and exchanges the rows with all-to-all; nothing here knows about it.
+- optional shared expert: a dense MLP every token goes through (gpt.py's ``MLP``).
+
+The top-k outputs of a token are combined in a fixed order (slot k = 0, 1, ...) whatever the
+placement of experts, so moving experts between ranks does not change the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcpar.config import ModelConfig
+from mcpar.models.gpt import (
+    GPT,
+    MLP,
+    CausalSelfAttention,
+    gpt_flops_per_token,
+    gpt_num_params,
+    gpt_stage_num_params,
+)
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on ``x``; in the backward pass, gives ``aux`` the gradient ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype,
+                                device=grad.device), None
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.score = cfg.router_score
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        # Selection bias of auxiliary-loss-free balancing: saved with the model, not trained.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For tokens [T, hidden]: (weights [T, k], experts [T, k], scores [T, E])."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen, scores
+
+
+def expert_mlps(rows: torch.Tensor, counts: list[int], fc_weight: torch.Tensor,
+                proj_weight: torch.Tensor) -> torch.Tensor:
+    """Run expert i's MLP on the i-th run of ``counts[i]`` rows (rows sorted by expert)."""
+    outs = []
+    for i, piece in enumerate(rows.split(counts)):
+        if counts[i]:
+            hidden = F.gelu(piece @ fc_weight[i].to(piece.dtype))
+            outs.append(hidden @ proj_weight[i].to(piece.dtype))
+    if not outs:
+        return rows.new_zeros((0, proj_weight.shape[-1]))
+    return torch.cat(outs)
+
+
+class GroupedWeight(nn.Module):
+    """One weight per expert, stacked: ``weight`` [E, in, out]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
+
+
+class Experts(nn.Module):
+    """Every expert on this rank: rows in any order -> each row through its expert's MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.fc = GroupedWeight(cfg.num_experts, cfg.hidden_size, cfg.ffn_size)
+        self.proj = GroupedWeight(cfg.num_experts, cfg.ffn_size, cfg.hidden_size)
+
+    def forward(self, tokens: torch.Tensor, token_index: torch.Tensor,
+                expert_index: torch.Tensor) -> torch.Tensor:
+        """Rows ``tokens[token_index[i]]`` through expert ``expert_index[i]``, in entry order."""
+        order = torch.argsort(expert_index, stable=True)
+        counts = torch.bincount(expert_index, minlength=self.num_experts).tolist()
+        out = expert_mlps(tokens[token_index[order]], counts, self.fc.weight, self.proj.weight)
+        return out[torch.argsort(order)]
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = MLP(cfg) if cfg.shared_expert else None
+        # Gradient of the auxiliary loss per unit: the trainer sets 1 / micro-batches, the
+        # factor it divides the language-model loss by.
+        self.aux_grad_scale = 1.0
+        # Routing statistics of the current step (training forward passes only).
+        self.step_counts = torch.zeros(cfg.num_experts, dtype=torch.int64)
+        self.step_dropped = 0
+
+    def _keep_within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
+        """Mask of the (token, slot) entries each expert can take, first come first served."""
+        num_tokens = experts.shape[0]
+        capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        flat = experts.reshape(-1)
+        onehot = F.one_hot(flat, self.num_experts)
+        position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # arrival order within its expert
+        return position < capacity
+
+    def _aux_loss(self, scores: torch.Tensor, experts: torch.Tensor, batch: int) -> torch.Tensor:
+        """Mean over sequences of E / (k S) sum_e count_e P_e (Switch, per sequence)."""
+        probs = scores if self.router.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        probs = probs.view(batch, -1, self.num_experts)
+        seq = probs.shape[1]
+        counts = F.one_hot(experts.view(batch, -1), self.num_experts).sum(1).to(probs.dtype)
+        fraction = counts * self.num_experts / (self.top_k * seq)
+        return (fraction * probs.mean(1)).sum(-1).mean()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        weights, experts, scores = self.router(tokens)
+        num_tokens = tokens.shape[0]
+        token_index = torch.arange(num_tokens, device=x.device).repeat_interleave(self.top_k)
+        expert_index = experts.reshape(-1)
+        keep = None
+        if self.capacity_factor is not None:
+            keep = self._keep_within_capacity(experts)
+            token_index, expert_index = token_index[keep], expert_index[keep]
+        routed = self.experts(tokens, token_index, expert_index)
+        if keep is not None:
+            full = routed.new_zeros((num_tokens * self.top_k, hidden))
+            routed = full.index_put((keep.nonzero().squeeze(1),), routed)
+        # Fixed combination order over the k slots, whatever the experts' placement.
+        out = (routed.view(num_tokens, self.top_k, hidden)
+               * weights.unsqueeze(-1).to(routed.dtype)).sum(1).view(batch, seq, hidden)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training:
+            with torch.no_grad():
+                self.step_counts += torch.bincount(experts.reshape(-1).cpu(),
+                                                   minlength=self.num_experts)
+                if keep is not None:
+                    self.step_dropped += int((~keep).sum())
+            if self.aux_loss_coef > 0 and torch.is_grad_enabled():
+                aux = self.aux_loss_coef * self._aux_loss(scores, experts, batch)
+                out = _AddAuxLossGrad.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    def reset_step_stats(self) -> None:
+        self.step_counts.zero_()
+        self.step_dropped = 0
+
+
+class MoEBlock(nn.Module):
+    """gpt.py's pre-norm block with the MLP replaced by a MoE layer (same attribute names)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.hidden_size)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.hidden_size)
+        self.mlp = MoELayer(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_attn(x)))
+        return x + self.dropout(self.mlp(self.ln_mlp(x)))
+
+
+def build_moe(cfg: ModelConfig, seed: int) -> GPT:
+    model = GPT(cfg, block=MoEBlock)
+    model.init_weights(seed)
+    return model
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def _moe_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(params one rank holds per block that differ from the dense block's MLP, the dense
+    MLP's) for removing the dense MLP from GPT's counts."""
+    h, f, e = cfg.hidden_size, cfg.ffn_size, cfg.num_experts
+    moe = h * e + (e // ep) * 2 * h * f // tp
+    if cfg.shared_expert:
+        moe += (h * f + f) // tp + f * h // tp + h
+    dense = (h * f + f) // tp + f * h // tp + h
+    return moe, dense
+
+
+def moe_num_params(cfg: ModelConfig) -> int:
+    moe, dense = _moe_block_params(cfg)
+    return gpt_num_params(cfg) + cfg.num_layers * (moe - dense)
+
+
+def moe_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
+                         tp: int = 1, ep: int = 1) -> int:
+    """Parameters one rank holds for a stage: the experts are split over ``ep`` and their
+    width over ``tp``; the router is replicated."""
+    moe, _ = _moe_block_params(cfg, tp, ep)
+    h, f = cfg.hidden_size, cfg.ffn_size
+    dense_on_rank = (h * f + f) // tp + f * h // tp + h
+    return gpt_stage_num_params(cfg, num_blocks, first, last, tp) + num_blocks * (
+        moe - dense_on_rank)
+
+
+def moe_flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (3 x forward): the router, top_k experts' MLPs and the shared
+    expert instead of one dense MLP."""
+    h, f = cfg.hidden_size, cfg.ffn_size
+    dense_mlp = 2 * 2 * h * f
+    routed = 2 * h * cfg.num_experts + cfg.top_k * 2 * 2 * h * f
+    if cfg.shared_expert:
+        routed += dense_mlp
+    return gpt_flops_per_token(cfg) + 3.0 * cfg.num_layers * (routed - dense_mlp)
