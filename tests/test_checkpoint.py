@@ -37,6 +37,13 @@ LAYOUTS = {
     "powersgd": ["parallelism.data=2", "controllers.communication.compression=powersgd",
                  "controllers.communication.powersgd_start_step=5",
                  "controllers.communication.powersgd_rank=2"],
+    # MoE over 2 expert ranks whose learning balancer migrates experts before and after the
+    # checkpoint: placement, router biases, the agent's values and RNG must all be restored.
+    "moe_experts2": ["model.kind=moe", "model.num_experts=4", "model.top_k=2",
+                     "parallelism.data=2", "parallelism.experts=2",
+                     "controllers.compute.scheduler=reinforcement",
+                     "controllers.compute.balance_interval=3",
+                     "optimization.checkpoint.strategy=selective"],
 }
 # Layouts whose checkpoints hold per-rank compression state (``rank<r>/`` keys).
 COMPRESSED = {"onebit_adam", "powersgd"}
@@ -102,6 +109,15 @@ def test_resume_is_bitwise_identical(layout: str, straight: dict[str, Path],
         resumed = load_tensors(run / "checkpoints" / "step-40", prefix)
         reference = load_tensors(straight[layout] / "checkpoints" / "step-40", prefix)
         assert reference and resumed.keys() == reference.keys()
+        assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+    if layout == "moe_experts2":
+        records = read_metrics(straight[layout])
+        assert records[19]["moe"]["migrations_total"] > 0
+        assert records[-1]["moe"]["migrations_total"] > records[19]["moe"]["migrations_total"]
+        assert read_metrics(run)[-1]["moe"] == records[-1]["moe"]
+        resumed = load_tensors(run / "checkpoints" / "step-40", "rank")
+        reference = load_tensors(straight[layout] / "checkpoints" / "step-40", "rank")
+        assert any("balancer/" in k for k in reference)
         assert all(torch.equal(resumed[k], reference[k]) for k in reference)
     if layout in COMPRESSED:
         resumed = load_tensors(run / "checkpoints" / "step-40", "rank")

@@ -24,6 +24,7 @@ it.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
 import time
@@ -399,7 +400,7 @@ class CommunicationController:
         with self._named("all_to_all", axis):
             dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv_counts,
                                    input_split_sizes=send_counts, group=self._group(axis))
-        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() else 0
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         nbytes = (sum(send_counts) - send_counts[self.axis_rank(axis)]) * row_bytes
         self._timed(("all_to_all", axis, "none"), nbytes, None, start, False)
         return out

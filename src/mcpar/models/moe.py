@@ -83,14 +83,15 @@ class Router(nn.Module):
 
 def expert_mlps(rows: torch.Tensor, counts: list[int], fc_weight: torch.Tensor,
                 proj_weight: torch.Tensor) -> torch.Tensor:
-    """Run expert i's MLP on the i-th run of ``counts[i]`` rows (rows sorted by expert)."""
+    """Run expert i's MLP on the i-th run of ``counts[i]`` rows (rows sorted by expert).
+
+    An expert with no rows still runs (on an empty matrix): the output must stay connected to
+    ``rows`` in the autograd graph, or under expert parallelism a rank that received nothing
+    would skip the backward all-to-all that its peers wait in."""
     outs = []
     for i, piece in enumerate(rows.split(counts)):
-        if counts[i]:
-            hidden = F.gelu(piece @ fc_weight[i].to(piece.dtype))
-            outs.append(hidden @ proj_weight[i].to(piece.dtype))
-    if not outs:
-        return rows.new_zeros((0, proj_weight.shape[-1]))
+        hidden = F.gelu(piece @ fc_weight[i].to(piece.dtype))
+        outs.append(hidden @ proj_weight[i].to(piece.dtype))
     return torch.cat(outs)
 
 
