@@ -47,27 +47,101 @@ Targets (one boolean per target in the JSON)
     is worth more here than to them. With ``--discount 0.98`` greedy's mean cost drops from
     1.131 to 1.086 on the default trace (reinforcement: 1.135 to 1.094).
 
+Section 2, real model step time (``--real``: after the trace; ``--real-only``: instead of it)
+    The trace above prices imbalance in a model of the step; this section measures it. It runs
+    ``mcpar train`` on the real MoE model with ``--real-ep`` (4) expert-parallel ranks (data 4 =
+    world 4, one expert group), once per ``controllers.compute.scheduler`` (static, greedy,
+    reinforcement), on the same config, data and seed, for ``--real-steps`` (120) steps, and reads
+    each run's metrics.jsonl. ``--real-repeats`` N runs the trio N times, interleaved (static,
+    greedy, reinforcement, static, ...), so that slow drifts of the machine's load hit every
+    policy alike; the per-run figures are aggregated by their median.
+
+    Config: 8 experts, top-2, 2 layers, hidden 64, seq_len 64, 8 sequences per rank and step,
+    dropless; ``model.ffn_hidden_size`` 4096 (64 x hidden) so that the experts' matmuls are the
+    bulk of a rank's compute and the rank that holds the hot experts is the straggler every other
+    rank waits for in the all-to-all. ``model.router_bias_update_rate=0`` and
+    ``model.aux_loss_coef=0``: no routing-side balancing at all, so the router skews as it does
+    untreated (here the hottest expert gets 2-4x the mean share, some experts starve). That is
+    the situation a placement balancer exists for: the router's own balancing changes what the
+    model computes, placement only changes where it is computed. ``balance_interval`` 10,
+    migration cost 0.02 (the balancer's default).
+
+    Reported per policy (steps after ``--real-warmup``, 20, which skips start-up and the steps
+    before the balancers' first decisions): mean and median ``step_time_s`` (rank 0's wall time
+    of the step; with expert parallelism every rank waits for the slowest in the all-to-all, so
+    it is the job's step time), mean ``moe.imbalance`` (max / mean tokens per expert-axis rank,
+    mean over layers, as the trainer logs it: under the placement after that step's swaps), the
+    experts migrated in total and the final loss. Then static / greedy and static /
+    reinforcement of the mean step time (> 1: the balancer made steps faster) and of the mean
+    imbalance. Each run also records the 10th percentile of its step times (less sensitive to
+    other jobs' bursts than the mean) and the machine's 1-minute load average before and after
+    it, to tell a policy's effect from the machine's.
+
+    Sanity checks. Migration only changes where an expert's rows are computed, not the
+    arithmetic: routing, and so the loss, is the same in all three runs up to float noise;
+    ``max_abs_loss_diff`` is the largest |loss difference| at any step between any run and the
+    first static run. ``replay``: the static run's logged tokens per expert, fed offline through
+    ``ExpertLoadBalancer`` with the trainer's settings, must give the imbalance each adaptive run
+    logged (``max_abs_imbalance_diff``, 0 up to float noise): the balancer of the job is the one
+    of the trace section, and it saw the same routing.
+
+    What the step-time figure means on a small CPU machine. The ranks are single-threaded
+    processes. With more ranks than cores (4 on the 2 cores of the machine this bench was
+    written on, which other jobs share too) a rank that waits in a collective gives its core to
+    the others, so the expert phase lasts about max(total expert work / cores, the straggler's
+    work): with 4 ranks on 2 cores the straggler holds the job up only once it has more than
+    half of all the expert work (imbalance > 2); below that the imbalance costs little time and
+    the balancer's gain is mostly hidden in the time-sharing noise (tens of % per step, more
+    when other jobs start or stop). The step-time ratio printed here is therefore diluted, and
+    noisy in both directions under a varying load. On accelerators each rank
+    has its own device, the expert phase lasts as long as the straggler's share, and the gain
+    approaches the imbalance ratio weighted by the experts' share of the step. ``--real-ep 2``
+    gives each rank a core of a 2-core machine (when nothing else runs on it).
+
+    Two trios with the defaults on that machine, with other jobs' tests running. Deterministic
+    and the same in both: the balancers cut the mean imbalance from 1.43 (static) to 1.24
+    (greedy 1.236, reinforcement 1.242, 36 experts moved each), x1.16; losses agree to 2e-7 and
+    the replay exactly. The mean step times were not: static / greedy / reinforcement 0.68 /
+    0.76 / 0.86 s in the first trio (ratios static/greedy 0.89, static/reinforcement 0.79),
+    1.06 / 0.57 / 0.58 s in the second (1.87, 1.84; the load average rose from 2.2 to 7.5 during
+    the static run). Within a run the correlation of step time with the step's imbalance was
+    0.07 to 0.38. On this machine the step-time ratio measures the other jobs, not placement;
+    read the imbalance ratio, or run on a machine with a core (or device) per rank and
+    ``--real-repeats`` 3 or more.
+
 How to run
     python bench/moe_balance.py [--steps 3000] [--experts 128] [--ep 8] [--layers 4]
         [--tokens-per-step 16384] [--top-k 8] [--zipf 0.7] [--shift-every 250]
         [--shift-fraction 0.5] [--interval 10] [--migration-cost 0.02] [--discount 0.9]
         [--seed 0] [--out FILE]
+        [--real | --real-only] [--real-steps 120] [--real-warmup 20] [--real-repeats 1]
+        [--real-ep 4] [--real-experts 8] [--real-top-k 2] [--real-ffn 4096]
+        [--real-micro-batch 8] [--real-interval 10] [--real-seed 1234]
+        [--real-set KEY=VALUE ...] [--real-dir DIR] [--real-timeout 900]
 
-    Prints one JSON object on stdout. Runs in a few seconds on one core.
+    Prints one JSON object on stdout. The trace section runs in a few seconds on one core; the
+    real-model section runs 3 x ``--real-repeats`` training jobs of ``--real-ep`` processes each
+    (5.6 minutes for one trio with the defaults on 2 shared cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from mcpar.controllers.load_balance import ExpertLoadBalancer, imbalance
 
 POLICIES = ("static", "greedy", "reinforcement")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,6 +164,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-step discount of the balancers' objective (horizon 1/(1-d) steps)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and of the balancers")
     p.add_argument("--out", help="also write the JSON here")
+    real = p.add_argument_group("real model step time (section 2)")
+    which = real.add_mutually_exclusive_group()
+    which.add_argument("--real", action="store_true",
+                       help="also train the real MoE model once per policy (minutes)")
+    which.add_argument("--real-only", action="store_true",
+                       help="only the real-model section, not the trace")
+    real.add_argument("--real-steps", type=int, default=120, help="training steps per run")
+    real.add_argument("--real-warmup", type=int, default=20,
+                      help="first steps left out of the step-time and imbalance means")
+    real.add_argument("--real-repeats", type=int, default=1,
+                      help="runs of the (static, greedy, reinforcement) trio, interleaved")
+    real.add_argument("--real-ep", type=int, default=4,
+                      help="expert-parallel ranks = processes (data = experts = world)")
+    real.add_argument("--real-experts", type=int, default=8, help="experts per MoE layer")
+    real.add_argument("--real-top-k", type=int, default=2, help="experts per token")
+    real.add_argument("--real-ffn", type=int, default=4096, help="model.ffn_hidden_size")
+    real.add_argument("--real-micro-batch", type=int, default=8,
+                      help="sequences per rank and step")
+    real.add_argument("--real-interval", type=int, default=10,
+                      help="controllers.compute.balance_interval")
+    real.add_argument("--real-seed", type=int, default=1234, help="training.seed")
+    real.add_argument("--real-set", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra config override of every run (after the bench's own)")
+    real.add_argument("--real-dir",
+                      help="keep the run directories here (default: a temporary folder, removed)")
+    real.add_argument("--real-timeout", type=float, default=900, help="seconds per run")
     args = p.parse_args(argv)
     for name in ("steps", "experts", "ep", "layers", "tokens_per_step", "top_k", "shift_every",
                  "interval"):
@@ -101,6 +201,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 0 <= --shift-fraction <= 1, --zipf >= 0 and --migration-cost >= 0")
     if not 0 <= args.discount < 1:
         p.error("need 0 <= --discount < 1")
+    if args.real or args.real_only:
+        for name in ("real_steps", "real_repeats", "real_ep", "real_experts", "real_top_k",
+                     "real_ffn", "real_micro_batch", "real_interval"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+        if args.real_experts % args.real_ep:
+            p.error(f"--real-experts {args.real_experts} does not divide over "
+                    f"--real-ep {args.real_ep}")
+        if args.real_top_k > args.real_experts:
+            p.error("--real-top-k must be <= --real-experts")
+        if not 0 <= args.real_warmup < args.real_steps:
+            p.error("need 0 <= --real-warmup < --real-steps")
     return args
 
 
@@ -156,8 +268,7 @@ def run_policy(policy: str, counts: np.ndarray, args: argparse.Namespace) -> dic
     return result
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def trace_section(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     counts = routing_trace(args)
     shares = zipf_shares(args.experts, args.zipf)
@@ -179,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report = {
         "bench": "moe_balance",
-        "trace": {k: v for k, v in vars(args).items() if k != "out"},
+        "trace": {k: v for k, v in vars(args).items()
+                  if k != "out" and not k.startswith("real")},
         "top_expert_share": float(shares[0]),
         "imbalance_floor": imbalance_floor(shares, args.ep),
         "policies": results,
@@ -189,7 +301,152 @@ def main(argv: list[str] | None = None) -> dict:
         "all_targets_met": all(t["met"] for t in targets.values()),
         "seconds": round(time.perf_counter() - start, 2),
     }
-    # -- Section 2, "real model step time", goes here (to be added separately). --
+    return report
+
+
+# -- Section 2: real model step time ------------------------------------------------------------
+
+def real_settings(args: argparse.Namespace, policy: str) -> list[str]:
+    """The config overrides of one real-model run (the same for every policy but the last)."""
+    return [
+        "model.kind=moe", f"model.num_experts={args.real_experts}",
+        f"model.top_k={args.real_top_k}", "model.num_layers=2", "model.hidden_size=64",
+        "model.num_heads=4", "model.seq_len=64", f"model.ffn_hidden_size={args.real_ffn}",
+        # No routing-side balancing: the router skews as it does untreated (see the docstring).
+        "model.router_bias_update_rate=0", "model.aux_loss_coef=0",
+        f"parallelism.data={args.real_ep}", f"parallelism.experts={args.real_ep}",
+        f"optimization.micro_batch_size={args.real_micro_batch}",
+        f"controllers.compute.balance_interval={args.real_interval}",
+        f"training.seed={args.real_seed}", "training.eval_interval=0",
+        "training.eval_batches=1", "training.progress=false",
+        *args.real_set,
+        f"controllers.compute.scheduler={policy}",
+    ]
+
+
+def run_real(args: argparse.Namespace, policy: str, run_dir: Path) -> list[dict]:
+    """Train once with `policy`; the records of its metrics.jsonl, one per step."""
+    cmd = [sys.executable, "-m", "mcpar.cli", "train", "--nproc", str(args.real_ep),
+           "--run-dir", str(run_dir), "--steps", str(args.real_steps)]
+    for item in real_settings(args, policy):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.real_timeout,
+                          cwd=REPO)
+    if proc.returncode != 0:
+        # The workers' tracebacks without their frames: the errors and what each rank said.
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if line.strip() and not line.split("]:", 1)[-1].startswith("  ")]
+        raise RuntimeError(f"mcpar train ({policy}) exited {proc.returncode}; command: "
+                           f"{' '.join(cmd)}\n" + "\n".join(lines[-40:]))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    if len(records) != args.real_steps or any("moe" not in r for r in records):
+        raise RuntimeError(f"{run_dir}: expected {args.real_steps} step records with MoE "
+                           f"metrics, got {len(records)}")
+    return records
+
+
+def replay_imbalance(args: argparse.Namespace, policy: str, records: list[dict]) -> np.ndarray:
+    """[steps] the imbalance a `policy` run logs on these records' token counts, computed offline
+    as MoERoutingController does (the placement after the step's swaps)."""
+    counts = np.array([[layer["tokens_per_expert"] for layer in r["moe"]["layers"]]
+                       for r in records], dtype=np.int64)
+    balancer = ExpertLoadBalancer(policy, counts.shape[1], args.real_experts, args.real_ep,
+                                  interval=args.real_interval, seed=args.real_seed)
+    out = []
+    for step, step_counts in enumerate(counts):
+        balancer.observe(step, step_counts)
+        out.append(float(imbalance(step_counts, balancer.expert_of_slot, args.real_ep).mean()))
+    return np.array(out)
+
+
+def summarize_run(args: argparse.Namespace, records: list[dict], wall_s: float,
+                  load: list[float]) -> dict:
+    kept = records[args.real_warmup:]
+    times = np.array([r["step_time_s"] for r in kept])
+    return {
+        "mean_step_time_s": float(times.mean()),
+        "median_step_time_s": float(np.median(times)),
+        "p10_step_time_s": float(np.percentile(times, 10)),
+        "mean_imbalance": float(np.mean([r["moe"]["imbalance"] for r in kept])),
+        "mean_imbalance_all_steps": float(np.mean([r["moe"]["imbalance"] for r in records])),
+        "mean_max_expert_load_ratio": float(np.mean([r["moe"]["max_expert_load_ratio"]
+                                                     for r in kept])),
+        "mean_comm_time_s": float(np.mean([r["comm_time_s"] for r in kept])),
+        "experts_migrated": int(records[-1]["moe"]["migrations_total"]),
+        "final_loss": float(records[-1]["loss"]),
+        "wall_s": round(wall_s, 1),
+        "load_avg_1m": load,
+    }
+
+
+MEDIAN_KEYS = ("mean_step_time_s", "median_step_time_s", "p10_step_time_s", "mean_imbalance",
+               "mean_imbalance_all_steps", "mean_max_expert_load_ratio", "mean_comm_time_s")
+
+
+def real_model_section(args: argparse.Namespace) -> dict:
+    keep = args.real_dir is not None
+    if keep:
+        Path(args.real_dir).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="moe_balance_real_", dir=args.real_dir)).resolve()
+    start = time.perf_counter()
+    runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    losses: list[np.ndarray] = []
+    first: dict[str, list[dict]] = {}
+    try:
+        for repeat in range(args.real_repeats):  # interleaved: static, greedy, rl, static, ...
+            for policy in POLICIES:
+                t0, load = time.perf_counter(), os.getloadavg()[0]
+                records = run_real(args, policy, root / f"{policy}-{repeat}")
+                runs[policy].append(summarize_run(args, records, time.perf_counter() - t0,
+                                                  [load, os.getloadavg()[0]]))
+                losses.append(np.array([float(r["loss"]) for r in records]))
+                first.setdefault(policy, records)
+                print(f"real {policy} #{repeat}: {runs[policy][-1]}", file=sys.stderr)
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    policies = {}
+    for policy in POLICIES:
+        policies[policy] = {key: float(np.median([run[key] for run in runs[policy]]))
+                            for key in MEDIAN_KEYS}
+        policies[policy]["experts_migrated"] = runs[policy][0]["experts_migrated"]
+        policies[policy]["final_loss"] = runs[policy][0]["final_loss"]
+        if args.real_repeats > 1:
+            policies[policy]["runs"] = runs[policy]
+        else:
+            policies[policy]["wall_s"] = runs[policy][0]["wall_s"]
+            policies[policy]["load_avg_1m"] = runs[policy][0]["load_avg_1m"]
+    replay = {}
+    for policy in ("greedy", "reinforcement"):
+        expected = replay_imbalance(args, policy, first["static"])
+        logged = np.array([r["moe"]["imbalance"] for r in first[policy]])
+        replay[policy] = {"mean_imbalance": float(expected[args.real_warmup:].mean()),
+                          "max_abs_imbalance_diff": float(np.abs(expected - logged).max())}
+    step_time = {policy: policies[policy]["mean_step_time_s"] for policy in POLICIES}
+    imb = {policy: policies[policy]["mean_imbalance"] for policy in POLICIES}
+    return {
+        "config": {"nproc": args.real_ep, "steps": args.real_steps,
+                   "warmup_steps_skipped": args.real_warmup, "repeats": args.real_repeats,
+                   "settings": real_settings(args, "<policy>")},
+        "policies": policies,
+        "static_over_greedy_step_time": step_time["static"] / step_time["greedy"],
+        "static_over_reinforcement_step_time": step_time["static"] / step_time["reinforcement"],
+        "static_over_greedy_imbalance": imb["static"] / imb["greedy"],
+        "static_over_reinforcement_imbalance": imb["static"] / imb["reinforcement"],
+        "max_abs_loss_diff": max(float(np.abs(run - losses[0]).max()) for run in losses),
+        "replay": replay,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    report = {"bench": "moe_balance"}
+    if not args.real_only:
+        report = trace_section(args)
+    if args.real or args.real_only:
+        report["real_model"] = real_model_section(args)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
