@@ -218,7 +218,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problems:
         raise UserError(problems)
     m, opt, ctl = cfg.model, cfg.optimization, cfg.controllers
-    spec = get_model_spec("gpt")
+    spec = get_model_spec(m.kind)
     est = estimate_memory(cfg, dims)
     lines = [
         f"mcpar check: {args.config} is valid",
@@ -229,7 +229,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"{opt.micro_batch_size} x accumulation {opt.gradient_accumulation} x data {dims.dp}; "
         f"{opt.global_batch_size * m.seq_len} tokens",
         f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
-        f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}: {est.num_params:,} parameters, "
+        f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}"
+        + (f", {m.num_experts} experts top-{m.top_k}" if m.kind == "moe" else "")
+        + f": {est.num_params:,} parameters, "
         f"{spec.flops_per_token(m) / 1e6:.1f} MFLOPs per training token",
         f"controllers: compute scheduler={ctl.compute.scheduler} "
         f"batch_splitting={ctl.compute.batch_splitting}; memory allocation="

@@ -229,7 +229,8 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
     algorithms.md §1.2 steps 2-6. Returns a new flat float32 tensor of ``buffer.numel()``
     elements, bit-identical on every rank; updates ``worker_error`` and ``server_error`` in
     place. Per rank it sends about 2 (p-1)/p * D'/8 bytes plus 2 (p-1) float32 scales, against
-    2 (p-1)/p * 4 D bytes for an fp32 ring all-reduce. With one rank it runs the same
+    2 (p-1)/p * 4 D bytes for an fp32 ring all-reduce, in two collectives (an all-to-all and an
+    all-gather whose messages end with their scale). With one rank it runs the same
     compression with error feedback and no communication.
     """
     world = comm.axis_size(axis)
@@ -238,20 +239,37 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
     device = worker_error.device
 
     signs, scale = _compress_worker(buffer, worker_error)
-    # Phase 1: chunk j of every worker's signs goes to rank j; the worker scales go everywhere.
-    received = torch.empty_like(signs)
-    comm.all_to_all_single(received, signs, axis=axis, codec=ONEBIT_CODEC)
-    worker_scales = torch.empty(world, dtype=torch.float32, device=device)
-    comm.all_gather_into(worker_scales, scale, axis=axis, codec=ONEBIT_CODEC)
+    # Each message carries its scale in its last 4 bytes, so a step costs two collectives,
+    # not four: on a slow link every collective pays the latency again.
+    chunk_bytes = padded // 8 // world
+    # Phase 1: chunk j of every worker's signs, with the worker's scale, goes to rank j.
+    outgoing = torch.cat([signs.view(world, chunk_bytes),
+                          _scale_bytes(scale).expand(world, SCALE_BYTES)], dim=1)
+    received = torch.empty_like(outgoing)
+    comm.all_to_all_single(received.view(-1), outgoing.view(-1), axis=axis, codec=ONEBIT_CODEC)
+    worker_scales = _bytes_scale(received[:, chunk_bytes:])
 
-    server_signs, server_scale = _server_average(received.view(world, -1), worker_scales,
-                                                 server_error)
-    # Phase 2: every rank collects every server's compressed chunk and scale.
-    all_server_signs = torch.empty(padded // 8, dtype=torch.uint8, device=device)
-    comm.all_gather_into(all_server_signs, server_signs, axis=axis, codec=ONEBIT_CODEC)
-    server_scales = torch.empty(world, dtype=torch.float32, device=device)
-    comm.all_gather_into(server_scales, server_scale, axis=axis, codec=ONEBIT_CODEC)
-    return _decompress(all_server_signs, server_scales, numel)
+    server_signs, server_scale = _server_average(received[:, :chunk_bytes].contiguous(),
+                                                 worker_scales, server_error)
+    # Phase 2: every rank collects every server's compressed chunk and its scale.
+    server_message = torch.cat([server_signs, _scale_bytes(server_scale).view(-1)])
+    gathered = torch.empty(world, chunk_bytes + SCALE_BYTES, dtype=torch.uint8, device=device)
+    comm.all_gather_into(gathered.view(-1), server_message, axis=axis, codec=ONEBIT_CODEC)
+    return _decompress(gathered[:, :chunk_bytes].reshape(-1),
+                       _bytes_scale(gathered[:, chunk_bytes:]), numel)
+
+
+SCALE_BYTES = 4  # a float32 scale, sent as raw bytes after its signs
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """A float32 scale of one element as a (1, 4) uint8 row."""
+    return scale.reshape(1).to(torch.float32).contiguous().view(torch.uint8).view(1, SCALE_BYTES)
+
+
+def _bytes_scale(rows: torch.Tensor) -> torch.Tensor:
+    """(p, 4) uint8 rows back to p float32 scales."""
+    return rows.reshape(-1).clone().view(torch.float32)  # a fresh, aligned buffer
 
 
 def simulate_onebit_allreduce(buffers_per_worker: list[torch.Tensor],
