@@ -10,6 +10,7 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 - reduce-scatter (ring): each rank sends (n-1)/n of its input;
 - broadcast (pipelined chain): each rank forwards the buffer once, except the last; counted as
   (n-1)/n of the buffer per rank, the average over ranks;
+- all-to-all: the chunks or rows that leave this rank (its own part stays);
 - point to point: the sender counts the whole tensor, the receiver nothing.
 
 Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims), 'dp_intra' and 'dp_inter' (the data axis
