@@ -35,6 +35,27 @@ def sets(*items: str) -> list[str]:
     return out
 
 
+def train_metrics(run_dir: Path, nproc: int, settings: list[str]) -> list[dict]:
+    """Train with ``settings`` on ``nproc`` workers; the run's metrics.jsonl records."""
+    from mcpar.metrics import read_metrics
+
+    proc = run_mcpar("train", *sets(*settings), "--nproc", str(nproc),
+                     "--run-dir", str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return read_metrics(run_dir)
+
+
+def assert_loss_parity(reference: list[dict], records: list[dict], label: str) -> None:
+    """DESIGN.md §5: the same number of steps, |dloss| <= 1e-4 over the first 10 steps and
+    <= 1e-3 through the rest, and a loss that really went down."""
+    assert len(records) == len(reference)
+    for ref, rec in zip(reference, records, strict=True):
+        diff = abs(ref["loss"] - rec["loss"])
+        bound = 1e-4 if rec["step"] <= 10 else 1e-3
+        assert diff <= bound, f"{label} step {rec['step']}: |dloss| = {diff:.2e}"
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
 @pytest.fixture
 def tiny_sets() -> list[str]:
     return sets(*TINY)

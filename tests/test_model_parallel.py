@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_mcpar, sets
+from conftest import assert_loss_parity, run_mcpar, sets, train_metrics
 
 from mcpar.config import apply_overrides, parse_config
-from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
 
 STEPS = 20
@@ -48,10 +47,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 
 
 def train(run_dir: Path, nproc: int, settings: list[str]) -> list[dict]:
-    proc = run_mcpar("train", *sets(*MODEL, *settings), "--nproc", str(nproc),
-                     "--run-dir", str(run_dir), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_metrics(run_dir)
+    return train_metrics(run_dir, nproc, [*MODEL, *settings])
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +61,7 @@ def test_loss_parity(reference: list[dict], name: str, tmp_path: Path) -> None:
     nproc, settings = LAYOUTS[name]
     records = train(tmp_path / name, nproc, settings)
     assert len(records) == STEPS
-    for ref, rec in zip(reference, records, strict=True):
-        diff = abs(ref["loss"] - rec["loss"])
-        bound = 1e-4 if rec["step"] <= 10 else 1e-3
-        assert diff <= bound, f"{name} step {rec['step']}: |dloss| = {diff:.2e}"
-    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert_loss_parity(reference, records, name)
     assert abs(reference[-1]["val_loss"] - records[-1]["val_loss"]) <= 1e-3
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["layout"]["world_size"] == nproc

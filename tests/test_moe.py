@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_mcpar, sets
+from conftest import assert_loss_parity, run_mcpar, sets, train_metrics
 
 from mcpar.config import ModelConfig
 from mcpar.metrics import read_metrics
@@ -128,10 +128,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 
 
 def _train(run_dir: Path, nproc: int, settings: list[str]) -> list[dict]:
-    proc = run_mcpar("train", *sets(*MODEL, *settings), "--nproc", str(nproc),
-                     "--run-dir", str(run_dir), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_metrics(run_dir)
+    return train_metrics(run_dir, nproc, [*MODEL, *settings])
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +143,11 @@ def test_moe_loss_parity(reference: list[dict], name: str, tmp_path: Path) -> No
     nproc, settings = LAYOUTS[name]
     records = _train(tmp_path / name, nproc, settings)
     assert len(records) == STEPS
+    assert_loss_parity(reference, records, name)
     for ref, rec in zip(reference, records, strict=True):
-        diff = abs(ref["loss"] - rec["loss"])
-        bound = 1e-4 if rec["step"] <= 10 else 1e-3
-        assert diff <= bound, f"{name} step {rec['step']}: |dloss| = {diff:.2e}"
         # Routing is the same function of the same tokens: the same counts per expert.
         assert ([layer["tokens_per_expert"] for layer in rec["moe"]["layers"]]
                 == [layer["tokens_per_expert"] for layer in ref["moe"]["layers"]])
-    assert records[-1]["loss"] < records[0]["loss"] - 0.5
     # Tokens cross the expert axis by all-to-all, counted by the CommunicationController.
     assert all(rec["comm_bytes_by_axis"].get("ep", 0) > 0 for rec in records)
     summary = json.loads((tmp_path / name / "summary.json").read_text())

@@ -55,12 +55,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: Callable[[ModelConfig], nn.Module] = MLP):
+        """``mlp`` builds the feed-forward sublayer (the MoE model passes its MoE layer)."""
         super().__init__()
         self.ln_attn = nn.LayerNorm(cfg.hidden_size)
         self.attn = CausalSelfAttention(cfg)
         self.ln_mlp = nn.LayerNorm(cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

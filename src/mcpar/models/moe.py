@@ -39,7 +39,7 @@ from mcpar.config import ModelConfig
 from mcpar.models.gpt import (
     GPT,
     MLP,
-    CausalSelfAttention,
+    Block,
     gpt_flops_per_token,
     gpt_num_params,
     gpt_stage_num_params,
@@ -191,24 +191,13 @@ class MoELayer(nn.Module):
         self.step_dropped = 0
 
 
-class MoEBlock(nn.Module):
-    """gpt.py's pre-norm block with the MLP replaced by a MoE layer (same attribute names)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.ln_attn = nn.LayerNorm(cfg.hidden_size)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_mlp = nn.LayerNorm(cfg.hidden_size)
-        self.mlp = MoELayer(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_attn(x)))
-        return x + self.dropout(self.mlp(self.ln_mlp(x)))
+def moe_block(cfg: ModelConfig) -> Block:
+    """gpt.py's pre-norm block with a MoE layer as its MLP (same attribute names)."""
+    return Block(cfg, mlp=MoELayer)
 
 
 def build_moe(cfg: ModelConfig, seed: int) -> GPT:
-    model = GPT(cfg, block=MoEBlock)
+    model = GPT(cfg, block=moe_block)
     model.init_weights(seed)
     return model
 
