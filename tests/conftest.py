@@ -28,6 +28,18 @@ def run_mcpar(*args: str, timeout: float = 300, cwd: Path | None = None,
     )
 
 
+def run_cli_in_process(capsys: pytest.CaptureFixture[str],
+                       *args: str) -> subprocess.CompletedProcess[str]:
+    """``mcpar ARGS`` through ``mcpar.cli.main`` in this process: for commands that stop at a
+    user error before starting workers, without a Python start-up per case."""
+    from mcpar.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mcpar", *args], code, out, err)
+
+
 def sets(*items: str) -> list[str]:
     out: list[str] = []
     for item in items:

@@ -168,7 +168,7 @@ def test_missing_zstd_is_a_user_error(reference: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(checkpoint, "zstd_available", lambda: False)
     cfg = load_config(None, ["optimization.checkpoint.interval=10",
                              "optimization.checkpoint.compression=zstd"])
-    dims = SimpleNamespace(dp=1, tp=1, pp=1, world_size=1)
+    dims = SimpleNamespace(dp=1, tp=1, pp=1, ep=1, world_size=1)
     with pytest.raises(UserError, match="optimization.checkpoint.compression.*pip install "
                                         "zstandard"):
         FaultRecoveryManager(cfg, tmp_path, dims, [], None, None, 0,  # type: ignore[arg-type]

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, TINY, run_mcpar, sets, worker_pids
+import pytest
+from conftest import REPO, TINY, run_cli_in_process, run_mcpar, sets, worker_pids
 
 
 def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -129,9 +130,10 @@ LAYOUT_ERRORS = [
 ]
 
 
-def test_layout_errors_name_the_key(tmp_path: Path) -> None:
+def test_layout_errors_name_the_key(tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
     for settings, workers, key in LAYOUT_ERRORS:
-        proc = run_mcpar("train", *sets(*TINY, *settings), "--nproc", str(workers),
-                         "--run-dir", str(tmp_path / "never"))
+        proc = run_cli_in_process(capsys, "train", *sets(*TINY, *settings), "--nproc",
+                                  str(workers), "--run-dir", str(tmp_path / "never"))
         assert_user_error(proc, key)
         assert not (tmp_path / "never").exists()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_loss_parity, run_mcpar, sets, train_metrics
+from conftest import assert_loss_parity, run_cli_in_process, run_mcpar, sets, train_metrics
 
 from mcpar.config import ModelConfig
 from mcpar.metrics import read_metrics
@@ -211,21 +211,23 @@ TRAIN_ERRORS = {
 
 
 @pytest.mark.parametrize("name", list(CHECK_ERRORS))
-def test_check_refuses_impossible_expert_layouts(name: str, tmp_path: Path) -> None:
+def test_check_refuses_impossible_expert_layouts(name: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     settings, message = CHECK_ERRORS[name]
     config = tmp_path / "moe.yaml"
     config.write_text("{}\n")
-    proc = run_mcpar("check", str(config), *sets(*settings))
+    proc = run_cli_in_process(capsys, "check", str(config), *sets(*settings))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("name", list(TRAIN_ERRORS))
-def test_train_refuses_expert_settings_it_cannot_honour(name: str, tmp_path: Path) -> None:
+def test_train_refuses_expert_settings_it_cannot_honour(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings, message = TRAIN_ERRORS[name]
-    proc = run_mcpar("train", *sets(*settings), "--nproc", "2", "--run-dir",
-                     str(tmp_path / "run"))
+    proc = run_cli_in_process(capsys, "train", *sets(*settings), "--nproc", "2", "--run-dir",
+                              str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
