@@ -231,3 +231,11 @@ def test_train_refuses_expert_settings_it_cannot_honour(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_example_config_checks_and_would_train(capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "check", "configs/moe.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "experts 2 within the data axis" in proc.stdout
+    assert "8 experts top-2" in proc.stdout
+    assert "not trainable" not in proc.stdout
