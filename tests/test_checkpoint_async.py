@@ -18,6 +18,7 @@ import torch
 from conftest import REPO, TINY, run_mcpar, sets, worker_pids
 
 import mcpar.checkpoint as checkpoint
+from mcpar import checkpoint_packing as packing
 from mcpar.checkpoint import (
     FaultRecoveryManager,
     SafeFileSystemReader,
@@ -177,16 +178,30 @@ def test_missing_zstd_is_a_user_error(reference: Path, monkeypatch: pytest.Monke
     assert load_tensors(reference / "checkpoints" / "step-40", "model/")
 
 
-def test_staging_is_a_snapshot_in_reused_buffers() -> None:
-    live = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3.0)}
+def test_staging_is_a_packed_snapshot_in_reused_buffers() -> None:
+    live = {"model/c/w": torch.arange(6.0).reshape(2, 3), "optim/c/w/step": torch.tensor(3.0),
+            "optim/c/w/exp_avg": torch.ones(2, 3), "rng/rank0/cpu": torch.arange(4).byte()}
+    entries, _ = packing.plan(live)
+
+    def view(packs: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        e = entries[key]
+        return packs[e.pack].narrow(0, e.offset, e.numel).view(e.shape)
+
     stager = StagingBuffers()
     staged, ready = stager.stage(live)
     assert ready is None
-    live["w"].add_(100.0)  # the optimizer steps on after staging
-    assert torch.equal(staged["w"], torch.arange(6.0).reshape(2, 3))
+    # One flat tensor per key group and dtype, plus one index per group.
+    assert sorted(staged) == sorted([
+        "model/c/__packed__/float32", "model/c/__packed__/index",
+        "optim/c/__packed__/float32", "optim/c/__packed__/index",
+        "rng/rank0/__packed__/uint8", "rng/rank0/__packed__/index"])
+    live["model/c/w"].add_(100.0)  # the optimizer steps on after staging
+    assert torch.equal(view(staged, "model/c/w"), torch.arange(6.0).reshape(2, 3))
     again, _ = stager.stage(live)
-    assert again["w"].data_ptr() == staged["w"].data_ptr()  # no new allocation per save
-    assert torch.equal(again["w"], live["w"])
+    pack = entries["model/c/w"].pack
+    assert again[pack].data_ptr() == staged[pack].data_ptr()  # no new allocation per save
+    assert torch.equal(view(again, "model/c/w"), live["model/c/w"])
+    assert torch.equal(view(again, "optim/c/w/step"), torch.tensor(3.0))
 
 
 def test_background_failure_is_raised_at_wait() -> None:

@@ -12,6 +12,10 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-N/``, or ``optimization.c
   - ``rank<r>/<name>``: state that differs between replicas, for every rank: compression
     error buffers of 1-bit Adam and PowerSGD (``comm/compression_state.py``).
 
+  On disk these tensors are packed into one flat tensor per key group and dtype, with a JSON
+  index, because DCP's per-tensor cost made saves CPU-bound (``checkpoint_packing.py``);
+  ``load_tensors`` and resume read them back by these keys.
+
   With ``strategy: full`` every rank writes its model and optimizer state (the ``-dp<d>`` suffix
   keeps data-parallel replicas apart). With ``strategy: selective`` only data-parallel rank 0 of
   each (pipeline, tensor) coordinate writes them, since the other replicas hold the same bits
@@ -61,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mcpar import checkpoint_packing as packing
 from mcpar.checkpoint_async import (
     BackgroundSave,
     CheckpointSaveError,
@@ -87,11 +92,12 @@ from mcpar.checkpoint_files import (  # noqa: F401  (re-exported: the files' API
     verify_checkpoint,
     zstd_available,
 )
+from mcpar.checkpoint_packing import PackedCheckpoint
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
 from mcpar.reshard import restore_resharded
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors packed per group and dtype (checkpoint_packing.py)
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
 _FROZEN_KEYS = ("model", "data", "training.seed")
 # Keys that only change how a run is shown or checkpointed, not what it computes.
@@ -285,7 +291,8 @@ class FaultRecoveryManager:
         meta = json.dumps(self._meta(step), indent=2) if self.rank == 0 else ""
         timing = {"t0": t0, "waited": waited}
         if not self.async_save:
-            self._write_and_commit(step, state, None, meta, self._sync_coord, timing)
+            self._write_and_commit(step, packing.pack(state), None, meta, self._sync_coord,
+                                   timing)
             return self.dir / f"step-{step}"
         staged, ready = self._staging.stage(state)
         timing["staged"] = time.perf_counter() - t0
@@ -435,23 +442,22 @@ class FaultRecoveryManager:
             self.log.log("load", echo=True, step=step, path=str(path),
                          resharded_from=meta["layout"], resharded_to=self.layout)
             return step
-        reader = SafeFileSystemReader(path)
-        saved_keys = set(reader.read_metadata().state_dict_metadata)
+        saved = PackedCheckpoint(path, SafeFileSystemReader)
+        saved_keys = saved.keys()
         state = self._state_dict(meta["strategy"], saved_keys)
         missing = sorted(k for k in state if k not in saved_keys)
         if missing:
             raise UserError(problem("--resume", f"checkpoint {path} lacks {missing[0]} (and "
                                     f"{len(missing) - 1} more keys); it was not written by "
                                     "this layout"))
-        # Per-rank state is loaded into fresh tensors of the saved shapes, then handed over
+        # Per-rank state comes back in tensors of the saved shapes and is handed over
         # (PowerSGD's matrices do not exist before its first compressed step).
         prefix = f"rank{self.rank}/"
-        metadata = reader.read_metadata().state_dict_metadata
-        rank_tensors = {key: torch.zeros(tuple(metadata[key].size),
-                                         dtype=metadata[key].properties.dtype)
-                        for key in saved_keys if key.startswith(prefix)}
-        state.update(rank_tensors)
-        dcp.load(state, storage_reader=reader)
+        loaded = saved.read([*state, *(k for k in saved_keys if k.startswith(prefix))])
+        with torch.no_grad():
+            for key, live in state.items():
+                live.copy_(loaded[key])
+        rank_tensors = {k: v for k, v in loaded.items() if k.startswith(prefix)}
         if self.rank_state is not None:
             self.rank_state.load({key[len(prefix):]: value
                                   for key, value in rank_tensors.items()})

@@ -22,6 +22,7 @@ it (``BackgroundSave.wait``), and an error of the thread is raised there, never 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mcpar import checkpoint_packing as packing
 
 # Test hook, never set in production: "STEP:SECONDS" makes rank 0's writer sleep after the shard
 # files of step STEP are written and before it commits them, so that a test can kill a worker
@@ -52,7 +55,8 @@ def apply_test_delay(step: int, rank: int) -> None:
 
 
 class StagingBuffers:
-    """CPU copies of a state dict, in buffers reused from one save to the next.
+    """CPU copies of a state dict, packed (``checkpoint_packing``) into buffers reused from one
+    save to the next.
 
     Reuse matters: allocating (and, on CUDA, pinning) a model-sized buffer at every save would
     cost more than the copy. A buffer is only reused after the save that read it has finished,
@@ -60,34 +64,30 @@ class StagingBuffers:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._packs: dict[str, torch.Tensor] = {}
 
     def stage(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
-        """Copies of ``state`` on the CPU, and a CUDA event the writer must wait for before it
-        reads them (None when no tensor is on a GPU). GPU copies are issued non-blocking into
-        pinned memory on the current stream, so the next optimizer step (later on the same
-        stream) cannot overwrite a tensor before it has been copied."""
-        staged: dict[str, torch.Tensor] = {}
-        on_gpu = False
-        for key, tensor in state.items():
-            source = tensor.detach()
-            gpu = source.device.type == "cuda"
-            on_gpu |= gpu
-            buffer = self._buffers.get(key)
-            if (buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype
-                    or buffer.is_pinned() != gpu):
-                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                     pin_memory=gpu)
-                self._buffers[key] = buffer
-            buffer.copy_(source, non_blocking=gpu)
-            staged[key] = buffer
-        for key in set(self._buffers) - set(state):
-            del self._buffers[key]  # e.g. a key that only existed at an earlier step
+        """The packed copy of ``state`` DCP is to write, and a CUDA event the writer must wait
+        for before it reads it (None when no tensor is on a GPU). GPU copies are issued
+        non-blocking into pinned memory on the current stream, so the next optimizer step
+        (later on the same stream) cannot overwrite a tensor before it has been copied."""
+        on_gpu = any(t.device.type == "cuda" for t in state.values())
+        entries, sizes = packing.plan(state)
+        packs: dict[str, torch.Tensor] = {}
+        for name, numel in sizes.items():
+            dtype = next(e.dtype for e in entries.values() if e.pack == name)
+            buffer = self._packs.get(name)
+            if (buffer is None or buffer.numel() != numel or buffer.dtype != dtype
+                    or buffer.is_pinned() != on_gpu):
+                buffer = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=on_gpu)
+            packs[name] = buffer
+        self._packs = packs  # buffers of packs that no longer exist are dropped
+        packing.fill(state, entries, packs, non_blocking=on_gpu)
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()
-        return staged, ready
+        return {**packs, **packing.index_tensors(entries)}, ready
 
 
 def _gather_over(group: Any) -> Callable[[Any], list[Any] | None]:
@@ -130,6 +130,22 @@ class Coordination:
         return Coordination(agree, _gather_over(None), None)
 
 
+def _lower_this_threads_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux; elsewhere a no-op).
+
+    The writer's work can wait, training cannot: at nice 19 the kernel gives the writer a core
+    only when training leaves it idle (a rank waiting on a collective or on the slower rank), so
+    on a machine with no spare core the save fills the gaps instead of taking time from steps.
+    On Linux each thread has its own nice value, set through its thread id.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:  # e.g. a sandbox that forbids it: the save still works, at normal priority
+        pass
+
+
 class BackgroundSave:
     """One save running on a daemon thread; ``wait`` joins it and re-raises its error.
 
@@ -147,6 +163,7 @@ class BackgroundSave:
         self._thread.start()
 
     def _run(self, work: Callable[[], None]) -> None:
+        _lower_this_threads_priority()
         try:
             work()
             self._finished = True

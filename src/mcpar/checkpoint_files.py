@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
+from mcpar.checkpoint_packing import PackedCheckpoint
 from mcpar.errors import UserError, problem
 
 try:  # DCP's zstd stream transform (experimental API); it needs `zstandard` or `pyzstd`
@@ -193,13 +194,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 def load_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint whose key starts with ``prefix``, read in this process alone
-    (for inspection and tests; training restores through ``FaultRecoveryManager``)."""
-    reader = SafeFileSystemReader(path)
-    state: dict[str, torch.Tensor] = {}
-    for key, md in reader.read_metadata().state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
-
-
+    (for resharding, inspection and tests; training restores through
+    ``FaultRecoveryManager``)."""
+    saved = PackedCheckpoint(path, SafeFileSystemReader)
+    return saved.read(k for k in saved.keys() if k.startswith(prefix))

@@ -1,0 +1,148 @@
+"""Packing a rank's checkpoint tensors into a few flat tensors, and reading them back by name.
+
+Why not hand DCP the tensors one by one: DCP's file writer serializes every tensor with its own
+``torch.save`` call, which costs about 0.7 ms of CPU per tensor whatever its size. A rank of the
+built-in model holds ~210 tensors (parameters, two AdamW moments and a ``step`` scalar each), so
+a save spent ~0.15 s of CPU in per-tensor overhead for 11 MB of data; packed into a handful of
+flat tensors the same bytes cost ~0.02 s (two gloo ranks, ``torch.distributed.checkpoint.save``
+timed with ``time.thread_time``). An asynchronous save runs on a core that training also uses,
+so that CPU time is taken straight from training.
+
+The format: the logical keys (``model/<coord>/<name>``, ``optim/...``, ``rng/rank<r>/cpu``,
+``rank<r>/...``, see ``checkpoint.py``) are grouped by their first two components, and within a
+group by dtype. Each group/dtype becomes one 1-D tensor ``<group>/__packed__/<dtype>`` holding
+the tensors' elements back to back, and each group gets an index ``<group>/__packed__/index``:
+a uint8 tensor holding JSON (key, dtype, shape, offset of every tensor). The index is a tensor,
+not a pickled object, so reading a checkpoint still runs no code from it, and it sits in the
+rank's own shard file, under the manifest's checksums. Each group is written by exactly one
+rank, as the logical keys were.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+MARK = "__packed__"
+INDEX = "index"
+
+
+def group_of(key: str) -> str:
+    """The pack a logical key goes into: its first two path components."""
+    parts = key.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):  # the index is data: never look up anything else
+        raise ValueError(f"checkpoint index names an unknown dtype {name!r}")
+    return found
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one logical tensor lives inside its pack."""
+
+    pack: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def plan(state: dict[str, torch.Tensor]) -> tuple[dict[str, Entry], dict[str, int]]:
+    """The entry of every key of ``state``, and the element count of every pack."""
+    entries: dict[str, Entry] = {}
+    sizes: dict[str, int] = {}
+    for key, tensor in state.items():
+        pack = f"{group_of(key)}/{MARK}/{_dtype_name(tensor.dtype)}"
+        offset = sizes.get(pack, 0)
+        entries[key] = Entry(pack, tensor.dtype, tuple(tensor.shape), offset)
+        sizes[pack] = offset + tensor.numel()
+    return entries, sizes
+
+
+def index_tensors(entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
+    """One JSON index per group, as uint8 tensors."""
+    groups: dict[str, list[dict]] = {}
+    for key, e in entries.items():
+        groups.setdefault(group_of(key), []).append(
+            {"key": key, "pack": e.pack, "dtype": _dtype_name(e.dtype), "shape": list(e.shape),
+             "offset": e.offset})
+    return {f"{group}/{MARK}/{INDEX}": torch.frombuffer(bytearray(json.dumps(items).encode()),
+                                                         dtype=torch.uint8)
+            for group, items in groups.items()}
+
+
+def fill(state: dict[str, torch.Tensor], entries: dict[str, Entry],
+         packs: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
+    """Copy every tensor of ``state`` into its slot of ``packs`` (flat buffers of
+    ``plan``'s sizes)."""
+    for key, tensor in state.items():
+        e = entries[key]
+        packs[e.pack].narrow(0, e.offset, e.numel).view(e.shape).copy_(
+            tensor.detach(), non_blocking=non_blocking)
+
+
+def pack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` packed into fresh CPU tensors, indexes included (what DCP is given)."""
+    entries, sizes = plan(state)
+    packs = {name: torch.empty(n, dtype=_dtype(name.rsplit("/", 1)[1]))
+             for name, n in sizes.items()}
+    fill(state, entries, packs)
+    return {**packs, **index_tensors(entries)}
+
+
+class PackedCheckpoint:
+    """A packed checkpoint on disk: its logical keys, and their tensors read on demand.
+
+    Reads are local (``no_dist``): every rank opens the shard files it needs itself, so reading
+    needs no collective and works in any process (resume, resharding, tests, inspection).
+    """
+
+    def __init__(self, path: Path, reader_factory) -> None:
+        self.path = path
+        self._reader_factory = reader_factory  # a fresh storage reader per DCP load
+        metadata = reader_factory(path).read_metadata().state_dict_metadata
+        self._sizes = {k: tuple(md.size) for k, md in metadata.items()
+                       if isinstance(md, TensorStorageMetadata)}
+        index_keys = [k for k in self._sizes if k.endswith(f"/{MARK}/{INDEX}")]
+        raw = self._load({k: torch.empty(self._sizes[k], dtype=torch.uint8) for k in index_keys})
+        self.entries: dict[str, Entry] = {}
+        for tensor in raw.values():
+            for item in json.loads(bytes(tensor.numpy()).decode()):
+                self.entries[item["key"]] = Entry(item["pack"], _dtype(item["dtype"]),
+                                                  tuple(item["shape"]), int(item["offset"]))
+
+    def keys(self) -> set[str]:
+        return set(self.entries)
+
+    def _load(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if state:
+            dcp.load(state, storage_reader=self._reader_factory(self.path), no_dist=True)
+        return state
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors of ``keys`` (views into the packs read for them)."""
+        wanted = {k: self.entries[k] for k in keys}
+        packs = self._load({e.pack: torch.empty(self._sizes[e.pack], dtype=e.dtype)
+                            for e in wanted.values()})
+        return {k: packs[e.pack].narrow(0, e.offset, e.numel).view(e.shape)
+                for k, e in wanted.items()}
