@@ -172,12 +172,15 @@ def read_runs(path: str | Path, accelerators: dict[str, Accelerator]) -> list[Ru
     return read_runs_text(p.read_text(), str(p), accelerators)
 
 
-def packaged_runs(accelerators: dict[str, Accelerator]) -> list[Run]:
-    """The calibration rows shipped with the package."""
+def packaged_runs(accelerators: dict[str, Accelerator],
+                  name: str = "published_runs.csv") -> list[Run]:
+    """Rows shipped with the package: the calibration rows (``published_runs.csv``), or the
+    held-out published runs the model is checked on and never fitted to
+    (``holdout_runs.csv``, sources in docs/cost_model.md)."""
     from importlib import resources
 
-    text = resources.files("mcpar.sim").joinpath("data/published_runs.csv").read_text()
-    return read_runs_text(text, "published_runs.csv", accelerators)
+    text = resources.files("mcpar.sim").joinpath(f"data/{name}").read_text()
+    return read_runs_text(text, name, accelerators)
 
 
 def formula_flops(run: Run) -> float | None:
