@@ -75,8 +75,8 @@ class MoERoutingController:
         counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
         dropped = torch.zeros(self.num_layers, dtype=torch.int64)
         for index, layer in self.layers.items():
-            counts[index] = layer.step_counts
-            dropped[index] = layer.step_dropped
+            counts[index] = layer.step_counts.cpu()
+            dropped[index] = layer.step_dropped.cpu()
         table = torch.cat([counts, dropped.unsqueeze(1)], dim=1)
         self.comm.all_reduce(table, axis="dp")
         self.comm.all_reduce(table, axis="pp")

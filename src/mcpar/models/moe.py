@@ -133,9 +133,13 @@ class MoELayer(nn.Module):
         # Gradient of the auxiliary loss per unit: the trainer sets 1 / micro-batches, the
         # factor it divides the language-model loss by.
         self.aux_grad_scale = 1.0
-        # Routing statistics of the current step (training forward passes only).
-        self.step_counts = torch.zeros(cfg.num_experts, dtype=torch.int64)
-        self.step_dropped = 0
+        # Routing statistics of the current step (training forward passes only), kept on the
+        # model's device so that counting them never waits for the device; the routing
+        # controller reads them once per step. Not persistent: not part of a checkpoint.
+        self.register_buffer("step_counts", torch.zeros(cfg.num_experts, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64),
+                             persistent=False)
 
     def _keep_within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
         """Mask of the (token, slot) entries each expert can take, first come first served."""
@@ -177,10 +181,10 @@ class MoELayer(nn.Module):
             out = out + self.shared(x)
         if self.training:
             with torch.no_grad():
-                self.step_counts += torch.bincount(experts.reshape(-1).cpu(),
+                self.step_counts += torch.bincount(experts.reshape(-1),
                                                    minlength=self.num_experts)
                 if keep is not None:
-                    self.step_dropped += int((~keep).sum())
+                    self.step_dropped += (~keep).sum()
             if self.aux_loss_coef > 0 and torch.is_grad_enabled():
                 aux = self.aux_loss_coef * self._aux_loss(scores, experts, batch)
                 out = _AddAuxLossGrad.apply(out, aux, self.aux_grad_scale)
@@ -188,7 +192,7 @@ class MoELayer(nn.Module):
 
     def reset_step_stats(self) -> None:
         self.step_counts.zero_()
-        self.step_dropped = 0
+        self.step_dropped.zero_()
 
 
 def moe_block(cfg: ModelConfig) -> Block:
