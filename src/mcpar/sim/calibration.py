@@ -51,10 +51,16 @@ def _from_x(name: str, x: float) -> float:
     return min(value, 1.0) if name != "layer_overhead_s" else value
 
 
-def ratios(runs: Sequence[Run], eff: Efficiency) -> list[float]:
-    """predicted / measured step time per row."""
-    return [predict_run(r, eff).step_s / r.measured_step_s for r in runs
-            if r.measured_step_s]
+StepModel = Callable[[Run, Efficiency], float]  # predicted step seconds of a row
+
+
+def model_step_s(run: Run, eff: Efficiency) -> float:
+    return predict_run(run, eff).step_s
+
+
+def ratios(runs: Sequence[Run], eff: Efficiency, step: StepModel = model_step_s) -> list[float]:
+    """predicted / measured step time per row (``step``: the model, or a variant of it)."""
+    return [step(r, eff) / r.measured_step_s for r in runs if r.measured_step_s]
 
 
 def group_weights(runs: Sequence[Run]) -> list[float]:
@@ -66,9 +72,10 @@ def group_weights(runs: Sequence[Run]) -> list[float]:
     return [len(runs) / (len(sizes) * sizes[r.row["group"]]) for r in runs]
 
 
-def objective(runs: Sequence[Run], eff: Efficiency, free: Sequence[str]) -> float:
+def objective(runs: Sequence[Run], eff: Efficiency, free: Sequence[str],
+              step: StepModel = model_step_s) -> float:
     data = sum(w * (math.log(r) / SIGMA_ROW) ** 2
-               for w, r in zip(group_weights(runs), ratios(runs, eff), strict=True))
+               for w, r in zip(group_weights(runs), ratios(runs, eff, step), strict=True))
     prior = sum(((_to_x(n, getattr(eff, n)) - _to_x(n, getattr(PRIOR, n))) / PRIOR_SIGMA[n]) ** 2
                 for n in free)
     return data + prior
@@ -112,8 +119,10 @@ def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float 
 
 
 def fit(runs: Sequence[Run], start: Efficiency = PRIOR,
-        free: Sequence[str] = PARAM_NAMES, restarts: int = 3) -> Efficiency:
-    """The MAP efficiency parameters for `runs` (those not in `free` stay at `start`)."""
+        free: Sequence[str] = PARAM_NAMES, restarts: int = 3,
+        step: StepModel = model_step_s) -> Efficiency:
+    """The MAP efficiency parameters for `runs` (those not in `free` stay at `start`), for the
+    model or a variant of it (``step``)."""
 
     def make(x: list[float]) -> Efficiency:
         return replace(start, **{n: _from_x(n, v) for n, v in zip(free, x, strict=True)})
@@ -121,7 +130,7 @@ def fit(runs: Sequence[Run], start: Efficiency = PRIOR,
     x0 = [_to_x(n, getattr(start, n)) for n in free]
     best = x0
     for _ in range(restarts):  # restarts shake the simplex out of flat valleys
-        best = nelder_mead(lambda x: objective(runs, make(x), free), best, step=0.15)
+        best = nelder_mead(lambda x: objective(runs, make(x), free, step), best, step=0.15)
     return make(best)
 
 
