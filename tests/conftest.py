@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from mcpar.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,8 +52,6 @@ def sets(*items: str) -> list[str]:
 
 def train_metrics(run_dir: Path, nproc: int, settings: list[str]) -> list[dict]:
     """Train with ``settings`` on ``nproc`` workers; the run's metrics.jsonl records."""
-    from mcpar.metrics import read_metrics
-
     proc = run_mcpar("train", *sets(*settings), "--nproc", str(nproc),
                      "--run-dir", str(run_dir), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -71,6 +72,17 @@ def assert_loss_parity(reference: list[dict], records: list[dict], label: str) -
 @pytest.fixture
 def tiny_sets() -> list[str]:
     return sets(*TINY)
+
+
+def step_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every step a run logged, in order."""
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+
+
+def recovery_events(run_dir: Path) -> list[dict]:
+    """The run's recovery log (saves, loads, failures, fallbacks), one dict per line."""
+    return [json.loads(line)
+            for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, run_mcpar, sets, worker_pids
+from conftest import REPO, TINY, recovery_events, run_mcpar, sets, step_losses, worker_pids
 
 from mcpar.checkpoint import SafeFileSystemReader, load_tensors, verify_checkpoint
 from mcpar.metrics import read_metrics
@@ -67,14 +67,6 @@ def _train(run: Path, settings: list[str], *extra: str) -> subprocess.CompletedP
     return proc
 
 
-def _losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run)]
-
-
-def _events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted 40-step runs, one per layout, shared by the tests below."""
@@ -100,8 +92,8 @@ def test_resume_is_bitwise_identical(layout: str, straight: dict[str, Path],
         shutil.rmtree(run / "checkpoints" / "step-40")
         (run / "recovery.jsonl").unlink()
     _train(run, LAYOUTS[layout], "--resume")
-    assert _losses(run) == _losses(straight[layout])
-    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [20]
+    assert step_losses(run) == step_losses(straight[layout])
+    assert [e["step"] for e in recovery_events(run) if e["event"] == "load"] == [20]
     # Final parameters and optimizer state of every rank, exactly. (RNG states are not compared
     # across the two runs: the global generator is not seeded by the trainer, and training on
     # these settings draws nothing from it.)
@@ -155,11 +147,11 @@ def test_killed_worker_restarts_from_checkpoint(straight: dict[str, Path],
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
     assert "restart: attempt 1/3" in stderr and "SIGKILL" in stderr
-    events = _events(run)
+    events = recovery_events(run)
     restart = next(i for i, e in enumerate(events) if e["event"] == "restart")
     load = next(e for e in events[restart:] if e["event"] == "load")
     assert 2 <= load["step"] < 40
-    assert _losses(run) == _losses(straight["data2"])
+    assert step_losses(run) == step_losses(straight["data2"])
     keys = load_tensors(run / "checkpoints" / "step-40").keys()
     assert {k.split("/")[1] for k in keys if k.startswith("model/")} == {"pp0-tp0"}
     assert {"rng/rank0/cpu", "rng/rank1/cpu"} <= keys
@@ -178,7 +170,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     proc = run_mcpar("train", *sets(*settings), "--nproc", "1", "--run-dir", str(run),
                      "--stop-after", "6")
     assert proc.returncode == 0, proc.stderr
-    before = _losses(run)
+    before = step_losses(run)
     ckpts = run / "checkpoints"
     # Newest: a flipped byte; next: a truncated file; a save killed before its manifest and a
     # leftover .tmp folder must never be taken either.
@@ -193,14 +185,14 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     proc = run_mcpar("train", *sets(*settings), "--nproc", "1", "--run-dir", str(run),
                      "--resume")
     assert proc.returncode == 0, proc.stderr
-    events = _events(run)
+    events = recovery_events(run)
     invalid = {e["step"]: e["reason"] for e in events if e["event"] == "invalid_checkpoint"}
     assert set(invalid) == {7, 6, 4}
     assert "no manifest" in invalid[7]
     assert [e["step"] for e in events if e["event"] in ("fallback", "load")] == [2, 2]
     assert "fallback" in proc.stderr
     # Steps 3-6 replayed from step 2 give the same losses as the first time, bitwise.
-    assert _losses(run)[:6] == before and len(_losses(run)) == 8
+    assert step_losses(run)[:6] == before and len(step_losses(run)) == 8
 
 
 def test_resume_refuses_another_model(straight: dict[str, Path], tmp_path: Path) -> None:
@@ -246,10 +238,10 @@ def test_resume_on_another_layout_reshards(data4_run: Path, target: str,
     proc = run_mcpar("train", *sets(*RESHARD_BASE, *RESHARD_TARGETS[target]), "--nproc", "4",
                      "--run-dir", str(run), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (load,) = [e for e in _events(run) if e["event"] == "load"]
+    (load,) = [e for e in recovery_events(run) if e["event"] == "load"]
     assert load["step"] == 10 and load["resharded_from"]["data"] == 4
-    reference = dict(_losses(data4_run))
-    resumed = dict(_losses(run))
+    reference = dict(step_losses(data4_run))
+    resumed = dict(step_losses(run))
     assert abs(resumed[11] - reference[11]) <= 1e-5, (resumed[11], reference[11])
     for step in (12, 13, 14):  # the next steps follow closely too (fp32 reduction order)
         assert abs(resumed[step] - reference[step]) <= 1e-4
@@ -296,7 +288,7 @@ def test_too_many_nonfinite_steps_stop_without_restart(tmp_path: Path) -> None:
                      env={"MCPAR_FAULT_NONFINITE_STEPS": "4,5,6"})
     assert proc.returncode == 1
     assert "TrainingDiverged: 2 steps in a row had non-finite loss" in proc.stderr
-    assert "restart" not in [e["event"] for e in _events(run)]
+    assert "restart" not in [e["event"] for e in recovery_events(run)]
     assert "restart" not in proc.stdout + proc.stderr
 
 
@@ -315,8 +307,8 @@ def test_stalled_rank_times_out_names_it_and_the_job_restarts(tmp_path: Path) ->
                      env={"MCPAR_FAULT_STALL_STEP": "6", "MCPAR_FAULT_RANK": "1"})
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (restart,) = [e for e in _events(run) if e["event"] == "restart"]
+    (restart,) = [e for e in recovery_events(run) if e["event"] == "restart"]
     assert "timed out" in restart["cause"] and "rank(s) [1] never timed out" in restart["cause"]
     assert "on axis 'world'" in restart["cause"] or "on axis 'dp'" in restart["cause"]
-    assert _losses(run) == _losses(straight)
+    assert step_losses(run) == step_losses(straight)
     assert elapsed < 60

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY, run_mcpar, sets, worker_pids
+from conftest import REPO, TINY, recovery_events, run_mcpar, sets, step_losses, worker_pids
 
 import mcpar.checkpoint as checkpoint
 from mcpar import checkpoint_packing as packing
@@ -49,21 +49,13 @@ def _train(run: Path, settings: list[str], *extra: str,
     return proc
 
 
-def _losses(run: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run)]
-
-
-def _events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 uninterrupted steps with synchronous saves at 10, 20, 30, 40."""
     run = tmp_path_factory.mktemp("sync") / "run"
     _train(run, ["optimization.checkpoint.async_save=false",
                  "optimization.checkpoint.keep=4"])
-    assert {e["asynchronous"] for e in _events(run) if e["event"] == "save"} == {False}
+    assert {e["asynchronous"] for e in recovery_events(run) if e["event"] == "save"} == {False}
     return run
 
 
@@ -122,10 +114,10 @@ def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
     assert found is not None and found[0] == 5
     resumed = _train(run, settings, "--resume")
     assert "Traceback" not in resumed.stderr
-    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [5]
-    assert _losses(run) == _losses(reference)
+    assert [e["step"] for e in recovery_events(run) if e["event"] == "load"] == [5]
+    assert step_losses(run) == step_losses(reference)
     assert not list(ckpts.glob("*.tmp"))  # the killed save's leftover was cleaned up
-    saves = [e for e in _events(run) if e["event"] == "save"]
+    saves = [e for e in recovery_events(run) if e["event"] == "save"]
     assert all(e["asynchronous"] for e in saves) and saves[-1]["step"] == 40
     # The resumed run stepped on while its saves were written: each checkpoint still holds its
     # step's state, bit for bit what a synchronous save wrote, and resume's data position.
@@ -147,8 +139,8 @@ def test_async_stop_resume_with_zstd_is_bitwise(reference: Path, tmp_path: Path)
     first = _train(run, settings, "--stop-after", "20")
     assert "stopped after step 20 of 40" in first.stdout
     _train(run, settings, "--resume")
-    assert _losses(run) == _losses(reference)
-    assert [e["step"] for e in _events(run) if e["event"] == "load"] == [20]
+    assert step_losses(run) == step_losses(reference)
+    assert [e["step"] for e in recovery_events(run) if e["event"] == "load"] == [20]
     for step in (30, 40):
         path = run / "checkpoints" / f"step-{step}"
         assert verify_checkpoint(path) is None
