@@ -49,13 +49,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_workers import run_worker, settings_problem
 from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
 from mcpar.data import BatchStream
 from mcpar.device import autocast, synchronize
 from mcpar.errors import UserError
-from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local, record_worker_errors
+from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.trainer import Trainer, build_optimizer, lr_at
 
@@ -256,17 +257,10 @@ def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        with record_worker_errors():
-            env = detect_env()
-            if env is None:
-                raise SystemExit("--worker is for processes this benchmark starts itself")
-            worker(args, env)
-        return 0
-    try:
-        build_config(args)  # report a bad --set here, once, before any worker starts
-    except UserError as err:
-        print("\n".join(err.problems), file=sys.stderr)
-        return 2
+        return run_worker(args, worker)
+    problem = settings_problem(lambda: build_config(args))
+    if problem is not None:
+        return problem
     argv_out = list(sys.argv[1:] if argv is None else argv)
     try:
         launch_local(args.nproc, [os.path.abspath(__file__), "--worker", *argv_out])

@@ -42,11 +42,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_workers import run_worker
 from torch import nn
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication import CommunicationController
-from mcpar.launch import DistEnv, LaunchFailed, detect_env, launch_local, record_worker_errors
+from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage, schedule_problem
 from mcpar.parallel.stage import cut_model
@@ -262,12 +263,7 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        with record_worker_errors():
-            env = detect_env()
-            if env is None:
-                raise SystemExit("--worker is for processes this benchmark starts itself")
-            worker(args, env)
-        return 0
+        return run_worker(args, worker)
     argv_out = list(sys.argv[1:] if argv is None else argv)
     try:
         launch_local(args.pp, [os.path.abspath(__file__), "--worker", *argv_out],

@@ -1,0 +1,38 @@
+"""What every multi-process benchmark here does around its workers.
+
+A benchmark script starts its own worker processes (``mcpar.launch.launch_local``) by running
+itself again with ``--worker``; these two helpers are the parts every such script shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from mcpar.errors import UserError
+from mcpar.launch import DistEnv, detect_env, record_worker_errors
+
+
+def run_worker(args: argparse.Namespace,
+               worker: Callable[[argparse.Namespace, DistEnv], None]) -> int:
+    """The ``--worker`` side: this process's rank from the launcher's environment, then
+    ``worker``; an error is recorded for the launcher to report, as mcpar's workers do."""
+    with record_worker_errors():
+        env = detect_env()
+        if env is None:
+            raise SystemExit("--worker is for processes this benchmark starts itself")
+        worker(args, env)
+    return 0
+
+
+def settings_problem(build: Callable[[], object]) -> int | None:
+    """Exit code 2 with the problems printed if ``build`` (the benchmark's config from its
+    ``--set`` options) refuses them; None if they are fine. Run before any worker starts, so
+    that a bad key is reported once, not by every rank."""
+    try:
+        build()
+    except UserError as err:
+        print("\n".join(err.problems), file=sys.stderr)
+        return 2
+    return None
