@@ -72,22 +72,22 @@ class StagingBuffers:
         non-blocking into pinned memory on the current stream, so the next optimizer step
         (later on the same stream) cannot overwrite a tensor before it has been copied."""
         on_gpu = any(t.device.type == "cuda" for t in state.values())
-        entries, sizes = packing.plan(state)
-        packs: dict[str, torch.Tensor] = {}
-        for name, numel in sizes.items():
-            dtype = next(e.dtype for e in entries.values() if e.pack == name)
-            buffer = self._packs.get(name)
+        previous, self._packs = self._packs, {}  # buffers of packs gone since are dropped
+
+        def reuse(name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+            buffer = previous.get(name)
             if (buffer is None or buffer.numel() != numel or buffer.dtype != dtype
                     or buffer.is_pinned() != on_gpu):
                 buffer = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=on_gpu)
-            packs[name] = buffer
-        self._packs = packs  # buffers of packs that no longer exist are dropped
-        packing.fill(state, entries, packs, non_blocking=on_gpu)
+            self._packs[name] = buffer
+            return buffer
+
+        packed = packing.pack(state, reuse, non_blocking=on_gpu)
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()
-        return {**packs, **packing.index_tensors(entries)}, ready
+        return packed, ready
 
 
 def _gather_over(group: Any) -> Callable[[Any], list[Any] | None]:

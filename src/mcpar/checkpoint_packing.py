@@ -21,7 +21,7 @@ rank, as the logical keys were.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,12 +101,19 @@ def fill(state: dict[str, torch.Tensor], entries: dict[str, Entry],
             tensor.detach(), non_blocking=non_blocking)
 
 
-def pack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` packed into fresh CPU tensors, indexes included (what DCP is given)."""
+def pack(state: dict[str, torch.Tensor],
+         allocate: Callable[[str, torch.dtype, int], torch.Tensor] | None = None,
+         non_blocking: bool = False) -> dict[str, torch.Tensor]:
+    """``state`` packed into flat CPU tensors, indexes included (what DCP is given).
+
+    ``allocate(pack_name, dtype, numel)`` supplies each flat buffer (default: a fresh one), so
+    that asynchronous saves can reuse theirs from one save to the next."""
     entries, sizes = plan(state)
-    packs = {name: torch.empty(n, dtype=_dtype(name.rsplit("/", 1)[1]))
+    dtypes = {e.pack: e.dtype for e in entries.values()}
+    packs = {name: (allocate(name, dtypes[name], n) if allocate is not None
+                    else torch.empty(n, dtype=dtypes[name]))
              for name, n in sizes.items()}
-    fill(state, entries, packs)
+    fill(state, entries, packs, non_blocking)
     return {**packs, **index_tensors(entries)}
 
 
