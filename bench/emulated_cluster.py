@@ -79,7 +79,8 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 import netcluster  # noqa: E402
-from netcluster import LoopbackCluster, NetCluster, NetClusterError, launch_torchrun  # noqa: E402
+from netcluster import LoopbackCluster, NetCluster, NetClusterError  # noqa: E402
+from netcluster_torchrun import launch_torchrun  # noqa: E402
 
 
 @dataclass

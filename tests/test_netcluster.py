@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import netcluster  # noqa: E402
+import netcluster_torchrun  # noqa: E402
 from netcluster import NetCluster  # noqa: E402
 
 OK, WHY = netcluster.available()
@@ -84,8 +85,8 @@ def test_units() -> None:
     assert netcluster.parse_delay("0") == 0.0
     with pytest.raises(ValueError):
         netcluster.parse_rate("fast")
-    assert netcluster.threads_per_worker(4, cores=2) == 1
-    assert netcluster.threads_per_worker(1, cores=2) == 2
+    assert netcluster_torchrun.threads_per_worker(4, cores=2) == 1
+    assert netcluster_torchrun.threads_per_worker(1, cores=2) == 2
 
 
 @needs_netns
@@ -194,7 +195,8 @@ def test_torchrun_all_reduce_across_two_nodes(tmp_path: Path) -> None:
     script, out = tmp_path / "all_reduce.py", tmp_path / "out.json"
     script.write_text(ALL_REDUCE)
     with NetCluster(2, rate="100mbit", delay="1ms") as cluster:
-        result = netcluster.launch_torchrun(cluster, 1, [str(script), str(out)], timeout_s=120)
+        result = netcluster_torchrun.launch_torchrun(cluster, 1, [str(script), str(out)],
+                                                     timeout_s=120)
         sent = int(subprocess.run(
             ["ip", "netns", "exec", cluster.node_ns(0), "cat",
              f"/sys/class/net/{cluster.node_ifname(0)}/statistics/tx_bytes"],
