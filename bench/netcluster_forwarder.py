@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import select
 import signal
 import socket
@@ -92,12 +93,34 @@ def forward(ifaces: Sequence[str], delay_s: float, stop: Callable[[], bool] = la
                     socks[t].send(data)
 
 
+def _run_as_the_wire() -> str:
+    """Give this process real-time priority where allowed, and say which it got.
+
+    The forwarder plays the cable and the switch, which on a real cluster use none of the
+    nodes' CPUs. Here it shares the cores with the training ranks; at normal priority a frame
+    whose hold time is over waits until the scheduler gets round to this process, adding
+    milliseconds of random delay to every exchange. SCHED_FIFO lets it run as soon as a frame
+    is due; it uses about a tenth of a core per 100 Mbit/s, so it takes little from the ranks.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        return "SCHED_FIFO"
+    except (AttributeError, OSError):
+        pass
+    with contextlib.suppress(OSError):
+        os.nice(-10)
+        return "nice -10"
+    return "normal"
+
+
 def _forward_main(args: argparse.Namespace) -> int:
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda s, _f: stopping.append(s))
 
+    priority = _run_as_the_wire()
+
     def ready() -> None:
-        print("ready", flush=True)
+        print(f"ready {priority}", flush=True)
 
     forward(args.ifaces.split(","), args.delay_s, stop=lambda: bool(stopping), ready=ready)
     return 0
