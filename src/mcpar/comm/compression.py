@@ -6,14 +6,16 @@ Why these are written here and not taken from a library:
   bytes and time per operation, mesh axis and codec. DeepSpeed's compressed backends and torch's
   ``powerSGD_hook`` issue their own ``torch.distributed`` calls (the latter only from inside DDP's
   C++ reducer, which this framework does not use), so their traffic would be invisible to it.
-- torch has no 1-bit collective, and none at all on gloo: the 1-bit exchange is an all-to-all of
-  bit-packed signs plus all-gathers, built from the controller's primitives.
+- torch has no 1-bit collective, and none at all on gloo: the 1-bit exchange is two all-to-alls
+  of bit-packed signs, built from the controller's primitives.
 
 1-bit (docs: algorithms.md §1.2, Tang et al. 2021, DeepSpeed's NCCL backend). Each rank
 compresses (its buffer + its worker error) to one scale and one sign bit per element, keeps the
 compression error, and sends chunk j of its signs to rank j (all-to-all). Rank j, acting as the
 "server" of chunk j, averages the p decompressed chunks, adds its server error, compresses the
-average again (keeping that error too) and all-gathers it. Every rank then decodes the same bytes
+average again (keeping that error too) and sends it to every rank (a second all-to-all with an
+all-gather's bytes: one round of messages where gloo's ring all-gather takes p - 1, which a slow,
+high-latency link charges for). Every rank then decodes the same bytes
 into the same averaged buffer, so the result is bit-identical on all ranks. The distributed
 function and the single-process simulation share the compress / server-average / decompress
 helpers, so both do the same floating-point operations in the same order.
@@ -56,18 +58,29 @@ def _shifts(device: torch.device) -> torch.Tensor:
 # --- sign bit packing ---------------------------------------------------------------------------
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """One bit per element of ``x``: 1 where x >= 0 (sign⁺, so 0 counts as +1), else 0.
+    """One bit per element of ``x``: 1 where its sign bit is clear (+0 and up), 0 where set.
 
     Returns a uint8 tensor of ``x.numel() // 8`` bytes, most significant bit first. ``x`` is read
-    flat; its number of elements must be a multiple of 8 (callers pad). NaN packs as -1.
-    Hand-written because torch has no packbits and the 1-bit exchange sends these bytes.
+    flat (float32); its number of elements must be a multiple of 8 (callers pad). The bit is
+    the float's own sign bit, so -0.0 packs as -1 (as does a NaN with its sign bit set): reading
+    it costs a shift, where ``x >= 0`` costs a comparison that is 4x slower on CPU, and the
+    compression error is formed with the same sign (``torch.copysign``), so every element is
+    still coded as +s or -s with its error kept. Hand-written because torch has no packbits and
+    the 1-bit exchange sends these bytes.
     """
     if x.numel() % 8:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {x.numel()}")
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
+    flat = x.reshape(-1).to(torch.float32).contiguous()
+    # 0xFF where the sign bit is set, 0x00 elsewhere (int32 -1 / 0, truncated to a byte).
+    negative = (flat.view(torch.int32) >> 31).to(torch.uint8)
     if _multiply_packing_works(x.device):
-        return _pack_by_multiply(bits)
+        rows = negative.view(torch.int64) & _LOW_BIT_OF_EACH_BYTE
+        return _pack_rows(rows).bitwise_not_()
+    bits = (negative.reshape(-1, 8) & 1) ^ 1
     return (bits << _shifts(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+_LOW_BIT_OF_EACH_BYTE = 0x0101010101010101
 
 
 # The 8 bytes of a row of 0/1 flags, read as one little-endian int64 v = sum_k b_k 2^(8k), times
@@ -79,7 +92,11 @@ _MULTIPLY_CHECKED: dict[torch.device, bool] = {}
 
 
 def _pack_by_multiply(bits: torch.Tensor) -> torch.Tensor:
-    rows = bits.contiguous().view(torch.int64).reshape(-1)
+    return _pack_rows(bits.contiguous().view(torch.int64).reshape(-1))
+
+
+def _pack_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int64 rows of eight 0/1 bytes -> one MSB-first byte each."""
     return ((rows * _PACK_MULTIPLIER) >> 56).to(torch.uint8)
 
 
@@ -107,6 +124,18 @@ def _sign_table(device: torch.device) -> torch.Tensor:
         table = (bits.to(torch.float32) * 2.0 - 1.0).to(device)
         _SIGN_TABLES[device] = table
     return table
+
+
+def _scaled_signs(packed: torch.Tensor, scale: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """s * (±1 signs of ``packed``), one table lookup per byte: the table is scaled first
+    (256 x 8 products), which gives exactly the products an unpack-then-multiply would."""
+    table = _sign_table(packed.device) * scale.reshape(1, 1)
+    index = packed.reshape(-1).to(torch.int32)
+    if out is None:
+        return torch.index_select(table, 0, index).reshape(-1)
+    torch.index_select(table, 0, index, out=out.view(-1, 8))
+    return out
 
 
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -168,16 +197,19 @@ def _compress_with_feedback(z: torch.Tensor, error_out: torch.Tensor
     """
     scale = (torch.linalg.vector_norm(z) / math.sqrt(z.numel())).reshape(1)
     packed = pack_signs(z)
-    # error = z - s * sign⁺(z), with the signs read back from the packed bytes (one pass).
-    torch.addcmul(z, unpack_signs(packed, z.numel()), scale, value=-1.0, out=error_out)
+    # error = z - s * sign(z), the sign being z's sign bit, as packed.
+    torch.copysign(scale.expand(z.numel()), z, out=error_out)
+    torch.sub(z, error_out, out=error_out)
     return packed, scale
 
 
 def _compress_worker(buffer: torch.Tensor, worker_error: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker side: z = pad(buffer) + worker_error, compressed; worker_error <- z - C[z]."""
-    z = worker_error.clone()
-    z[:buffer.numel()].add_(buffer.reshape(-1))
+    numel = buffer.numel()
+    z = torch.empty_like(worker_error)
+    torch.add(worker_error[:numel], buffer.reshape(-1), out=z[:numel])
+    z[numel:].copy_(worker_error[numel:])
     return _compress_with_feedback(z, worker_error)
 
 
@@ -190,9 +222,14 @@ def _server_average(worker_signs: torch.Tensor, worker_scales: torch.Tensor,
     simulation) that averages the same inputs gets the same bits.
     """
     world, chunk = worker_signs.shape[0], server_error.numel()
-    total = unpack_signs(worker_signs[0], chunk).mul_(worker_scales[0])
-    for i in range(1, world):
-        total.add_(unpack_signs(worker_signs[i], chunk).mul_(worker_scales[i]))
+    if worker_signs.shape[1] * 8 != chunk:
+        raise ValueError(f"{worker_signs.shape[1]} packed bytes per worker do not hold a "
+                         f"chunk of {chunk} elements")
+    total = _scaled_signs(worker_signs[0], worker_scales[0])
+    if world > 1:
+        term = torch.empty_like(total)
+        for i in range(1, world):
+            total.add_(_scaled_signs(worker_signs[i], worker_scales[i], out=term))
     total.div_(world).add_(server_error)
     return _compress_with_feedback(total, server_error)
 
@@ -202,8 +239,10 @@ def _decompress(server_signs: torch.Tensor, server_scales: torch.Tensor,
     """Concatenate S_j * sign⁺(y_j) over the chunks j and drop the padding."""
     world = server_scales.numel()
     padded = 8 * server_signs.numel()
-    values = unpack_signs(server_signs, padded).view(world, padded // world)
-    values.mul_(server_scales.view(world, 1))
+    values = torch.empty(world, padded // world, dtype=torch.float32,
+                         device=server_signs.device)
+    for j, packed in enumerate(server_signs.view(world, -1)):
+        _scaled_signs(packed, server_scales[j], out=values[j])
     return values.view(-1)[:numel]
 
 
@@ -229,8 +268,8 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
     algorithms.md §1.2 steps 2-6. Returns a new flat float32 tensor of ``buffer.numel()``
     elements, bit-identical on every rank; updates ``worker_error`` and ``server_error`` in
     place. Per rank it sends about 2 (p-1)/p * D'/8 bytes plus 2 (p-1) float32 scales, against
-    2 (p-1)/p * 4 D bytes for an fp32 ring all-reduce, in two collectives (an all-to-all and an
-    all-gather whose messages end with their scale). With one rank it runs the same
+    2 (p-1)/p * 4 D bytes for an fp32 ring all-reduce, in two all-to-alls whose messages end
+    with their scale. With one rank it runs the same
     compression with error feedback and no communication.
     """
     world = comm.axis_size(axis)
@@ -251,10 +290,13 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
 
     server_signs, server_scale = _server_average(received[:, :chunk_bytes].contiguous(),
                                                  worker_scales, server_error)
-    # Phase 2: every rank collects every server's compressed chunk and its scale.
+    # Phase 2: every rank collects every server's compressed chunk and its scale, as an
+    # all-to-all of the same message to every peer (see the module docstring).
     server_message = torch.cat([server_signs, _scale_bytes(server_scale).view(-1)])
     gathered = torch.empty(world, chunk_bytes + SCALE_BYTES, dtype=torch.uint8, device=device)
-    comm.all_gather_into(gathered.view(-1), server_message, axis=axis, codec=ONEBIT_CODEC)
+    comm.all_to_all_single(gathered.view(-1),
+                           server_message.expand(world, -1).contiguous().view(-1), axis=axis,
+                           codec=ONEBIT_CODEC)
     return _decompress(gathered[:, :chunk_bytes].reshape(-1),
                        _bytes_scale(gathered[:, chunk_bytes:]), numel)
 

@@ -224,9 +224,9 @@ def all_to_all(n: float, group: Group, cluster: Cluster, net_eff: float) -> floa
 def onebit_all_reduce(num_values: float, group: Group, cluster: Cluster, net_eff: float,
                       hierarchical: bool) -> float:
     """1-bit compressed all-reduce (1-bit Adam's compression stage): an all-to-all of packed
-    signs and then an all-gather of the re-compressed signs, 1 bit per value plus one fp32 scale
-    per rank chunk. Hierarchical: fp16 reduce-scatter/all-gather inside the node, 1-bit only
-    between nodes."""
+    signs and then an all-to-all of the re-compressed signs (an all-gather's bytes, sent to every
+    peer at once, as the runtime does), 1 bit per value plus one fp32 scale per rank chunk.
+    Hierarchical: fp16 reduce-scatter/all-gather inside the node, 1-bit only between nodes."""
     g = cluster.gpus_per_node
     p = group.size
     if p <= 1:
@@ -241,4 +241,4 @@ def onebit_all_reduce(num_values: float, group: Group, cluster: Cluster, net_eff
         return local + remote
     link = group_link(group, cluster, net_eff)
     bits = num_values / 8 + scales
-    return pairwise_all_to_all(bits, p, link) + ring_all_gather(bits, p, link)
+    return 2 * pairwise_all_to_all(bits, p, link)
