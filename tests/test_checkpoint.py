@@ -30,9 +30,11 @@ LAYOUTS = {
                   "optimization.micro_batch_size=8"],
     "data2_tensor2": ["parallelism.data=2", "parallelism.tensor=2",
                       "optimization.micro_batch_size=8"],
-    # Resumed past the freeze step: momentum, frozen variance and both error buffers restored.
+    # Resumed past the freeze step: momentum, frozen variance and both error buffers restored,
+    # with the momentum exchanged bucket by bucket from the backward pass (no clipping).
     "onebit_adam": ["parallelism.data=2", "controllers.communication.compression=1bit",
-                    "optimization.freeze_step=8"],
+                    "optimization.freeze_step=8", "optimization.grad_clip=0",
+                    "controllers.communication.bucket_size_mb=0.04"],
     # Resumed past the start: each rank's error feedback, Q and step count restored.
     "powersgd": ["parallelism.data=2", "controllers.communication.compression=powersgd",
                  "controllers.communication.powersgd_start_step=5",

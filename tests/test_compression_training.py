@@ -18,11 +18,15 @@ from conftest import TINY, run_mcpar, sets
 
 from mcpar.checkpoint import load_tensors
 from mcpar.config import apply_overrides, parse_config
+from mcpar.controllers.communication import CommunicationController
 from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
+from mcpar.parallel.data import DataParallelGradSync
+from mcpar.topology import ParallelDims
 
 STEPS = 20
 FREEZE = 6
+OVERLAP_BUCKET_MB = 0.04
 BASE = [*TINY, f"training.steps={STEPS}", "optimization.global_batch_size=8",
         "optimization.micro_batch_size=2",
         "optimization.checkpoint.interval=20", "optimization.checkpoint.strategy=full"]
@@ -30,6 +34,10 @@ RUNS = {
     "adamw": (2, []),
     "onebit": (2, ["controllers.communication.compression=1bit",
                    f"optimization.freeze_step={FREEZE}"]),
+    # Exchanged bucket by bucket from the backward pass (no clipping, several small buckets).
+    "onebit_overlap": (2, ["controllers.communication.compression=1bit",
+                           f"optimization.freeze_step={FREEZE}", "optimization.grad_clip=0",
+                           f"controllers.communication.bucket_size_mb={OVERLAP_BUCKET_MB}"]),
     "onebit_hierarchical": (4, ["controllers.communication.compression=1bit",
                                 f"optimization.freeze_step={FREEZE}",
                                 "controllers.communication.topology=hierarchical",
@@ -92,11 +100,28 @@ def test_onebit_sends_under_a_25th_of_the_fp32_all_reduce(runs: dict[str, Path])
 
 
 @pytest.mark.slow
+def test_onebit_overlap_exchanges_each_bucket(runs: dict[str, Path]) -> None:
+    cfg = parse_config(apply_overrides({}, TINY)).model
+    model = get_model_spec("gpt").build(cfg, 0)
+    comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
+    num_buckets = len(DataParallelGradSync(list(model.parameters()), comm,
+                                           bucket_size_mb=OVERLAP_BUCKET_MB).buckets)
+    assert num_buckets >= 3
+    summary = json.loads((runs["onebit_overlap"] / "summary.json").read_text())
+    rows = {(r["op"], r["axis"], r["codec"]): r for r in summary["comm"]}
+    assert rows[("all_to_all", "dp", "1bit")]["calls"] == 2 * num_buckets * (STEPS - FREEZE)
+    fp32 = 2 * (2 - 1) / 2 * grad_bytes()
+    for record in read_metrics(runs["onebit_overlap"])[FREEZE:]:
+        assert record["comm_bytes"] <= fp32 / 25, record
+
+
+@pytest.mark.slow
 def test_onebit_hierarchical_compresses_only_across_nodes(runs: dict[str, Path]) -> None:
     summary = json.loads((runs["onebit_hierarchical"] / "summary.json").read_text())
     rows = {(r["op"], r["axis"], r["codec"]): r for r in summary["comm"]}
     # Inside the node: fp32 reduce-scatter and all-gather; across nodes: 1-bit exchange.
-    assert rows[("all_to_all", "dp_inter", "1bit")]["calls"] == STEPS - FREEZE
+    # Two all-to-alls per compressed step: the workers' signs, then the servers'.
+    assert rows[("all_to_all", "dp_inter", "1bit")]["calls"] == 2 * (STEPS - FREEZE)
     assert ("reduce_scatter", "dp_intra", "none") in rows
     assert not any(axis == "dp" and codec == "1bit" for _, axis, codec in rows)
     inter_bytes = sum(r["bytes"] for (op, axis, codec), r in rows.items()

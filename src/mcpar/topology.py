@@ -37,6 +37,11 @@ class ParallelDims:
     edp: int = 1
     _expert_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict,
                                                                 repr=False)
+    # Every rank, in a group of its own: the trainer's per-step bookkeeping runs on it while
+    # the communication thread may still be exchanging on a mesh axis, and a mesh axis that
+    # spans the world IS the default group (DeviceMesh reuses it), which two threads must not
+    # drive at once.
+    _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size:
@@ -71,6 +76,7 @@ class ParallelDims:
         self._mesh = init_device_mesh(
             device_type, self.mesh_shape, mesh_dim_names=self.mesh_axis_names
         )
+        self._world_group = dist.new_group(list(range(self.world_size)))
         if self.ep > 1:
             self._build_expert_groups()
 
@@ -105,6 +111,11 @@ class ParallelDims:
         if axis in ("ep", "edp"):
             return self._expert_groups[axis]
         return self._mesh.get_group(axis)  # type: ignore[attr-defined]
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank, apart from the default group (None before build_mesh)."""
+        return self._world_group
 
     def axis_rank(self, axis: str) -> int:
         if self._mesh is None:

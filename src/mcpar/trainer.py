@@ -170,6 +170,8 @@ class Trainer:
             compressor = self.powersgd
             self.pm.grad_sync.set_bucket_reducer(
                 lambda index, grads: compressor.reduce(grads, self.comm, "dp", key=index))
+        if isinstance(self.optimizer, OneBitAdam):
+            self._plan_onebit_exchange()
         self.executor: PipelineExecutor | None = None
         if self.dims.pp > 1:
             self.executor = PipelineExecutor(
@@ -265,6 +267,29 @@ class Trainer:
         targets = [b[1] for b in batches] if self.pm.holds_last_stage else None
         return self.executor.run(inputs, targets)
 
+    def _plan_onebit_exchange(self) -> None:
+        """Exchange 1-bit Adam's momentum per gradient bucket from the backward pass where the
+        step allows it; otherwise in one exchange after the backward pass."""
+        assert isinstance(self.optimizer, OneBitAdam)
+        grad_sync, cfg = self.pm.grad_sync, self.cfg
+        why_not = None
+        if not cfg.controllers.communication.overlap:
+            why_not = "controllers.communication.overlap is false"
+        elif cfg.optimization.grad_clip > 0:
+            why_not = ("optimization.grad_clip > 0 needs the whole gradient's norm before the "
+                       "momentum is formed; set it to 0 to overlap")
+        elif cfg.parallelism.sequence_parallel:
+            why_not = "sequence parallelism synchronizes some gradients after the backward pass"
+        elif any(b.expert for b in grad_sync.buckets):
+            why_not = "expert-parallel buckets are not exchanged per bucket"
+        if why_not is None:
+            self.optimizer.set_exchange_buckets([b.params for b in grad_sync.buckets])
+            grad_sync.set_momentum_exchange(self.optimizer)
+        if self.rank == 0:
+            where = (f"{len(grad_sync.buckets)} bucket(s), each started from the backward pass"
+                     if why_not is None else f"one exchange after the backward pass ({why_not})")
+            print(f"mcpar: 1-bit Adam momentum exchange: {where}", flush=True)
+
     # --- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         self.pm.train()
@@ -283,6 +308,8 @@ class Trainer:
         # (under 1-bit Adam's compressed phase the replicas' gradients differ).
         result = self._gather_step_stats(local_loss, grad_norm, nonfinite)
         if result.skipped:
+            if isinstance(self.optimizer, OneBitAdam):
+                self.optimizer.discard_exchanges()  # its error feedback stays as it was
             self.skipped_steps += 1
             self.nonfinite_in_a_row += 1
             limit = self.cfg.training.max_nonfinite_steps

@@ -15,7 +15,7 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 
 Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims), 'dp_intra' and 'dp_inter' (the data axis
 split by node, for hierarchical collectives), 'ep' and 'edp' (the data axis split for experts)
-and 'world' (the default group).
+and 'world' (every rank, in a group apart from the default one: see ``ParallelDims.world_group``).
 
 Times: a blocking call is timed around the call; an asynchronous one from its launch to its
 completion, observed through the work's future, so overlap with compute does not hide or inflate
@@ -211,7 +211,11 @@ class CommunicationController:
         native asynchronous one. Only groups that the main thread is not using at the same time
         may be used there (the data-parallel groups during the backward pass)."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcpar-comm")
+            # A new thread starts with OpenMP's default team (every core): give it the
+            # worker's own share, or its kernels oversubscribe the cores the ranks share.
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcpar-comm",
+                                              initializer=torch.set_num_threads,
+                                              initargs=(torch.get_num_threads(),))
         return CommHandle(self._thread.submit(fn))
 
     def dp_all_reduce(self, tensor: torch.Tensor, codec: str = "none",
@@ -261,7 +265,7 @@ class CommunicationController:
         return self.dims.world_size if axis == "world" else getattr(self.dims, axis)
 
     def _group(self, axis: str) -> dist.ProcessGroup | None:
-        return None if axis == "world" else self.dims.group(axis)
+        return self.dims.world_group if axis == "world" else self.dims.group(axis)
 
     @contextlib.contextmanager
     def _named(self, op: str, axis: str) -> Iterator[None]:

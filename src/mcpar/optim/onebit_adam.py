@@ -15,12 +15,20 @@ Why it is written here: DeepSpeed's optimizer calls its own communication backen
 collective of this framework has to go through the CommunicationController to be counted.
 
 All parameters of all groups share one flat float32 momentum and one flat variance buffer (a
-parameter's ``state[p]['exp_avg']`` / ``['exp_avg_sq']`` are views into them), so the compression
-stage runs ONE compressed all-reduce per step over every parameter, and the frozen denominator
-``sqrt(v) + eps`` is computed once. The flat order is the order of the parameter groups and of
-the parameters within them; the groups' ranges are contiguous, so per-group hyperparameters
-apply to a slice. Every parameter is stepped every step: a missing gradient counts as zero (the
-flat exchange needs the same layout on every rank).
+parameter's ``state[p]['exp_avg']`` / ``['exp_avg_sq']`` are views into them), and the frozen
+denominator ``sqrt(v) + eps`` is computed once. The flat order is the order of the parameter
+groups and of the parameters within them; the groups' ranges are contiguous, so per-group
+hyperparameters apply to a slice. Every parameter is stepped every step: a missing gradient
+counts as zero (the exchange needs the same layout on every rank).
+
+Exchange segments. By default the compression stage runs ONE compressed all-reduce per step over
+the whole flat momentum, after the backward pass. :meth:`set_exchange_buckets` splits it into one
+exchange per data-parallel gradient bucket instead (each with its own error buffers and scales),
+so that the trainer can start a bucket's exchange from the backward pass as soon as its
+gradients are final (:meth:`launch_exchange`): the 1-bit traffic then overlaps with the rest of
+the backward, as DDP's all-reduce does. A launched exchange writes its errors into copies that
+:meth:`step` commits, so a step that is skipped (non-finite gradients) leaves the error feedback
+as it was.
 
 Step count, moments and both error buffers are optimizer state: ``state_dict()`` carries them
 (the error buffers differ per rank), and ``load_state_dict()`` restores them so that training
@@ -31,12 +39,37 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mcpar.comm.compression import OneBitErrorBuffers, onebit_compressed_allreduce
-from mcpar.controllers.communication import CommunicationController
+from mcpar.comm.compression import (
+    OneBitErrorBuffers,
+    onebit_compressed_allreduce,
+    onebit_padded_size,
+)
+from mcpar.controllers.communication import CommHandle, CommunicationController
+
+
+@dataclass
+class _Segment:
+    """One compressed exchange: flat ranges of the optimizer's layout, in exchange order."""
+
+    ranges: list[tuple[int, int]]  # (start, end) in the flat buffers
+    numel: int
+    # Its error buffers in each of the two error storages (views).
+    errors: tuple[OneBitErrorBuffers, OneBitErrorBuffers]
+    # Runs of the segment (start, end, beta1) with one beta1 each: one fused op per run.
+    beta_runs: list[tuple[int, int, float]]
+
+
+@dataclass
+class _Launched:
+    """An exchange started by :meth:`OneBitAdam.launch_exchange`, not yet committed."""
+
+    handle: CommHandle
+    result: list[torch.Tensor]  # the averaged momentum, once the handle is done
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -101,10 +134,16 @@ class OneBitAdam(torch.optim.Optimizer):
                        and comm.dp_algorithm(4 * self.numel) == "hierarchical" else 1)
         self._exchange_axis = "dp_inter" if self._intra > 1 else axis
         self._world = comm.axis_size(axis)
-        exchanged = -(-self.numel // self._intra)
-        self._errors = OneBitErrorBuffers.zeros(exchanged, comm.axis_size(self._exchange_axis),
-                                                self.device)
+        self._segments: list[_Segment] = []
+        # Two error storages: the exchanges of a step read the current one and leave their
+        # errors in the other, which becomes current when the step commits (a skipped step
+        # just leaves it), so no exchange copies its errors first.
+        self._storages: tuple[OneBitErrorBuffers, OneBitErrorBuffers] = self._plan_segments(
+            [[(0, self.numel)]])
+        self._current = 0
+        self._launched: dict[int, _Launched] = {}
         self._denom: torch.Tensor | None = None  # sqrt(v_frozen) + eps, built at first use
+        self._update = torch.empty_like(self._exp_avg)  # scratch of the compressed update
         self._bind_state()
         self._initialized = True
 
@@ -113,6 +152,158 @@ class OneBitAdam(torch.optim.Optimizer):
             raise RuntimeError("OneBitAdam's flat buffers are fixed at construction; "
                                "pass every parameter group to the constructor")
         super().add_param_group(param_group)
+
+    # --- exchange segments ------------------------------------------------------------------
+    def _plan_segments(self, segments: list[list[tuple[int, int]]]
+                       ) -> tuple[OneBitErrorBuffers, OneBitErrorBuffers]:
+        """Set the exchange segments; returns the two error storages (every segment's errors
+        are views into each, worker errors first to last, then server errors likewise)."""
+        beta_of = []  # (start, end, beta1) of every group's range
+        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
+            beta_of.append((start, end, float(group["betas"][0])))
+        exchange_world = self.comm.axis_size(self._exchange_axis)
+        sizes = []
+        for ranges in segments:
+            exchanged = -(-sum(e - s for s, e in ranges) // self._intra)
+            sizes.append(onebit_padded_size(exchanged, exchange_world))
+        storages = tuple(OneBitErrorBuffers(
+            worker=torch.zeros(sum(sizes), dtype=torch.float32, device=self.device),
+            server=torch.zeros(sum(sizes) // exchange_world, dtype=torch.float32,
+                               device=self.device)) for _ in range(2))
+        self._segments = []
+        worker_at = server_at = 0
+        for ranges, size in zip(segments, sizes, strict=True):
+            runs: list[tuple[int, int, float]] = []
+            at = 0
+            for start, end in ranges:
+                for g_start, g_end, beta1 in beta_of:
+                    lo, hi = max(start, g_start), min(end, g_end)
+                    if lo >= hi:
+                        continue
+                    a, b = at + lo - start, at + hi - start
+                    if runs and runs[-1][1] == a and runs[-1][2] == beta1:
+                        runs[-1] = (runs[-1][0], b, beta1)
+                    else:
+                        runs.append((a, b, beta1))
+                at += end - start
+            server_size = size // exchange_world
+            errors = tuple(OneBitErrorBuffers(st.worker[worker_at:worker_at + size],
+                                              st.server[server_at:server_at + server_size])
+                           for st in storages)
+            worker_at, server_at = worker_at + size, server_at + server_size
+            self._segments.append(_Segment(ranges, at, errors, runs))  # type: ignore[arg-type]
+        return storages  # type: ignore[return-value]
+
+    @property
+    def _errors(self) -> OneBitErrorBuffers:
+        """The current error storage (what the state dict carries)."""
+        return self._storages[self._current]
+
+    def set_exchange_buckets(self, buckets: list[list[torch.nn.Parameter]]) -> None:
+        """One compressed exchange per bucket (each bucket's parameters in the bucket's order,
+        which is that of its flat gradient buffer) instead of one over everything.
+
+        Only before the first compression-stage step: the error buffers are re-planned (zero).
+        """
+        if self._step_count > self.freeze_step:
+            raise RuntimeError("exchange buckets must be set before the compression stage")
+        where = {id(p): (offset, numel) for p, offset, numel in self._layout}
+        seen: set[int] = set()
+        segments = []
+        for bucket in buckets:
+            ranges: list[tuple[int, int]] = []
+            for p in bucket:
+                if id(p) not in where or id(p) in seen:
+                    raise ValueError("exchange buckets must hold each of the optimizer's "
+                                     "parameters exactly once")
+                seen.add(id(p))
+                offset, numel = where[id(p)]
+                if ranges and ranges[-1][1] == offset:
+                    ranges[-1] = (ranges[-1][0], offset + numel)
+                else:
+                    ranges.append((offset, offset + numel))
+            if ranges:
+                segments.append(ranges)
+        if len(seen) != len(self._layout):
+            raise ValueError("exchange buckets must hold each of the optimizer's parameters "
+                             "exactly once")
+        self._storages = self._plan_segments(segments)
+        self._current = 0
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    def segment_numel(self, index: int) -> int:
+        """Elements segment ``index`` exchanges over the compressed axis (per node's shard
+        under a hierarchical data axis): the size its error buffers are made for."""
+        return -(-self._segments[index].numel // self._intra)
+
+    def segment_errors(self, index: int) -> OneBitErrorBuffers:
+        return self._segments[index].errors[self._current]
+
+    def gather_segment(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Segment ``index`` of a flat tensor in the optimizer's order (a view when it is one
+        range)."""
+        ranges = self._segments[index].ranges
+        if len(ranges) == 1:
+            return flat[ranges[0][0]:ranges[0][1]]
+        return torch.cat([flat[start:end] for start, end in ranges])
+
+    def scatter_segment(self, flat: torch.Tensor, index: int, values: torch.Tensor) -> None:
+        at = 0
+        for start, end in self._segments[index].ranges:
+            flat[start:end].copy_(values[at:at + end - start])
+            at += end - start
+
+    @torch.no_grad()
+    def segment_momentum(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's momentum before averaging, b1 * m + (1 - b1) * g, for segment ``index``
+        from its gradient ``grad`` (flat, in the segment's order); a new tensor."""
+        seg = self._segments[index]
+        m = self.gather_segment(self._exp_avg, index)
+        out = torch.empty(seg.numel, dtype=torch.float32, device=self.device)
+        grad = grad.reshape(-1)
+        for start, end, beta1 in seg.beta_runs:
+            torch.mul(m[start:end], beta1, out=out[start:end])
+            out[start:end].add_(grad[start:end], alpha=1 - beta1)
+        return out
+
+    def _exchange(self, local: torch.Tensor, errors: OneBitErrorBuffers) -> torch.Tensor:
+        """The compressed average of one segment's local momentum (updates ``errors``)."""
+        if self._intra > 1:
+            return self._hierarchical_exchange(local, errors)
+        return onebit_compressed_allreduce(local, errors.worker, errors.server, self.comm,
+                                           self.axis)
+
+    @torch.no_grad()
+    def launch_exchange(self, index: int, grad: torch.Tensor) -> None:
+        """Start segment ``index``'s exchange on the communication thread from its final local
+        gradient (flat, in the segment's order), e.g. from a backward hook. Segments must be
+        launched in the same order on every rank. :meth:`step` waits and commits."""
+        if self._step_count < self.freeze_step:  # (not self.compressing: no per-call scan)
+            raise RuntimeError("launch_exchange is for compression-stage steps")
+        if index in self._launched:
+            raise RuntimeError(f"exchange segment {index} was already launched this step")
+        local = self.segment_momentum(index, grad)
+        seg = self._segments[index]
+        # This step's errors go to the other storage: start it from the current errors.
+        current, errors = seg.errors[self._current], seg.errors[1 - self._current]
+        errors.worker.copy_(current.worker)
+        errors.server.copy_(current.server)
+        result: list[torch.Tensor] = []
+        handle = self.comm.run_async(lambda: result.append(self._exchange(local, errors)))
+        self._launched[index] = _Launched(handle, result)
+
+    def wait_exchanges(self) -> None:
+        """Wait for every launched exchange (they stay pending until :meth:`step`)."""
+        for launched in self._launched.values():
+            launched.handle.wait()
+
+    def discard_exchanges(self) -> None:
+        """Forget this step's launched exchanges (the step is skipped): errors unchanged."""
+        self.wait_exchanges()
+        self._launched.clear()
 
     # --- state ------------------------------------------------------------------------------
     @property
@@ -285,11 +476,9 @@ class OneBitAdam(torch.optim.Optimizer):
         """
         grad = self._gather_grad()
         local = torch.empty_like(self._exp_avg)
-        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            beta1 = group["betas"][0]
-            out = local[start:end]
-            torch.mul(self._exp_avg[start:end], beta1, out=out)
-            out.add_(grad[start:end], alpha=1 - beta1)
+        for index in range(len(self._segments)):
+            self.scatter_segment(local, index,
+                                 self.segment_momentum(index, self.gather_segment(grad, index)))
         return local
 
     @torch.no_grad()
@@ -303,26 +492,31 @@ class OneBitAdam(torch.optim.Optimizer):
             raise ValueError(f"averaged momentum has {averaged.numel()} elements, "
                              f"expected {self.numel}")
         self._exp_avg.copy_(averaged.reshape(-1))
+        self._frozen_variance_update()
+
+    def _frozen_variance_update(self) -> None:
+        """x -= lr * (m / (sqrt(v_frozen) + eps) + wd * x) from the averaged m; count the step."""
         if self._denom is None:
             self._denom = torch.empty_like(self._exp_avg_sq)
             for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
                 torch.sqrt(self._exp_avg_sq[start:end], out=self._denom[start:end])
                 self._denom[start:end].add_(group["eps"])
+        torch.div(self._exp_avg, self._denom, out=self._update)
         for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            self._apply_update(group, self._exp_avg[start:end] / self._denom[start:end])
+            self._apply_update(group, self._update[start:end])
         self._step_count += 1
         self._step_tensor.fill_(float(self._step_count))
 
-    def _hierarchical_exchange(self, local: torch.Tensor) -> torch.Tensor:
+    def _hierarchical_exchange(self, local: torch.Tensor,
+                               errors: OneBitErrorBuffers) -> torch.Tensor:
         """Mean of the node's momenta by an fp32 reduce-scatter inside the node, 1-bit exchange
         of this rank's shard with its peers on the other nodes, all-gather inside the node."""
         k = self._intra
         pad = (-local.numel()) % k
         padded = torch.cat([local, local.new_zeros(pad)]) if pad else local
         shard = self.comm.reduce_scatter_along(padded, dim=0, axis="dp_intra").div_(k)
-        averaged_shard = onebit_compressed_allreduce(shard, self._errors.worker,
-                                                     self._errors.server, self.comm,
-                                                     self._exchange_axis)
+        averaged_shard = onebit_compressed_allreduce(shard, errors.worker, errors.server,
+                                                     self.comm, self._exchange_axis)
         self.comm.all_gather_into(padded, averaged_shard, axis="dp_intra")
         return padded[:local.numel()]
 
@@ -345,12 +539,24 @@ class OneBitAdam(torch.optim.Optimizer):
             raise RuntimeError(f"OneBitAdam was built for {self._world} ranks on axis "
                                f"'{self.axis}' but it now has {world}; build the optimizer "
                                "after the process group")
-        if self._intra > 1:
-            averaged = self._hierarchical_exchange(self.local_momentum())
+        if self._launched:
+            # Exchanges started from the backward pass: every segment must have been launched.
+            if len(self._launched) != len(self._segments):
+                missing = sorted(set(range(len(self._segments))) - set(self._launched))
+                raise RuntimeError(f"exchange segments {missing} were not launched this step")
+            self.wait_exchanges()
+            averaged = [launched.result[0] for _, launched in sorted(self._launched.items())]
+            self._launched.clear()
+            self._current = 1 - self._current  # commit this step's errors
         else:
-            averaged = onebit_compressed_allreduce(self.local_momentum(), self._errors.worker,
-                                                   self._errors.server, self.comm, self.axis)
-        self.apply_compressed_momentum(averaged)
+            local = self.local_momentum()
+            averaged = [self._exchange(self.gather_segment(local, index),
+                                       seg.errors[self._current])
+                        for index, seg in enumerate(self._segments)]
+        # m <- the averaged momentum, written in place segment by segment.
+        for index, values in enumerate(averaged):
+            self.scatter_segment(self._exp_avg, index, values)
+        self._frozen_variance_update()
         return loss
 
 

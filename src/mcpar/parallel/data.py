@@ -19,7 +19,9 @@ Mechanism (the one DDP uses, kept small):
 - The reduction itself is the CommunicationController's: flat or hierarchical (by its topology),
   fp16/bf16 on the wire, or a bucket reducer such as PowerSGD run on its communication thread.
   With 1-bit Adam past its freeze step the optimizer exchanges the momentum itself, and the
-  trainer switches this synchronization off (``skip_step``).
+  trainer switches the all-reduce off (``skip_step``); when the optimizer exchanges per bucket
+  (``set_momentum_exchange``), each full bucket starts its 1-bit exchange from the backward
+  pass instead, in the same bucket order.
 - Expert-parallel parameters (parallel/expert.py) differ between the ranks of an expert group:
   they have buckets of their own, summed over the 'edp' axis (their replicas) and divided by the
   data degree like every other gradient.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,10 +39,18 @@ from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.parallel.expert import is_expert_sharded
 
 
+class MomentumExchange(Protocol):
+    """What 1-bit Adam offers to exchange bucket by bucket (mcpar.optim.onebit_adam); its
+    ``step`` waits for the exchanges and commits them."""
+
+    def launch_exchange(self, index: int, grad: torch.Tensor) -> None: ...
+
+
 @dataclass
 class GradBucket:
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor
+    index: int = 0
     num_ready: int = 0
     handle: CommHandle | None = None
     launched: bool = False
@@ -63,6 +74,8 @@ class DataParallelGradSync:
         # Off for a whole step whose optimizer synchronizes by itself (1-bit Adam).
         self.skip_step = False
         self.bucket_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+        # Started per bucket instead of the all-reduce in a skipped step (1-bit Adam).
+        self.momentum_exchange: MomentumExchange | None = None
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20))
         self._next_launch = 0
@@ -87,14 +100,14 @@ class DataParallelGradSync:
             groups[-1].append(p)
             size += nbytes
         buckets = []
-        for group in groups:
+        for index, group in enumerate(groups):
             total = sum(p.numel() for p in group)
             buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
             offset = 0
             for p in group:
                 p.grad = buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            buckets.append(GradBucket(group, buffer, param_ids={id(p) for p in group},
+            buckets.append(GradBucket(group, buffer, index, param_ids={id(p) for p in group},
                                       expert=is_expert_sharded(group[0])))
         return buckets
 
@@ -103,6 +116,20 @@ class DataParallelGradSync:
         instead of the all-reduce, e.g. PowerSGD; it runs on the controller's communication
         thread."""
         self.bucket_reducer = reducer
+
+    def set_momentum_exchange(self, exchange: MomentumExchange) -> None:
+        """In steps with ``skip_step`` set, hand each full bucket's gradient buffer to
+        ``exchange.launch_exchange(bucket_index, buffer)`` (its parameters, in bucket order,
+        are those of :attr:`buckets`); the optimizer's step waits for the exchanges."""
+        if any(b.expert for b in self.buckets):
+            raise ValueError("a per-bucket momentum exchange cannot cover expert-parallel "
+                             "buckets")
+        self.momentum_exchange = exchange
+
+    @property
+    def _idle(self) -> bool:
+        """No synchronization this micro-batch."""
+        return not self.sync_enabled or (self.skip_step and self.momentum_exchange is None)
 
     @property
     def grad_bytes(self) -> int:
@@ -114,7 +141,7 @@ class DataParallelGradSync:
             bucket.buffer.zero_()
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not (self.sync_enabled and self.overlap) or self.skip_step:
+        if self._idle or not self.overlap:
             return
         bucket = self._bucket_of[id(param)]
         bucket.num_ready += 1
@@ -126,13 +153,16 @@ class DataParallelGradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
-        if bucket.expert:
+        if self.skip_step:
+            assert self.momentum_exchange is not None
+            self.momentum_exchange.launch_exchange(bucket.index, bucket.buffer)
+        elif bucket.expert:
             if self.degree > 1:
                 bucket.buffer.div_(self.degree)
             bucket.handle = self.comm.all_reduce(bucket.buffer, axis="edp", async_op=True)
         elif self.bucket_reducer is not None:
             reducer, grads = self.bucket_reducer, [p.grad for p in bucket.params]
-            index = next(i for i, b in enumerate(self.buckets) if b is bucket)
+            index = bucket.index
             bucket.handle = self.comm.run_async(
                 lambda: reducer(index, grads))  # type: ignore[arg-type]
         else:
@@ -145,14 +175,17 @@ class DataParallelGradSync:
 
     def finish(self) -> None:
         """Launch whatever the hooks did not (unused parameters, overlap off) and wait for all."""
-        if not self.sync_enabled or self.skip_step:
+        if self._idle:
             return
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
+        # A momentum exchange is not waited for here: the optimizer's step waits and commits,
+        # so the step's bookkeeping (gradient norm, the trainer's world collective, on a group
+        # of its own) runs while the last exchange is still on the wire.
         for bucket in self.buckets:
-            assert bucket.handle is not None
-            bucket.handle.wait()
+            if bucket.handle is not None:
+                bucket.handle.wait()
             bucket.handle = None
             bucket.launched = False
             bucket.num_ready = 0
