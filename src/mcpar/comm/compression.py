@@ -203,19 +203,22 @@ def _compress_with_feedback(z: torch.Tensor, error_out: torch.Tensor
     return packed, scale
 
 
-def _compress_worker(buffer: torch.Tensor, worker_error: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Worker side: z = pad(buffer) + worker_error, compressed; worker_error <- z - C[z]."""
+def _compress_worker(buffer: torch.Tensor, worker_error: torch.Tensor,
+                     error_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker side: z = pad(buffer) + worker_error, compressed; z - C[z] goes to ``error_out``
+    (default: ``worker_error`` itself)."""
     numel = buffer.numel()
     z = torch.empty_like(worker_error)
     torch.add(worker_error[:numel], buffer.reshape(-1), out=z[:numel])
     z[numel:].copy_(worker_error[numel:])
-    return _compress_with_feedback(z, worker_error)
+    return _compress_with_feedback(z, worker_error if error_out is None else error_out)
 
 
 def _server_average(worker_signs: torch.Tensor, worker_scales: torch.Tensor,
-                    server_error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Server side of one chunk: y = (1/p) Σ_i s_i sign_i + server_error, compressed again.
+                    server_error: torch.Tensor, error_out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Server side of one chunk: y = (1/p) Σ_i s_i sign_i + server_error, compressed again; its
+    error goes to ``error_out`` (default: ``server_error`` itself).
 
     ``worker_signs``: (p, chunk/8) packed signs of every worker's copy of this chunk, in rank
     order; ``worker_scales``: (p,). The sum runs in rank order, so every rank (and the
@@ -231,7 +234,7 @@ def _server_average(worker_signs: torch.Tensor, worker_scales: torch.Tensor,
         for i in range(1, world):
             total.add_(_scaled_signs(worker_signs[i], worker_scales[i], out=term))
     total.div_(world).add_(server_error)
-    return _compress_with_feedback(total, server_error)
+    return _compress_with_feedback(total, server_error if error_out is None else error_out)
 
 
 def _decompress(server_signs: torch.Tensor, server_scales: torch.Tensor,
@@ -262,22 +265,26 @@ def _check_buffers(numel: int, world: int, worker_error: torch.Tensor,
 
 def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor,
                                 server_error: torch.Tensor, comm: CommunicationController,
-                                axis: str = "dp") -> torch.Tensor:
+                                axis: str = "dp",
+                                errors_out: OneBitErrorBuffers | None = None) -> torch.Tensor:
     """The error-compensated 1-bit average of ``buffer`` over the ranks of ``axis``.
 
     algorithms.md §1.2 steps 2-6. Returns a new flat float32 tensor of ``buffer.numel()``
     elements, bit-identical on every rank; updates ``worker_error`` and ``server_error`` in
-    place. Per rank it sends about 2 (p-1)/p * D'/8 bytes plus 2 (p-1) float32 scales, against
-    2 (p-1)/p * 4 D bytes for an fp32 ring all-reduce, in two all-to-alls whose messages end
-    with their scale. With one rank it runs the same
-    compression with error feedback and no communication.
+    place, or leaves them as they are and writes the new errors to ``errors_out``. Per rank it
+    sends about 2 (p-1)/p * D'/8 bytes plus 2 (p-1) float32 scales, against 2 (p-1)/p * 4 D
+    bytes for an fp32 ring all-reduce, in two all-to-alls whose messages end with their scale.
+    With one rank it runs the same compression with error feedback and no communication.
     """
     world = comm.axis_size(axis)
     numel = buffer.numel()
     padded = _check_buffers(numel, world, worker_error, server_error)
+    if errors_out is not None:
+        _check_buffers(numel, world, errors_out.worker, errors_out.server)
     device = worker_error.device
 
-    signs, scale = _compress_worker(buffer, worker_error)
+    signs, scale = _compress_worker(buffer, worker_error,
+                                    None if errors_out is None else errors_out.worker)
     # Each message carries its scale in its last 4 bytes, so a step costs two collectives,
     # not four: on a slow link every collective pays the latency again.
     chunk_bytes = padded // 8 // world
@@ -288,8 +295,9 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
     comm.all_to_all_single(received.view(-1), outgoing.view(-1), axis=axis, codec=ONEBIT_CODEC)
     worker_scales = _bytes_scale(received[:, chunk_bytes:])
 
-    server_signs, server_scale = _server_average(received[:, :chunk_bytes].contiguous(),
-                                                 worker_scales, server_error)
+    server_signs, server_scale = _server_average(
+        received[:, :chunk_bytes].contiguous(), worker_scales, server_error,
+        None if errors_out is None else errors_out.server)
     # Phase 2: every rank collects every server's compressed chunk and its scale, as an
     # all-to-all of the same message to every peer (see the module docstring).
     server_message = torch.cat([server_signs, _scale_bytes(server_scale).view(-1)])

@@ -135,9 +135,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self._exchange_axis = "dp_inter" if self._intra > 1 else axis
         self._world = comm.axis_size(axis)
         self._segments: list[_Segment] = []
-        # Two error storages: the exchanges of a step read the current one and leave their
-        # errors in the other, which becomes current when the step commits (a skipped step
-        # just leaves it), so no exchange copies its errors first.
+        # Two error storages: the exchanges of a step read the current one and write their new
+        # errors to the other, which becomes current when the step commits (a skipped step
+        # just leaves it): nothing is copied.
         self._storages: tuple[OneBitErrorBuffers, OneBitErrorBuffers] = self._plan_segments(
             [[(0, self.numel)]])
         self._current = 0
@@ -269,12 +269,15 @@ class OneBitAdam(torch.optim.Optimizer):
             out[start:end].add_(grad[start:end], alpha=1 - beta1)
         return out
 
-    def _exchange(self, local: torch.Tensor, errors: OneBitErrorBuffers) -> torch.Tensor:
-        """The compressed average of one segment's local momentum (updates ``errors``)."""
+    def _exchange(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """The compressed average of segment ``index``'s local momentum; its errors are read
+        from the current storage and written to the other one (committed by :meth:`step`)."""
+        errors = self._segments[index].errors
+        current, after = errors[self._current], errors[1 - self._current]
         if self._intra > 1:
-            return self._hierarchical_exchange(local, errors)
-        return onebit_compressed_allreduce(local, errors.worker, errors.server, self.comm,
-                                           self.axis)
+            return self._hierarchical_exchange(local, current, after)
+        return onebit_compressed_allreduce(local, current.worker, current.server, self.comm,
+                                           self.axis, errors_out=after)
 
     @torch.no_grad()
     def launch_exchange(self, index: int, grad: torch.Tensor) -> None:
@@ -286,13 +289,8 @@ class OneBitAdam(torch.optim.Optimizer):
         if index in self._launched:
             raise RuntimeError(f"exchange segment {index} was already launched this step")
         local = self.segment_momentum(index, grad)
-        seg = self._segments[index]
-        # This step's errors go to the other storage: start it from the current errors.
-        current, errors = seg.errors[self._current], seg.errors[1 - self._current]
-        errors.worker.copy_(current.worker)
-        errors.server.copy_(current.server)
         result: list[torch.Tensor] = []
-        handle = self.comm.run_async(lambda: result.append(self._exchange(local, errors)))
+        handle = self.comm.run_async(lambda: result.append(self._exchange(index, local)))
         self._launched[index] = _Launched(handle, result)
 
     def wait_exchanges(self) -> None:
@@ -507,8 +505,8 @@ class OneBitAdam(torch.optim.Optimizer):
         self._step_count += 1
         self._step_tensor.fill_(float(self._step_count))
 
-    def _hierarchical_exchange(self, local: torch.Tensor,
-                               errors: OneBitErrorBuffers) -> torch.Tensor:
+    def _hierarchical_exchange(self, local: torch.Tensor, errors: OneBitErrorBuffers,
+                               errors_out: OneBitErrorBuffers) -> torch.Tensor:
         """Mean of the node's momenta by an fp32 reduce-scatter inside the node, 1-bit exchange
         of this rank's shard with its peers on the other nodes, all-gather inside the node."""
         k = self._intra
@@ -516,7 +514,8 @@ class OneBitAdam(torch.optim.Optimizer):
         padded = torch.cat([local, local.new_zeros(pad)]) if pad else local
         shard = self.comm.reduce_scatter_along(padded, dim=0, axis="dp_intra").div_(k)
         averaged_shard = onebit_compressed_allreduce(shard, errors.worker, errors.server,
-                                                     self.comm, self._exchange_axis)
+                                                     self.comm, self._exchange_axis,
+                                                     errors_out=errors_out)
         self.comm.all_gather_into(padded, averaged_shard, axis="dp_intra")
         return padded[:local.numel()]
 
@@ -547,12 +546,11 @@ class OneBitAdam(torch.optim.Optimizer):
             self.wait_exchanges()
             averaged = [launched.result[0] for _, launched in sorted(self._launched.items())]
             self._launched.clear()
-            self._current = 1 - self._current  # commit this step's errors
         else:
             local = self.local_momentum()
-            averaged = [self._exchange(self.gather_segment(local, index),
-                                       seg.errors[self._current])
-                        for index, seg in enumerate(self._segments)]
+            averaged = [self._exchange(index, self.gather_segment(local, index))
+                        for index in range(len(self._segments))]
+        self._current = 1 - self._current  # commit this step's errors
         # m <- the averaged momentum, written in place segment by segment.
         for index, values in enumerate(averaged):
             self.scatter_segment(self._exp_avg, index, values)
