@@ -49,6 +49,7 @@ from dp_vs_ddp import DDPSide  # noqa: E402
 
 from mcpar.config import JobConfig, load_config  # noqa: E402
 from mcpar.data import BatchStream, load_corpus  # noqa: E402
+from mcpar.device import keep_freed_host_memory  # noqa: E402
 from mcpar.models.spec import get_model_spec  # noqa: E402
 from mcpar.topology import resolve_layout  # noqa: E402
 
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
         1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
+    keep_freed_host_memory()  # as mcpar's workers do on CPU: both sides allocate alike
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     cfg = build_config(args, world)
     torch.manual_seed(cfg.training.seed)  # as Trainer does

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
 from mcpar.data import BatchStream
-from mcpar.device import autocast, synchronize
+from mcpar.device import autocast, keep_freed_host_memory, synchronize
 from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
@@ -159,6 +159,7 @@ def reduce_scalar(value: float, op: dist.ReduceOp.RedOpType) -> float:
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    keep_freed_host_memory()  # as mcpar's workers do on CPU: both sides allocate alike
     cfg = build_config(args)
     with tempfile.TemporaryDirectory(prefix="mcpar-bench-") as tmp:
         # The Trainer creates the process group (gloo, tcp:// from the launcher's environment).
