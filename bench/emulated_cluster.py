@@ -44,17 +44,27 @@ Measurement
     ranks of its own node only, which oversubscribes the cores when nodes are emulated.
 
 Defaults: mcpar's default GPT (4 layers, hidden 128, seq 128: 0.88M parameters, 3.5 MB of fp32
-    gradients), 4 sequences per rank. One all-reduce of those gradients takes about 0.3 s at
-    100 Mbit/s against about 0.15 s of compute per step on 2 cores: communication dominates,
-    as it does on a real slow fabric, yet a 40-step run lasts well under a minute. Needs root
-    (network namespaces); without it the benchmark exits 2 saying why.
+    gradients), ONE sequence per rank per step, 60 steps, compression from step 21 (1-bit
+    Adam's freeze step, PowerSGD's start: with no gradient clipping, --grad-clip 0, an earlier
+    freeze made 1-bit Adam diverge on this task), the same settings for every side. Why one
+    sequence: the job this emulates is bound by its network; a GPU computes this model's step
+    in well under a millisecond, this CPU in about 26 ms per sequence, so every extra sequence
+    makes the emulated job more compute-bound than the cluster it stands for. With 4 sequences
+    per rank (--micro-batch 4) the compute alone takes about 90 ms of DDP + PowerSGD's 128 ms
+    step: no codec could then be 1.5x faster than it. One all-reduce of the fp32 gradients
+    takes about 0.3 s at 100 Mbit/s. Needs root (network namespaces); without it the benchmark
+    exits 2 saying why.
+
+    The link: ``tbf`` at --rate with netcluster's bucket (--burst), --delay one way, and cubic
+    TCP on every node (--congestion-control; 'host' keeps the host's, which on a host set to
+    BBR paces every message after the warm-up's bulk traffic at BBR's bandwidth estimate).
 
 Output: one JSON object on stdout (progress on stderr), with every variant and the ratios:
     onebit_vs_ddp (target >= 2.5), onebit_vs_ddp_powersgd (>= 1.5), hierarchical_vs_flat_2x2
     (> 1), onebit_slow_vs_loopback_step_time (<= 1.3); ``null`` when a side failed.
 
-    python bench/emulated_cluster.py [--variants ddp,mcpar_flat] [--steps 40] [--rate 100mbit]
-        [--delay 1ms] [--micro-batch 4] [--hidden 128] [--layers 4] [--set KEY=VALUE ...]
+    python bench/emulated_cluster.py [--variants ddp,mcpar_flat] [--steps 60] [--rate 100mbit]
+        [--delay 1ms] [--micro-batch 1] [--hidden 128] [--layers 4] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -101,7 +111,8 @@ def build_variants(args: argparse.Namespace) -> dict[str, Variant]:
     k, r = args.compress_start, args.powersgd_rank
     flat = ["controllers.communication.topology=flat", "controllers.communication.compression=none"]
     onebit = ["controllers.communication.compression=1bit", "optimization.optimizer=onebit_adam",
-              f"optimization.freeze_step={k}"]
+              f"optimization.freeze_step={k}",
+              f"controllers.communication.bucket_size_mb={args.onebit_bucket_mb}"]
     powersgd = ["controllers.communication.compression=powersgd",
                 f"controllers.communication.powersgd_start_step={k}",
                 f"controllers.communication.powersgd_rank={r}"]
@@ -134,12 +145,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rate", default="100mbit", help="inter-node link rate (tc units)")
     p.add_argument("--delay", default="1ms", help="one-way node-to-node delay")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--burst", type=int, default=None,
+                   help="tbf bucket in bytes (default: netcluster's, 64 KiB at 100 Mbit/s)")
+    p.add_argument("--congestion-control", default="cubic",
+                   help="TCP congestion control of every node ('host': the host's default)")
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the measurement")
-    p.add_argument("--compress-start", type=int, default=5,
+    p.add_argument("--compress-start", type=int, default=20,
                    help="freeze_step of 1-bit Adam, start step of PowerSGD (mcpar and torch)")
     p.add_argument("--powersgd-rank", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--grad-clip", type=float, default=0.0,
+                   help="optimization.grad_clip for every side (0: off; 1-bit Adam starts its "
+                        "exchange from the backward pass only without clipping)")
+    p.add_argument("--onebit-bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size of the 1-bit variants: one 1-bit exchange each, "
+                        "started as soon as the backward pass has filled it (default: mcpar's; "
+                        "one bucket for the default model)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
@@ -149,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mcpar-set", dest="mcpar_overrides", action="append", default=[],
                    metavar="KEY=VALUE", help="config key for the mcpar variants only")
     p.add_argument("--repeats", type=int, default=1, help="round-robin runs of every variant")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--keep-runs", default=None, help="keep run directories under this path")
     p.add_argument("--echo", action="store_true", help="copy the workers' output to stderr")
     args = p.parse_args(argv)
@@ -176,7 +198,7 @@ def common_sets(args: argparse.Namespace) -> list[str]:
         f"model.num_heads={args.heads}", f"model.seq_len={args.seq_len}",
         f"optimization.micro_batch_size={args.micro_batch}", f"training.steps={args.steps}",
         "training.device=cpu", "training.progress=false", "training.eval_interval=0",
-        "training.eval_batches=1", *args.overrides,
+        "training.eval_batches=1", f"optimization.grad_clip={args.grad_clip}", *args.overrides,
     ]
 
 
@@ -343,9 +365,11 @@ def run_variant(v: Variant, args: argparse.Namespace, workdir: Path, repeat: int
     result: dict[str, Any] = {"variant": v.name, "doc": v.doc, "ok": False,
                               "nodes": args.nodes, "nproc_per_node": v.nproc_per_node,
                               "world_size": args.nodes * v.nproc_per_node}
+    cc = None if args.congestion_control == "host" else args.congestion_control
     cluster: NetCluster | LoopbackCluster = (
-        LoopbackCluster(args.nodes) if v.loopback
-        else NetCluster(args.nodes, rate=args.rate, delay=args.delay))
+        LoopbackCluster(args.nodes, congestion_control=cc) if v.loopback
+        else NetCluster(args.nodes, rate=args.rate, delay=args.delay, burst=args.burst,
+                        congestion_control=cc))
     result["loadavg_1m_before"] = os.getloadavg()[0]
     start = time.monotonic()
     monitor: WireMonitor | None = None
