@@ -5,8 +5,10 @@ buffers, own scales), started with ``launch_exchange`` as soon as the bucket's g
 final and committed by ``step``. Checked here on 2 gloo ranks over 20 steps: losses, parameters
 and error buffers equal, bit for bit, a single-process simulation of the same per-bucket
 algorithm; a step whose exchanges are discarded (a skipped step) leaves the error feedback as it
-was; and the bucketed exchange sends what the whole-buffer one sends, give or take each bucket's
-padding and scales. Helpers (model, data, warm-up average) come from test_onebit_adam.py.
+was; launching every bucket at once from the ``.grad`` fields (``launch_all_exchanges``, what
+the trainer does after clipping) is the same exchange; and the bucketed exchange sends what the
+whole-buffer one sends, give or take each bucket's padding and scales. Helpers (model, data,
+warm-up average) come from test_onebit_adam.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mcpar.topology import ParallelDims
 
 WORLD = 2
 DISCARDED = FREEZE + 3  # a compressed step whose first exchanges are thrown away
+FROM_GRADS = FREEZE + 5  # a compressed step launched by launch_all_exchanges
 
 
 def buckets_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -71,8 +74,11 @@ def worker(rank: int, port: int, out_dir: str) -> None:
                         torch.equal(before[0], opt.error_buffers.worker)
                         and torch.equal(before[1], opt.error_buffers.server))
                     comm.stats.reset_step()
-                for index, bucket in enumerate(buckets):
-                    opt.launch_exchange(index, bucket_grad(bucket))
+                if step == FROM_GRADS:
+                    opt.launch_all_exchanges()  # the same exchanges, from the .grad fields
+                else:
+                    for index, bucket in enumerate(buckets):
+                        opt.launch_exchange(index, bucket_grad(bucket))
             opt.step()
             out["bytes"][step] = comm.stats.step_bytes()
             out["loss"][step] = loss.item()

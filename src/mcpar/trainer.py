@@ -287,7 +287,8 @@ class Trainer:
             grad_sync.set_momentum_exchange(self.optimizer)
         if self.rank == 0:
             where = (f"{len(grad_sync.buckets)} bucket(s), each started from the backward pass"
-                     if why_not is None else f"one exchange after the backward pass ({why_not})")
+                     if why_not is None else
+                     f"one exchange, started after the backward pass ({why_not})")
             print(f"mcpar: 1-bit Adam momentum exchange: {where}", flush=True)
 
     # --- one optimizer step --------------------------------------------------------------------
@@ -301,6 +302,11 @@ class Trainer:
         if self.cfg.parallelism.sequence_parallel:
             sync_sequence_parallel_grads(self.pm.params, self.comm)
         grad_norm = clip_grad_norm(self.pm.params, self.cfg.optimization.grad_clip, self.comm)
+        if self.pm.grad_sync.skip_step and self.pm.grad_sync.momentum_exchange is None:
+            # 1-bit Adam exchanging after the backward pass: start it now, from the clipped
+            # gradients, so that the step's world collective below overlaps it.
+            assert isinstance(self.optimizer, OneBitAdam)
+            self.optimizer.launch_all_exchanges()
         local_loss = sum(losses) / len(losses) if losses else None
         nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
                                                      and not math.isfinite(local_loss))

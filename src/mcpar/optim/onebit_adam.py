@@ -284,11 +284,25 @@ class OneBitAdam(torch.optim.Optimizer):
         """Start segment ``index``'s exchange on the communication thread from its final local
         gradient (flat, in the segment's order), e.g. from a backward hook. Segments must be
         launched in the same order on every rank. :meth:`step` waits and commits."""
+        self._check_launch(index)
+        self._launch_local(index, self.segment_momentum(index, grad))
+
+    @torch.no_grad()
+    def launch_all_exchanges(self) -> None:
+        """Start every segment's exchange from the parameters' current ``.grad`` (final, e.g.
+        clipped), so that what the caller does before :meth:`step` overlaps the exchange."""
+        local = self.local_momentum()
+        for index in range(len(self._segments)):
+            self._check_launch(index)
+            self._launch_local(index, self.gather_segment(local, index))
+
+    def _check_launch(self, index: int) -> None:
         if self._step_count < self.freeze_step:  # (not self.compressing: no per-call scan)
             raise RuntimeError("launch_exchange is for compression-stage steps")
         if index in self._launched:
             raise RuntimeError(f"exchange segment {index} was already launched this step")
-        local = self.segment_momentum(index, grad)
+
+    def _launch_local(self, index: int, local: torch.Tensor) -> None:
         result: list[torch.Tensor] = []
         handle = self.comm.run_async(lambda: result.append(self._exchange(index, local)))
         self._launched[index] = _Launched(handle, result)
