@@ -45,7 +45,7 @@ Measurement
 
 Defaults: mcpar's default GPT (4 layers, hidden 128, seq 128: 0.88M parameters, 3.5 MB of fp32
     gradients), ONE sequence per rank per step, 60 steps, compression from step 21 (1-bit
-    Adam's freeze step, PowerSGD's start: with no gradient clipping, --grad-clip 0, an earlier
+    Adam's freeze step, PowerSGD's start: without gradient clipping, --grad-clip 0, an earlier
     freeze made 1-bit Adam diverge on this task), the same settings for every side. Why one
     sequence: the job this emulates is bound by its network; a GPU computes this model's step
     in well under a millisecond, this CPU in about 26 ms per sequence, so every extra sequence
@@ -155,9 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="freeze_step of 1-bit Adam, start step of PowerSGD (mcpar and torch)")
     p.add_argument("--powersgd-rank", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--grad-clip", type=float, default=0.0,
-                   help="optimization.grad_clip for every side (0: off; 1-bit Adam starts its "
-                        "exchange from the backward pass only without clipping)")
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="optimization.grad_clip for every side (mcpar's default; 0: off, and "
+                        "1-bit Adam then starts each bucket's exchange from the backward pass)")
     p.add_argument("--onebit-bucket-mb", type=float, default=25.0,
                    help="gradient bucket size of the 1-bit variants: one 1-bit exchange each, "
                         "started as soon as the backward pass has filled it (default: mcpar's; "

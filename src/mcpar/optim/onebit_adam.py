@@ -455,10 +455,7 @@ class OneBitAdam(torch.optim.Optimizer):
         params = group["params"]
         if not params:
             return
-        views, offset = [], 0
-        for p in params:
-            views.append(update[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        views = self._param_views(update, 0, params)
         if group["weight_decay"] != 0:
             torch._foreach_add_(views, params, alpha=group["weight_decay"])
         if all(p.dtype == torch.float32 for p in params):
@@ -466,6 +463,16 @@ class OneBitAdam(torch.optim.Optimizer):
         else:
             for p, view in zip(params, views, strict=True):
                 p.add_(view.to(p.dtype), alpha=-group["lr"])
+
+    @staticmethod
+    def _param_views(flat: torch.Tensor, start: int,
+                     params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like ``params``, laid out from ``start``."""
+        views, offset = [], start
+        for p in params:
+            views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
 
     def _warmup_step(self) -> None:
         grad = self._gather_grad()
@@ -487,6 +494,8 @@ class OneBitAdam(torch.optim.Optimizer):
         arithmetic of :meth:`step` (see tests/test_onebit_adam.py).
         """
         grad = self._gather_grad()
+        if len(self._segments) == 1 and self._segments[0].ranges == [(0, self.numel)]:
+            return self.segment_momentum(0, grad)  # already in the flat order
         local = torch.empty_like(self._exp_avg)
         for index in range(len(self._segments)):
             self.scatter_segment(local, index,
@@ -513,9 +522,20 @@ class OneBitAdam(torch.optim.Optimizer):
             for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
                 torch.sqrt(self._exp_avg_sq[start:end], out=self._denom[start:end])
                 self._denom[start:end].add_(group["eps"])
-        torch.div(self._exp_avg, self._denom, out=self._update)
         for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            self._apply_update(group, self._update[start:end])
+            params = group["params"]
+            if params and all(p.dtype == torch.float32 for p in params):
+                # x <- x (1 - lr wd) - lr m / d: two passes over the parameters where dividing,
+                # adding the decay and then the update would take three.
+                m_views, d_views = self._param_views(self._exp_avg, start, params), \
+                    self._param_views(self._denom, start, params)
+                if group["weight_decay"] != 0:
+                    torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+                torch._foreach_addcdiv_(params, m_views, d_views, value=-group["lr"])
+            elif params:
+                torch.div(self._exp_avg[start:end], self._denom[start:end],
+                          out=self._update[start:end])
+                self._apply_update(group, self._update[start:end])
         self._step_count += 1
         self._step_tensor.fill_(float(self._step_count))
 
