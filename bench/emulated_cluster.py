@@ -401,6 +401,9 @@ def run_variant(v: Variant, args: argparse.Namespace, workdir: Path, repeat: int
         result["exit_code"] = run.exit_code()  # the worker's own code: 2 = mcpar refused
         result["error"] = (f"timed out after {args.timeout:.0f} s" if run.timed_out else
                            error_summary(run.output[failed], run.exit_code()))
+        # What each node printed last: a hang shows where it stopped.
+        result["output_tail"] = {f"node{k}": out.splitlines()[-12:]
+                                 for k, out in enumerate(run.output)}
         return result
     try:
         result.update(read_result(v, run_dir, first_measured_step(args)))

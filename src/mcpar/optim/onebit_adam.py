@@ -26,9 +26,10 @@ the whole flat momentum, after the backward pass. :meth:`set_exchange_buckets` s
 exchange per data-parallel gradient bucket instead (each with its own error buffers and scales),
 so that the trainer can start a bucket's exchange from the backward pass as soon as its
 gradients are final (:meth:`launch_exchange`): the 1-bit traffic then overlaps with the rest of
-the backward, as DDP's all-reduce does. A launched exchange writes its errors into copies that
-:meth:`step` commits, so a step that is skipped (non-finite gradients) leaves the error feedback
-as it was.
+the backward, as DDP's all-reduce does (segments: ``onebit_segments.py``). Errors are double
+buffered: an exchange reads the current storage and writes the other, which :meth:`step`
+makes current, so a step that is skipped (non-finite gradients) leaves the error feedback as
+it was.
 
 Step count, moments and both error buffers are optimizer state: ``state_dict()`` carries them
 (the error buffers differ per rank), and ``load_state_dict()`` restores them so that training
@@ -44,24 +45,9 @@ from typing import Any
 
 import torch
 
-from mcpar.comm.compression import (
-    OneBitErrorBuffers,
-    onebit_compressed_allreduce,
-    onebit_padded_size,
-)
+from mcpar.comm.compression import OneBitErrorBuffers, onebit_compressed_allreduce
 from mcpar.controllers.communication import CommHandle, CommunicationController
-
-
-@dataclass
-class _Segment:
-    """One compressed exchange: flat ranges of the optimizer's layout, in exchange order."""
-
-    ranges: list[tuple[int, int]]  # (start, end) in the flat buffers
-    numel: int
-    # Its error buffers in each of the two error storages (views).
-    errors: tuple[OneBitErrorBuffers, OneBitErrorBuffers]
-    # Runs of the segment (start, end, beta1) with one beta1 each: one fused op per run.
-    beta_runs: list[tuple[int, int, float]]
+from mcpar.optim.onebit_segments import Segment, bucket_ranges, plan_segments
 
 
 @dataclass
@@ -134,7 +120,7 @@ class OneBitAdam(torch.optim.Optimizer):
                        and comm.dp_algorithm(4 * self.numel) == "hierarchical" else 1)
         self._exchange_axis = "dp_inter" if self._intra > 1 else axis
         self._world = comm.axis_size(axis)
-        self._segments: list[_Segment] = []
+        self._segments: list[Segment] = []
         # Two error storages: the exchanges of a step read the current one and write their new
         # errors to the other, which becomes current when the step commits (a skipped step
         # just leaves it): nothing is copied.
@@ -156,43 +142,13 @@ class OneBitAdam(torch.optim.Optimizer):
     # --- exchange segments ------------------------------------------------------------------
     def _plan_segments(self, segments: list[list[tuple[int, int]]]
                        ) -> tuple[OneBitErrorBuffers, OneBitErrorBuffers]:
-        """Set the exchange segments; returns the two error storages (every segment's errors
-        are views into each, worker errors first to last, then server errors likewise)."""
-        beta_of = []  # (start, end, beta1) of every group's range
-        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            beta_of.append((start, end, float(group["betas"][0])))
-        exchange_world = self.comm.axis_size(self._exchange_axis)
-        sizes = []
-        for ranges in segments:
-            exchanged = -(-sum(e - s for s, e in ranges) // self._intra)
-            sizes.append(onebit_padded_size(exchanged, exchange_world))
-        storages = tuple(OneBitErrorBuffers(
-            worker=torch.zeros(sum(sizes), dtype=torch.float32, device=self.device),
-            server=torch.zeros(sum(sizes) // exchange_world, dtype=torch.float32,
-                               device=self.device)) for _ in range(2))
-        self._segments = []
-        worker_at = server_at = 0
-        for ranges, size in zip(segments, sizes, strict=True):
-            runs: list[tuple[int, int, float]] = []
-            at = 0
-            for start, end in ranges:
-                for g_start, g_end, beta1 in beta_of:
-                    lo, hi = max(start, g_start), min(end, g_end)
-                    if lo >= hi:
-                        continue
-                    a, b = at + lo - start, at + hi - start
-                    if runs and runs[-1][1] == a and runs[-1][2] == beta1:
-                        runs[-1] = (runs[-1][0], b, beta1)
-                    else:
-                        runs.append((a, b, beta1))
-                at += end - start
-            server_size = size // exchange_world
-            errors = tuple(OneBitErrorBuffers(st.worker[worker_at:worker_at + size],
-                                              st.server[server_at:server_at + server_size])
-                           for st in storages)
-            worker_at, server_at = worker_at + size, server_at + server_size
-            self._segments.append(_Segment(ranges, at, errors, runs))  # type: ignore[arg-type]
-        return storages  # type: ignore[return-value]
+        """Set the exchange segments; returns the two error storages."""
+        group_betas = [(start, end, float(group["betas"][0])) for group, (start, end)
+                       in zip(self.param_groups, self._group_ranges, strict=True)]
+        self._segments, storages = plan_segments(
+            segments, group_betas, self.comm.axis_size(self._exchange_axis), self._intra,
+            self.device)
+        return storages
 
     @property
     def _errors(self) -> OneBitErrorBuffers:
@@ -207,26 +163,7 @@ class OneBitAdam(torch.optim.Optimizer):
         """
         if self._step_count > self.freeze_step:
             raise RuntimeError("exchange buckets must be set before the compression stage")
-        where = {id(p): (offset, numel) for p, offset, numel in self._layout}
-        seen: set[int] = set()
-        segments = []
-        for bucket in buckets:
-            ranges: list[tuple[int, int]] = []
-            for p in bucket:
-                if id(p) not in where or id(p) in seen:
-                    raise ValueError("exchange buckets must hold each of the optimizer's "
-                                     "parameters exactly once")
-                seen.add(id(p))
-                offset, numel = where[id(p)]
-                if ranges and ranges[-1][1] == offset:
-                    ranges[-1] = (ranges[-1][0], offset + numel)
-                else:
-                    ranges.append((offset, offset + numel))
-            if ranges:
-                segments.append(ranges)
-        if len(seen) != len(self._layout):
-            raise ValueError("exchange buckets must hold each of the optimizer's parameters "
-                             "exactly once")
+        segments = bucket_ranges(buckets, self._layout)
         self._storages = self._plan_segments(segments)
         self._current = 0
 
