@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from mcpar.controllers.communication import CommunicationController
 from mcpar.metrics import read_metrics
+from mcpar.topology import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,3 +109,18 @@ def worker_pids(run_dir: Path) -> dict[int, int]:
         found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
             int(entry.name)
     return found
+
+
+@contextlib.contextmanager
+def data_parallel_comm(rank: int, world: int, port: int) -> Iterator[CommunicationController]:
+    """Inside an ``mp.spawn`` worker: a gloo process group of ``world`` ranks on loopback, one
+    thread, and a CommunicationController over a pure data-parallel mesh; torn down after."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        dims = ParallelDims(dp=world, tp=1, pp=1, ep=1, world_size=world)
+        dims.build_mesh("cpu")
+        yield CommunicationController(dims)
+    finally:
+        dist.destroy_process_group()

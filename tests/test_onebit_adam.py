@@ -353,6 +353,19 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def rank_gradients(model: torch.nn.Module, world: int, step: int
+                   ) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Every rank's loss and gradients (in parameter order) at ``step``, in one process."""
+    losses, grads = [], []
+    for rank in range(world):
+        model.zero_grad()
+        loss = shard_loss(model, rank, step)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return losses, grads
+
+
 def reference(world: int) -> dict:
     """One process, one model copy: every worker's gradient, the simulated exchange."""
     threads = torch.get_num_threads()
@@ -365,13 +378,7 @@ def reference(world: int) -> dict:
         for step in range(1, STEPS + 1):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            grads, losses[step] = [], []
-            for rank in range(world):
-                model.zero_grad()
-                loss = shard_loss(model, rank, step)
-                loss.backward()
-                losses[step].append(loss.item())
-                grads.append([p.grad.clone() for p in params])
+            losses[step], grads = rank_gradients(model, world, step)
             if not opt.compressing:
                 for i, p in enumerate(params):
                     total = grads[0][i].clone()

@@ -18,14 +18,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_onebit_adam import FREEZE, STEPS, average_grads, build, lr_at, shard_loss, single_comm
+from conftest import data_parallel_comm
+from test_onebit_adam import (
+    FREEZE,
+    STEPS,
+    average_grads,
+    build,
+    lr_at,
+    rank_gradients,
+    shard_loss,
+    single_comm,
+)
 
 from mcpar.comm.compression import OneBitErrorBuffers, simulate_onebit_allreduce
-from mcpar.controllers.communication import CommunicationController
 from mcpar.launch import find_free_port
-from mcpar.topology import ParallelDims
 
 WORLD = 2
 DISCARDED = FREEZE + 3  # a compressed step whose first exchanges are thrown away
@@ -44,13 +51,7 @@ def bucket_grad(bucket: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
-    try:
-        dims = ParallelDims(dp=WORLD, tp=1, pp=1, ep=1, world_size=WORLD)
-        dims.build_mesh("cpu")
-        comm = CommunicationController(dims)
+    with data_parallel_comm(rank, WORLD, port) as comm:
         model, opt = build(comm)
         buckets = buckets_of(model)
         opt.set_exchange_buckets(buckets)
@@ -86,8 +87,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         out["worker_error"] = opt.error_buffers.worker.clone()
         out["server_error"] = opt.error_buffers.server.clone()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def reference() -> dict:
@@ -95,33 +94,28 @@ def reference() -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        comm: CommunicationController = single_comm()
-        model, opt = build(comm)
+        model, opt = build(single_comm())
         buckets = buckets_of(model)
         opt.set_exchange_buckets(buckets)
         params = list(model.parameters())
+        position = {id(p): i for i, p in enumerate(params)}
         errors = [[OneBitErrorBuffers.zeros(opt.segment_numel(i), WORLD)
                    for i in range(len(buckets))] for _ in range(WORLD)]
         losses: dict[int, list[float]] = {}
         for step in range(1, STEPS + 1):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            grads, losses[step] = [], []
-            for rank in range(WORLD):
-                model.zero_grad()
-                loss = shard_loss(model, rank, step)
-                loss.backward()
-                losses[step].append(loss.item())
-                grads.append({id(p): p.grad.clone() for p in params})
+            losses[step], grads = rank_gradients(model, WORLD, step)
             if not opt.compressing:
-                for p in params:
-                    p.grad = (grads[0][id(p)] + grads[1][id(p)]) / WORLD
+                for i, p in enumerate(params):
+                    p.grad = (grads[0][i] + grads[1][i]) / WORLD
                 opt.step()
                 continue
             averaged = torch.empty(opt.numel)
             for index, bucket in enumerate(buckets):
                 local = [opt.segment_momentum(index, torch.cat(
-                    [grads[rank][id(p)].reshape(-1) for p in bucket])) for rank in range(WORLD)]
+                    [grads[rank][position[id(p)]].reshape(-1) for p in bucket]))
+                    for rank in range(WORLD)]
                 result = simulate_onebit_allreduce(
                     local, [errors[r][index].worker for r in range(WORLD)],
                     [errors[r][index].server for r in range(WORLD)])
