@@ -50,9 +50,10 @@ Defaults: mcpar's default GPT (4 layers, hidden 128, seq 128: 0.88M parameters, 
     sequence: the job this emulates is bound by its network; a GPU computes this model's step
     in well under a millisecond, this CPU in about 26 ms per sequence, so every extra sequence
     makes the emulated job more compute-bound than the cluster it stands for. With 4 sequences
-    per rank (--micro-batch 4) the compute alone takes about 90 ms of DDP + PowerSGD's 128 ms
-    step: no codec could then be 1.5x faster than it. One all-reduce of the fp32 gradients
-    takes about 0.3 s at 100 Mbit/s. Needs root (network namespaces); without it the benchmark
+    per rank (--micro-batch 4) DDP + PowerSGD's step measured 126-131 ms and 1-bit Adam's
+    100-114 ms, mostly the same forward and backward: the compute both share caps the ratio
+    far below what the link alone would give. One all-reduce of the fp32 gradients takes
+    about 0.3 s at 100 Mbit/s. Needs root (network namespaces); without it the benchmark
     exits 2 saying why.
 
     The link: ``tbf`` at --rate with netcluster's bucket (--burst), --delay one way, and cubic
