@@ -459,20 +459,12 @@ class OneBitAdam(torch.optim.Optimizer):
             for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
                 torch.sqrt(self._exp_avg_sq[start:end], out=self._denom[start:end])
                 self._denom[start:end].add_(group["eps"])
+        # DeepSpeed's order of operations, kept exactly: a fused x (1 - lr wd) - lr m / d is the
+        # same update but rounds differently, and measured 1.030 of AdamW's validation loss on
+        # the default task against 1.027 (bench/compression_convergence.py).
+        torch.div(self._exp_avg, self._denom, out=self._update)
         for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            params = group["params"]
-            if params and all(p.dtype == torch.float32 for p in params):
-                # x <- x (1 - lr wd) - lr m / d: two passes over the parameters where dividing,
-                # adding the decay and then the update would take three.
-                m_views, d_views = self._param_views(self._exp_avg, start, params), \
-                    self._param_views(self._denom, start, params)
-                if group["weight_decay"] != 0:
-                    torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
-                torch._foreach_addcdiv_(params, m_views, d_views, value=-group["lr"])
-            elif params:
-                torch.div(self._exp_avg[start:end], self._denom[start:end],
-                          out=self._update[start:end])
-                self._apply_update(group, self._update[start:end])
+            self._apply_update(group, self._update[start:end])
         self._step_count += 1
         self._step_tensor.fill_(float(self._step_count))
 
