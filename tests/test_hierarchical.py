@@ -8,25 +8,19 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import data_parallel_comm
 
 from mcpar.comm.collectives import LinkModel, choose_all_reduce, fit_link
-from mcpar.controllers.communication import CommunicationController
 from mcpar.launch import find_free_port
-from mcpar.topology import ParallelDims, detect_node_of_rank
+from mcpar.topology import detect_node_of_rank
 
 SIZES = [1, 3, 7, 1000, 12345]
 
 
 def worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        dims = ParallelDims(dp=world, tp=1, pp=1, ep=1, world_size=world)
-        dims.build_mesh("cpu")
-        comm = CommunicationController(dims)
+    with data_parallel_comm(rank, world, port) as comm:
+        dims = comm.dims
         comm.set_dp_topology("hierarchical", detect_node_of_rank(ranks_per_node))
         out: dict[str, object] = {"intra": dims.dp_intra, "inter": dims.dp_inter}
         for size in SIZES:
@@ -47,8 +41,6 @@ def worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str) 
             out[f"async{size}"] = hier_async
             out[f"bf16{size}"] = half
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 SHAPES = [(2, 2), (2, 1), (4, 1), (1, 2)]  # (nodes, ranks per node)

@@ -16,9 +16,9 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import data_parallel_comm
 
 from mcpar.comm.compression import (
     OneBitErrorBuffers,
@@ -329,13 +329,7 @@ def train(model: torch.nn.Module, opt: OneBitAdam, comm: CommunicationController
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        dims = ParallelDims(dp=world, tp=1, pp=1, ep=1, world_size=world)
-        dims.build_mesh("cpu")
-        comm = CommunicationController(dims)
+    with data_parallel_comm(rank, world, port) as comm:
         model, opt = build(comm)
         snapshot: dict = {}
         result = train(model, opt, comm, rank, world, 1, STEPS, snapshot)
@@ -349,8 +343,6 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         assert opt2.steps_done == SNAPSHOT and opt2.compressing
         result["resumed"] = train(model2, opt2, comm, rank, world, SNAPSHOT + 1, STEPS)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def rank_gradients(model: torch.nn.Module, world: int, step: int

@@ -13,8 +13,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import data_parallel_comm
 
 from mcpar.comm.compression import PowerSGDCompressor, _orthogonalize
 from mcpar.controllers.communication import CommunicationController
@@ -118,13 +118,7 @@ def run_schedule(compressor: PowerSGDCompressor, comm: CommunicationController, 
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
-    try:
-        dims = ParallelDims(dp=WORLD, tp=1, pp=1, ep=1, world_size=WORLD)
-        dims.build_mesh("cpu")
-        comm = CommunicationController(dims)
+    with data_parallel_comm(rank, WORLD, port) as comm:
         result: dict = {}
 
         compressor = PowerSGDCompressor(RANK, start_iter=START, seed=3)
@@ -149,8 +143,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         result["exact"] = run_schedule(exact, comm, rank, EXACT_SHAPES, 0, 3)
         result["exact_errors"] = [exact.error_buffer(i).clone() for i in range(2)]
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
