@@ -19,14 +19,20 @@ Topology
       the same subnet without colliding;
     * one veth pair per node, created directly inside its namespaces (never in the host's);
     * rate: ``tbf`` on BOTH ends' egress (node -> switch and switch -> node), so every node has
-      ``rate`` up and ``rate`` down, as with a switched NIC;
+      ``rate`` up and ``rate`` down, as with a switched NIC. tbf lets a burst of up to its
+      bucket leave at once (64 KiB here, so that GSO frames pass unsplit), which would let a
+      message of that size cross an idle link in the delay alone; the forwarder below
+      therefore also serializes every frame at ``rate`` (``LinkModel``), so small messages pay
+      their bytes too, and tbf only gives the nodes' TCP the back-pressure a NIC gives (with
+      netem, tbf's burst stays: ``describe()`` says which);
     * delay: ``delay`` is the ONE-WAY node-to-node latency (RTT = 2 x delay). With ``netem`` in
       the kernel, each hop's egress gets ``netem delay delay/2`` above its ``tbf`` and a kernel
       bridge switches the frames. Many small VMs' kernels (this one included) ship without
       ``sch_netem``; then the switch is a small user-space process in the switch namespace
       (``netcluster_forwarder.py``) that reads frames from the switch-side veths with
-      AF_PACKET sockets, holds each for ``delay``, and sends it on: the kernel still does the
-      rate shaping on the way out. Frames travel with their virtio-net header
+      AF_PACKET sockets, holds each until the wire would have delivered it (serialized at
+      ``rate`` on the sender's uplink and the receiver's downlink, plus ``delay``), and sends
+      it on. Frames travel with their virtio-net header
       (``PACKET_VNET_HDR``), so TCP's 64 KiB GSO segments cross in one piece with their checksum
       state: a few hundred frames per second at 100 Mbit/s, a few percent of one core. It runs
       at real-time priority where allowed: it plays the wire, which on a real cluster takes no
@@ -448,6 +454,7 @@ class NetCluster(_Namespaces):
         return {"nodes": self.num_nodes, "rate_bit_s": self.rate_bps,
                 "one_way_delay_s": self.delay_s, "delay_backend": self.backend,
                 "tbf_burst_bytes": self.burst, "tbf_queue_s": self.queue_s,
+                "frames_serialized_at_rate": self.backend == "forwarder",
                 "tcp_congestion_control": self.congestion_control or "host default"}
 
     def _tbf(self, ns: str, dev: str, parent: list[str]) -> None:
@@ -500,7 +507,8 @@ class NetCluster(_Namespaces):
         forwarder = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                  "netcluster_forwarder.py")
         argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder,
-                "--delay-s", repr(self.delay_s), "--ifaces", ifaces]
+                "--delay-s", repr(self.delay_s), "--rate-bps", repr(self.rate_bps),
+                "--queue-s", repr(self.queue_s), "--ifaces", ifaces]
         proc: subprocess.Popen[bytes] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_death_signal_preexec())

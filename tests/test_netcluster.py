@@ -73,6 +73,44 @@ SENDER = textwrap.dedent("""
 """)
 
 
+# Request-response after an idle spell: the client sends `size` bytes, the server answers one
+# byte once it has them all. Prints the fastest of a few rounds, in seconds.
+SMALL_SERVER = textwrap.dedent("""
+    import socket, sys
+    size, port = int(sys.argv[1]), int(sys.argv[2])
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("0.0.0.0", port))
+    lsock.listen(1)
+    print("listening", flush=True)
+    conn, _ = lsock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        got = 0
+        while got < size:
+            chunk = conn.recv(size - got)
+            if not chunk:
+                sys.exit(0)
+            got += len(chunk)
+        conn.sendall(b"k")
+""")
+
+SMALL_CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    addr, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    s = socket.create_connection((addr, port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(6):
+        time.sleep(0.3)  # idle: a token bucket would be full again
+        t = time.perf_counter()
+        s.sendall(b"x" * size)
+        assert s.recv(1) == b"k"
+        times.append(time.perf_counter() - t)
+    print(min(times[1:]), flush=True)  # the first round also grows TCP's window
+""")
+
+
 def root_links() -> str:
     return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
 
@@ -115,6 +153,30 @@ def test_rate_and_delay_are_measured_on_the_link() -> None:
     left = set(netcluster.list_namespaces())
     assert not set(names) & left
     assert cluster.prefix not in root_links()
+
+
+@needs_netns
+def test_a_small_message_pays_its_bytes_on_an_idle_link() -> None:
+    """A 48 KB message fits in tbf's bucket, which would let it cross an idle link in the
+    delay alone; on a real 20 Mbit/s link it takes 19 ms more. The forwarder serializes it."""
+    rate_bps, delay_s, size = 20e6, 0.005, 48_000
+    with NetCluster(2, rate="20mbit", delay="5ms") as cluster:
+        if cluster.backend != "forwarder":
+            pytest.skip(f"the {cluster.backend} backend leaves small messages to tbf's burst")
+        server = cluster.run_on_node(1, [sys.executable, "-c", SMALL_SERVER, str(size), "5002"],
+                                     stdout=subprocess.PIPE)
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == b"listening"
+        client = cluster.run_on_node(
+            0, [sys.executable, "-c", SMALL_CLIENT, cluster.node_addr(1), "5002", str(size)],
+            stdout=subprocess.PIPE)
+        out, _ = client.communicate(timeout=60)
+        server.wait(timeout=10)
+    assert client.returncode == 0
+    took = float(out.split()[-1])
+    serialization = size * 8 / rate_bps  # 19.2 ms, framing not counted
+    assert 2 * delay_s + 0.95 * serialization <= took <= 2 * delay_s + 1.5 * serialization + 0.01, \
+        took
 
 
 @needs_netns
