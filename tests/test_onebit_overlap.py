@@ -6,9 +6,10 @@ final and committed by ``step``. Checked here on 2 gloo ranks over 20 steps: los
 and error buffers equal, bit for bit, a single-process simulation of the same per-bucket
 algorithm; a step whose exchanges are discarded (a skipped step) leaves the error feedback as it
 was; launching every bucket at once from the ``.grad`` fields (``launch_all_exchanges``, what
-the trainer does after clipping) is the same exchange; and the bucketed exchange sends what the
-whole-buffer one sends, give or take each bucket's padding and scales. Helpers (model, data,
-warm-up average) come from test_onebit_adam.py.
+the trainer does after clipping) or leaving the exchanges to ``step`` is the same exchange,
+pipelined over the buckets (asynchronous all-to-alls in flight together); and the bucketed
+exchange sends what the whole-buffer one sends, give or take each bucket's padding and scales.
+Helpers (model, data, warm-up average) come from test_onebit_adam.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from mcpar.launch import find_free_port
 
 WORLD = 2
 DISCARDED = FREEZE + 3  # a compressed step whose first exchanges are thrown away
-FROM_GRADS = FREEZE + 5  # a compressed step launched by launch_all_exchanges
+# Compressed steps whose buckets are exchanged together, pipelined (the path after clipping):
+# launched by launch_all_exchanges, or run inside step() when nothing was launched.
+FROM_GRADS = {FREEZE + 5, FREEZE + 6}
+IN_STEP = {FREEZE + 7, FREEZE + 9}
 
 
 def buckets_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -75,8 +79,10 @@ def worker(rank: int, port: int, out_dir: str) -> None:
                         torch.equal(before[0], opt.error_buffers.worker)
                         and torch.equal(before[1], opt.error_buffers.server))
                     comm.stats.reset_step()
-                if step == FROM_GRADS:
+                if step in FROM_GRADS:
                     opt.launch_all_exchanges()  # the same exchanges, from the .grad fields
+                elif step in IN_STEP:
+                    pass  # step() runs every bucket's exchange itself, pipelined
                 else:
                     for index, bucket in enumerate(buckets):
                         opt.launch_exchange(index, bucket_grad(bucket))

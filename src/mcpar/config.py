@@ -151,13 +151,14 @@ class CommunicationControllerConfig(_Section):
     )
     bucket_size_mb: float = Field(
         25.0, gt=0.0, description="Gradient bucket size (MiB) for the bucketed all-reduce; "
-        "under 1-bit Adam with overlap, also the unit of its compressed momentum exchange."
+        "under 1-bit Adam, also the unit of its compressed momentum exchange (one exchange per "
+        "bucket; after the backward pass they are pipelined over the link)."
     )
     overlap: bool = Field(
         True, description="Launch bucket all-reduces during the backward pass. 1-bit Adam: "
         "exchange the momentum bucket by bucket from the backward pass (needs "
-        "optimization.grad_clip 0, no sequence parallelism, no experts; else one exchange "
-        "after it, as the log says at start).")
+        "optimization.grad_clip 0, no sequence parallelism, no experts; else every bucket's "
+        "exchange after it, pipelined, as the log says at start).")
     powersgd_rank: int = Field(
         8, ge=1, description="PowerSGD: rank of the low-rank gradient approximation."
     )

@@ -282,13 +282,18 @@ class Trainer:
             why_not = "sequence parallelism synchronizes some gradients after the backward pass"
         elif any(b.expert for b in grad_sync.buckets):
             why_not = "expert-parallel buckets are not exchanged per bucket"
-        if why_not is None:
+        per_bucket = not any(b.expert for b in grad_sync.buckets)
+        if per_bucket:
+            # One exchange per gradient bucket; started together, they are pipelined.
             self.optimizer.set_exchange_buckets([b.params for b in grad_sync.buckets])
+        if why_not is None:
             grad_sync.set_momentum_exchange(self.optimizer)
         if self.rank == 0:
-            where = (f"{len(grad_sync.buckets)} bucket(s), each started from the backward pass"
+            count = len(grad_sync.buckets) if per_bucket else 1
+            where = (f"{count} bucket(s), each started from the backward pass"
                      if why_not is None else
-                     f"one exchange, started after the backward pass ({why_not})")
+                     f"{count} exchange(s), pipelined, started after the backward pass "
+                     f"({why_not})")
             print(f"mcpar: 1-bit Adam momentum exchange: {where}", flush=True)
 
     # --- one optimizer step --------------------------------------------------------------------

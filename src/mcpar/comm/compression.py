@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication import CommHandle, CommunicationController
 
 ONEBIT_CODEC = "1bit"
 POWERSGD_CODEC = "powersgd"
@@ -276,37 +276,98 @@ def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor
     bytes for an fp32 ring all-reduce, in two all-to-alls whose messages end with their scale.
     With one rank it runs the same compression with error feedback and no communication.
     """
-    world = comm.axis_size(axis)
-    numel = buffer.numel()
-    padded = _check_buffers(numel, world, worker_error, server_error)
-    if errors_out is not None:
-        _check_buffers(numel, world, errors_out.worker, errors_out.server)
-    device = worker_error.device
+    return onebit_compressed_allreduce_many(
+        [OneBitJob(buffer, worker_error, server_error, errors_out)], comm, axis)[0]
 
-    signs, scale = _compress_worker(buffer, worker_error,
-                                    None if errors_out is None else errors_out.worker)
-    # Each message carries its scale in its last 4 bytes, so a step costs two collectives,
-    # not four: on a slow link every collective pays the latency again.
+
+@dataclass
+class OneBitJob:
+    """One buffer to average with :func:`onebit_compressed_allreduce_many`, with its error
+    buffers (updated in place, or left as they are when ``errors_out`` is given)."""
+
+    buffer: torch.Tensor
+    worker_error: torch.Tensor
+    server_error: torch.Tensor
+    errors_out: OneBitErrorBuffers | None = None
+
+
+def onebit_compressed_allreduce_many(jobs: list[OneBitJob], comm: CommunicationController,
+                                     axis: str = "dp") -> list[torch.Tensor]:
+    """Several independent 1-bit exchanges, pipelined: each job's result is exactly what
+    :func:`onebit_compressed_allreduce` would return for it alone.
+
+    Why: one exchange is a chain compress -> all-to-all -> server average -> all-to-all ->
+    decode in which the link idles while a rank computes and the rank idles while bytes cross
+    a slow link. Here job k+1 is compressed while job k's signs are on the wire, and job k is
+    served while job k+1's are: the all-to-alls are started in the background (same order on
+    every rank: every job's first phase, then every job's second, as each becomes ready).
+    """
+    world = comm.axis_size(axis)
+    flights = [_start_exchange(job, world, comm, axis) for job in jobs]
+    for flight in flights:
+        _serve_exchange(flight, comm, axis)
+    return [_finish_exchange(flight) for flight in flights]
+
+
+@dataclass
+class _InFlight:
+    """One exchange between its stages: what it sent and where its replies land."""
+
+    job: OneBitJob
+    chunk_bytes: int
+    outgoing: torch.Tensor  # kept alive until its all-to-all is done
+    received: torch.Tensor
+    handle: CommHandle
+    gathered: torch.Tensor | None = None
+
+
+def _start_exchange(job: OneBitJob, world: int, comm: CommunicationController,
+                    axis: str) -> _InFlight:
+    """Compress on the worker side and start phase 1: chunk j of the signs, with this
+    worker's scale, goes to rank j (each message ends with its scale, so a step costs two
+    collectives, not four: on a slow link every collective pays the latency again)."""
+    numel = job.buffer.numel()
+    padded = _check_buffers(numel, world, job.worker_error, job.server_error)
+    out = job.errors_out
+    if out is not None:
+        _check_buffers(numel, world, out.worker, out.server)
+    signs, scale = _compress_worker(job.buffer, job.worker_error,
+                                    None if out is None else out.worker)
     chunk_bytes = padded // 8 // world
-    # Phase 1: chunk j of every worker's signs, with the worker's scale, goes to rank j.
     outgoing = torch.cat([signs.view(world, chunk_bytes),
                           _scale_bytes(scale).expand(world, SCALE_BYTES)], dim=1)
     received = torch.empty_like(outgoing)
-    comm.all_to_all_single(received.view(-1), outgoing.view(-1), axis=axis, codec=ONEBIT_CODEC)
-    worker_scales = _bytes_scale(received[:, chunk_bytes:])
+    handle = comm.all_to_all_single_async(received.view(-1), outgoing.view(-1), axis=axis,
+                                          codec=ONEBIT_CODEC)
+    return _InFlight(job, chunk_bytes, outgoing, received, handle)
 
+
+def _serve_exchange(flight: _InFlight, comm: CommunicationController, axis: str) -> None:
+    """Phase 2: average this rank's chunk over the workers, compress it again and send it with
+    its scale to every rank, as an all-to-all of the same message to every peer (see the
+    module docstring)."""
+    flight.handle.wait()
+    job, chunk_bytes, received = flight.job, flight.chunk_bytes, flight.received
+    world = received.shape[0]
     server_signs, server_scale = _server_average(
-        received[:, :chunk_bytes].contiguous(), worker_scales, server_error,
-        None if errors_out is None else errors_out.server)
-    # Phase 2: every rank collects every server's compressed chunk and its scale, as an
-    # all-to-all of the same message to every peer (see the module docstring).
-    server_message = torch.cat([server_signs, _scale_bytes(server_scale).view(-1)])
-    gathered = torch.empty(world, chunk_bytes + SCALE_BYTES, dtype=torch.uint8, device=device)
-    comm.all_to_all_single(gathered.view(-1),
-                           server_message.expand(world, -1).contiguous().view(-1), axis=axis,
-                           codec=ONEBIT_CODEC)
+        received[:, :chunk_bytes].contiguous(), _bytes_scale(received[:, chunk_bytes:]),
+        job.server_error, None if job.errors_out is None else job.errors_out.server)
+    message = torch.cat([server_signs, _scale_bytes(server_scale).view(-1)])
+    flight.outgoing = message.expand(world, -1).contiguous()
+    flight.gathered = torch.empty(world, chunk_bytes + SCALE_BYTES, dtype=torch.uint8,
+                                  device=received.device)
+    flight.handle = comm.all_to_all_single_async(flight.gathered.view(-1),
+                                                 flight.outgoing.view(-1), axis=axis,
+                                                 codec=ONEBIT_CODEC)
+
+
+def _finish_exchange(flight: _InFlight) -> torch.Tensor:
+    """Decode every server's chunk: the averaged buffer, the same bits on every rank."""
+    flight.handle.wait()
+    gathered, chunk_bytes = flight.gathered, flight.chunk_bytes
+    assert gathered is not None
     return _decompress(gathered[:, :chunk_bytes].reshape(-1),
-                       _bytes_scale(gathered[:, chunk_bytes:]), numel)
+                       _bytes_scale(gathered[:, chunk_bytes:]), flight.job.buffer.numel())
 
 
 SCALE_BYTES = 4  # a float32 scale, sent as raw bytes after its signs

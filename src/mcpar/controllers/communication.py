@@ -378,19 +378,32 @@ class CommunicationController:
                           codec: str = "none") -> torch.Tensor:
         """Split `tensor` (1-D) into n equal chunks, send chunk j to axis rank j, and receive
         every rank's chunk for this rank into `output`, in axis-rank order (blocking)."""
+        self._all_to_all(output, tensor, axis, codec, async_op=False)
+        return output
+
+    def all_to_all_single_async(self, output: torch.Tensor, tensor: torch.Tensor,
+                                axis: str = "dp", codec: str = "none") -> CommHandle:
+        """:meth:`all_to_all_single` started in the background; ``output`` is complete once the
+        handle's ``wait()`` returns. Several may be in flight on one group (issued in the same
+        order on every rank): the backend moves one's bytes while the caller computes the next
+        one's, which the pipelined 1-bit exchange relies on."""
+        return self._all_to_all(output, tensor, axis, codec, async_op=True)
+
+    def _all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, axis: str, codec: str,
+                    async_op: bool) -> CommHandle:
         n = self.axis_size(axis)
         if n == 1:
             output.copy_(tensor)
-            return output
+            return CommHandle(None)
         if tensor.numel() % n:
             raise ValueError(f"all_to_all of {tensor.numel()} elements over {n} ranks")
         start = time.perf_counter()
         with self._named("all_to_all", axis):
-            dist.all_to_all_single(output, tensor, group=self._group(axis))
+            work = dist.all_to_all_single(output, tensor, group=self._group(axis),
+                                          async_op=async_op)
         # Each rank keeps its own chunk and sends the other n - 1.
         nbytes = (n - 1) / n * tensor.numel() * tensor.element_size()
-        self._timed(("all_to_all", axis, codec), nbytes, None, start, False)
-        return output
+        return self._timed(("all_to_all", axis, codec), nbytes, work, start, async_op)
 
     def all_to_all_rows(self, tensor: torch.Tensor, send_counts: list[int],
                         recv_counts: list[int], axis: str = "ep") -> torch.Tensor:

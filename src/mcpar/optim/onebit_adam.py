@@ -26,7 +26,9 @@ the whole flat momentum, after the backward pass. :meth:`set_exchange_buckets` s
 exchange per data-parallel gradient bucket instead (each with its own error buffers and scales),
 so that the trainer can start a bucket's exchange from the backward pass as soon as its
 gradients are final (:meth:`launch_exchange`): the 1-bit traffic then overlaps with the rest of
-the backward, as DDP's all-reduce does (segments: ``onebit_segments.py``). Errors are double
+the backward, as DDP's all-reduce does (segments: ``onebit_segments.py``). Segments exchanged
+together (:meth:`launch_all_exchanges` after clipping, or :meth:`step` itself) are pipelined:
+segment k+1 is compressed while segment k's signs cross the link. Errors are double
 buffered: an exchange reads the current storage and writes the other, which :meth:`step`
 makes current, so a step that is skipped (non-finite gradients) leaves the error feedback as
 it was.
@@ -45,7 +47,12 @@ from typing import Any
 
 import torch
 
-from mcpar.comm.compression import OneBitErrorBuffers, onebit_compressed_allreduce
+from mcpar.comm.compression import (
+    OneBitErrorBuffers,
+    OneBitJob,
+    onebit_compressed_allreduce,
+    onebit_compressed_allreduce_many,
+)
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.optim.onebit_segments import Segment, bucket_ranges, plan_segments
 
@@ -55,7 +62,8 @@ class _Launched:
     """An exchange started by :meth:`OneBitAdam.launch_exchange`, not yet committed."""
 
     handle: CommHandle
-    result: list[torch.Tensor]  # the averaged momentum, once the handle is done
+    results: list[torch.Tensor]  # the averaged momenta, once the handle is done
+    position: int = 0  # this exchange's entry in ``results``
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -209,12 +217,20 @@ class OneBitAdam(torch.optim.Optimizer):
     def _exchange(self, index: int, local: torch.Tensor) -> torch.Tensor:
         """The compressed average of segment ``index``'s local momentum; its errors are read
         from the current storage and written to the other one (committed by :meth:`step`)."""
-        errors = self._segments[index].errors
-        current, after = errors[self._current], errors[1 - self._current]
+        return self._exchange_all([index], [local])[0]
+
+    def _exchange_all(self, indices: list[int], locals_: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """:meth:`_exchange` of several segments, pipelined over the link (segment k+1 is
+        compressed while segment k crosses it); the same results as one by one."""
+        pairs = [(self._segments[i].errors[self._current],
+                  self._segments[i].errors[1 - self._current]) for i in indices]
         if self._intra > 1:
-            return self._hierarchical_exchange(local, current, after)
-        return onebit_compressed_allreduce(local, current.worker, current.server, self.comm,
-                                           self.axis, errors_out=after)
+            return [self._hierarchical_exchange(local, current, after)
+                    for local, (current, after) in zip(locals_, pairs, strict=True)]
+        jobs = [OneBitJob(local, current.worker, current.server, after)
+                for local, (current, after) in zip(locals_, pairs, strict=True)]
+        return onebit_compressed_allreduce_many(jobs, self.comm, self.axis)
 
     @torch.no_grad()
     def launch_exchange(self, index: int, grad: torch.Tensor) -> None:
@@ -229,9 +245,16 @@ class OneBitAdam(torch.optim.Optimizer):
         """Start every segment's exchange from the parameters' current ``.grad`` (final, e.g.
         clipped), so that what the caller does before :meth:`step` overlaps the exchange."""
         local = self.local_momentum()
-        for index in range(len(self._segments)):
+        indices = list(range(len(self._segments)))
+        for index in indices:
             self._check_launch(index)
-            self._launch_local(index, self.gather_segment(local, index))
+        segments = [self.gather_segment(local, index) for index in indices]
+        # One job for all of them, so that their exchanges are pipelined.
+        results: list[torch.Tensor] = []
+        handle = self.comm.run_async(
+            lambda: results.extend(self._exchange_all(indices, segments)))
+        for index in indices:
+            self._launched[index] = _Launched(handle, results, index)
 
     def _check_launch(self, index: int) -> None:
         if self._step_count < self.freeze_step:  # (not self.compressing: no per-call scan)
@@ -242,7 +265,7 @@ class OneBitAdam(torch.optim.Optimizer):
     def _launch_local(self, index: int, local: torch.Tensor) -> None:
         result: list[torch.Tensor] = []
         handle = self.comm.run_async(lambda: result.append(self._exchange(index, local)))
-        self._launched[index] = _Launched(handle, result)
+        self._launched[index] = _Launched(handle, result)  # its own job: position 0
 
     def wait_exchanges(self) -> None:
         """Wait for every launched exchange (they stay pending until :meth:`step`)."""
@@ -507,12 +530,14 @@ class OneBitAdam(torch.optim.Optimizer):
                 missing = sorted(set(range(len(self._segments))) - set(self._launched))
                 raise RuntimeError(f"exchange segments {missing} were not launched this step")
             self.wait_exchanges()
-            averaged = [launched.result[0] for _, launched in sorted(self._launched.items())]
+            averaged = [launched.results[launched.position]
+                        for _, launched in sorted(self._launched.items())]
             self._launched.clear()
         else:
             local = self.local_momentum()
-            averaged = [self._exchange(index, self.gather_segment(local, index))
-                        for index in range(len(self._segments))]
+            indices = list(range(len(self._segments)))
+            averaged = self._exchange_all(
+                indices, [self.gather_segment(local, index) for index in indices])
         self._current = 1 - self._current  # commit this step's errors
         # m <- the averaged momentum, written in place segment by segment.
         for index, values in enumerate(averaged):
