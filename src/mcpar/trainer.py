@@ -282,9 +282,11 @@ class Trainer:
             why_not = "sequence parallelism synchronizes some gradients after the backward pass"
         elif any(b.expert for b in grad_sync.buckets):
             why_not = "expert-parallel buckets are not exchanged per bucket"
-        per_bucket = not any(b.expert for b in grad_sync.buckets)
+        # One exchange per gradient bucket: from the backward pass, or, after it, all started
+        # together and pipelined. A single bucket keeps the optimizer's own flat order.
+        per_bucket = why_not is None or (len(grad_sync.buckets) > 1
+                                         and not any(b.expert for b in grad_sync.buckets))
         if per_bucket:
-            # One exchange per gradient bucket; started together, they are pipelined.
             self.optimizer.set_exchange_buckets([b.params for b in grad_sync.buckets])
         if why_not is None:
             grad_sync.set_momentum_exchange(self.optimizer)
