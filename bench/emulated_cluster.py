@@ -51,14 +51,29 @@ Defaults: mcpar's default GPT (4 layers, hidden 128, seq 128: 0.88M parameters, 
     in well under a millisecond, this CPU in about 26 ms per sequence, so every extra sequence
     makes the emulated job more compute-bound than the cluster it stands for. With 4 sequences
     per rank (--micro-batch 4) DDP + PowerSGD's step measured 126-131 ms and 1-bit Adam's
-    100-114 ms, mostly the same forward and backward: the compute both share caps the ratio
+    100-114 ms (on the link before its serializing model, below), mostly the same forward and
+    backward: the compute both share caps the ratio
     far below what the link alone would give. One all-reduce of the fp32 gradients takes
     about 0.3 s at 100 Mbit/s. Needs root (network namespaces); without it the benchmark
     exits 2 saying why.
 
-    The link: ``tbf`` at --rate with netcluster's bucket (--burst), --delay one way, and cubic
-    TCP on every node (--congestion-control; 'host' keeps the host's, which on a host set to
-    BBR paces every message after the warm-up's bulk traffic at BBR's bandwidth estimate).
+    The link: --rate each way per node, --delay one way, cubic TCP on every node
+    (--congestion-control; 'host' keeps the host's, which on a host set to BBR paces every
+    message after the warm-up's bulk traffic at BBR's bandwidth estimate). On a kernel without
+    netem, netcluster's forwarder serializes every frame at --rate (``LinkModel``), so a
+    message pays for its bytes whatever its size; the nodes' tbf (bucket --burst) only paces
+    their TCP. Measured: before that model, tbf's 64 KiB bucket let each 55 KB all-to-all of
+    1-bit Adam cross in the delay alone, and 1-bit Adam's step took 50 ms where it now takes
+    about 72 (one exchange) or 64 (two, pipelined); DDP + PowerSGD went from 79 to 104 ms.
+    ``link_health`` in each run's JSON gives the nodes' TCP retransmissions and queue drops.
+
+    1-bit Adam's buckets (--onebit-bucket-mb, default 1.8: two for the default model). With
+    gradient clipping on, the momentum exchange starts after clipping, one exchange per bucket,
+    all pipelined: bucket 2 is compressed while bucket 1's signs are on the wire. Measured on
+    the default link: one bucket 72 ms per step, two 62-66, three 64-67, four 73-74, seven
+    66-79. DDP + PowerSGD keeps one bucket: torch's PowerSGD hook deadlocks on gloo with two or
+    more (its future callbacks block gloo's worker threads waiting on further all-reduces;
+    seen every time with 1.8 MB buckets), so its peer runs with mcpar's default bucket size.
 
 Output: one JSON object on stdout (progress on stderr), with every variant and the ratios:
     onebit_vs_ddp (target >= 2.5), onebit_vs_ddp_powersgd (>= 1.5), hierarchical_vs_flat_2x2
@@ -91,6 +106,7 @@ sys.path.insert(0, str(BENCH))
 
 import netcluster  # noqa: E402
 from netcluster import LoopbackCluster, NetCluster, NetClusterError  # noqa: E402
+from netcluster_stats import link_health  # noqa: E402
 from netcluster_torchrun import launch_torchrun  # noqa: E402
 
 
@@ -159,10 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0,
                    help="optimization.grad_clip for every side (mcpar's default; 0: off, and "
                         "1-bit Adam then starts each bucket's exchange from the backward pass)")
-    p.add_argument("--onebit-bucket-mb", type=float, default=25.0,
+    p.add_argument("--onebit-bucket-mb", type=float, default=1.8,
                    help="gradient bucket size of the 1-bit variants: one 1-bit exchange each, "
-                        "started as soon as the backward pass has filled it (default: mcpar's; "
-                        "one bucket for the default model)")
+                        "pipelined after clipping, or each started as soon as the backward "
+                        "pass has filled it without (default: two buckets for the default "
+                        "model; see the docstring)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
@@ -399,6 +416,7 @@ def run_variant(v: Variant, args: argparse.Namespace, workdir: Path, repeat: int
                 if monitor is not None:
                     monitor.stop()
             wire = wire_tx_bytes(cluster, 0)
+            result["link_health"] = link_health(cluster)
     except NetClusterError as err:
         result["error"] = f"cluster: {err}"
         return result
