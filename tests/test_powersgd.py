@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import data_parallel_comm
 
-from mcpar.comm.compression import PowerSGDCompressor, _orthogonalize
+from mcpar.comm.powersgd import PowerSGDCompressor, _orthogonalize
 from mcpar.controllers.communication import CommunicationController
 from mcpar.launch import find_free_port
 from mcpar.topology import ParallelDims

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from mcpar.checkpoint import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
-from mcpar.comm.compression import PowerSGDCompressor
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
+from mcpar.comm.powersgd import PowerSGDCompressor
 from mcpar.config import JobConfig, to_yaml
 from mcpar.controllers.communication import CommHandle, CommunicationController
 from mcpar.controllers.compute import ComputeController, MicroBatchTask

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mcpar.comm.compression import PowerSGDCompressor
+from mcpar.comm.powersgd import PowerSGDCompressor
 
 
 class CompressionState:
