@@ -29,9 +29,10 @@ from netcluster import NetCluster  # noqa: E402
 OK, WHY = netcluster.available()
 needs_netns = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
-RECEIVER = textwrap.dedent("""
+# The servers' prologue: listen on port argv[2], say so, take one connection without Nagle.
+ACCEPT_ONE = textwrap.dedent("""
     import socket, sys, time
-    skip, port = int(sys.argv[1]), int(sys.argv[2])
+    port = int(sys.argv[2])
     lsock = socket.socket()
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("0.0.0.0", port))
@@ -39,6 +40,10 @@ RECEIVER = textwrap.dedent("""
     print("listening", flush=True)
     conn, _ = lsock.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+""")
+
+RECEIVER = ACCEPT_ONE + textwrap.dedent("""
+    skip = int(sys.argv[1])
     while True:  # echo single bytes until the sender says "go"
         b = conn.recv(1)
         if b == b"g":
@@ -75,16 +80,8 @@ SENDER = textwrap.dedent("""
 
 # Request-response after an idle spell: the client sends `size` bytes, the server answers one
 # byte once it has them all. Prints the fastest of a few rounds, in seconds.
-SMALL_SERVER = textwrap.dedent("""
-    import socket, sys
-    size, port = int(sys.argv[1]), int(sys.argv[2])
-    lsock = socket.socket()
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind(("0.0.0.0", port))
-    lsock.listen(1)
-    print("listening", flush=True)
-    conn, _ = lsock.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+SMALL_SERVER = ACCEPT_ONE + textwrap.dedent("""
+    size = int(sys.argv[1])
     while True:
         got = 0
         while got < size:
@@ -111,6 +108,23 @@ SMALL_CLIENT = textwrap.dedent("""
 """)
 
 
+def serve_and_run(cluster: NetCluster, server: str, client: str, server_arg: str,
+                  client_arg: str, port: int = 5001) -> tuple[bytes, bytes]:
+    """Run ``server`` on node 1 (argv: server_arg, port), then ``client`` on node 0 (argv:
+    node 1's address, port, client_arg); both must exit 0. Returns their outputs."""
+    srv = cluster.run_on_node(1, [sys.executable, "-c", server, server_arg, str(port)],
+                              stdout=subprocess.PIPE)
+    assert srv.stdout is not None
+    assert srv.stdout.readline().strip() == b"listening"
+    cli = cluster.run_on_node(
+        0, [sys.executable, "-c", client, cluster.node_addr(1), str(port), client_arg],
+        stdout=subprocess.PIPE)
+    out_client, _ = cli.communicate(timeout=60)
+    out_server, _ = srv.communicate(timeout=60)
+    assert cli.returncode == 0 and srv.returncode == 0
+    return out_server, out_client
+
+
 def root_links() -> str:
     return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
 
@@ -133,17 +147,8 @@ def test_rate_and_delay_are_measured_on_the_link() -> None:
     with NetCluster(2, rate="20mbit", delay="20ms") as cluster:
         names = list(cluster.namespaces)
         assert set(names) <= set(netcluster.list_namespaces())
-        receiver = cluster.run_on_node(1, [sys.executable, "-c", RECEIVER, str(skip), "5001"],
-                                       stdout=subprocess.PIPE)
-        assert receiver.stdout is not None
-        assert receiver.stdout.readline().strip() == b"listening"
-        sender = cluster.run_on_node(
-            0, [sys.executable, "-c", SENDER, cluster.node_addr(1), "5001", str(size)],
-            stdout=subprocess.PIPE)
-        out_s, _ = sender.communicate(timeout=60)
-        out_r, _ = receiver.communicate(timeout=60)
+        out_r, out_s = serve_and_run(cluster, RECEIVER, SENDER, str(skip), str(size))
         backend = cluster.backend
-    assert sender.returncode == 0 and receiver.returncode == 0
     rtt = float(out_s.split()[-1])
     got, measured_bps = (float(x) for x in out_r.split())
     assert got == size
@@ -163,16 +168,7 @@ def test_a_small_message_pays_its_bytes_on_an_idle_link() -> None:
     with NetCluster(2, rate="20mbit", delay="5ms") as cluster:
         if cluster.backend != "forwarder":
             pytest.skip(f"the {cluster.backend} backend leaves small messages to tbf's burst")
-        server = cluster.run_on_node(1, [sys.executable, "-c", SMALL_SERVER, str(size), "5002"],
-                                     stdout=subprocess.PIPE)
-        assert server.stdout is not None
-        assert server.stdout.readline().strip() == b"listening"
-        client = cluster.run_on_node(
-            0, [sys.executable, "-c", SMALL_CLIENT, cluster.node_addr(1), "5002", str(size)],
-            stdout=subprocess.PIPE)
-        out, _ = client.communicate(timeout=60)
-        server.wait(timeout=10)
-    assert client.returncode == 0
+        _, out = serve_and_run(cluster, SMALL_SERVER, SMALL_CLIENT, str(size), str(size))
     took = float(out.split()[-1])
     serialization = size * 8 / rate_bps  # 19.2 ms, framing not counted
     assert 2 * delay_s + 0.95 * serialization <= took <= 2 * delay_s + 1.5 * serialization + 0.01, \
