@@ -65,7 +65,10 @@ Defaults: mcpar's default GPT (4 layers, hidden 128, seq 128: 0.88M parameters, 
     their TCP. Measured: before that model, tbf's 64 KiB bucket let each 55 KB all-to-all of
     1-bit Adam cross in the delay alone, and 1-bit Adam's step took 50 ms where it now takes
     about 72 (one exchange) or 64 (two, pipelined); DDP + PowerSGD went from 79 to 104 ms.
-    ``link_health`` in each run's JSON gives the nodes' TCP retransmissions and queue drops.
+    ``link_health`` in each run's JSON gives the nodes' TCP retransmissions and queue drops,
+    and the CPU seconds the forwarder used: the emulated wire runs on the cores the ranks
+    share (measured: 4.4 ms per compressed 1-bit Adam step, taken from the ranks, which a real
+    link does not charge and the loopback variants do not pay).
 
     1-bit Adam's buckets (--onebit-bucket-mb, default 1.8: two for the default model). With
     gradient clipping on, the momentum exchange starts after clipping, one exchange per bucket,

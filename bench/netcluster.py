@@ -502,6 +502,11 @@ class NetCluster(_Namespaces):
         if self.backend == "forwarder":
             self._start_forwarder()
 
+    @property
+    def forwarder_pid(self) -> int | None:
+        """The user-space switch's process, while the cluster is up (forwarder backend)."""
+        return None if self._forwarder is None else self._forwarder.pid
+
     def _start_forwarder(self) -> None:
         ifaces = ",".join(SWITCH_IF.format(k=k) for k in range(self.num_nodes))
         forwarder = os.path.join(os.path.dirname(os.path.abspath(__file__)),

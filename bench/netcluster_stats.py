@@ -15,6 +15,7 @@ interface's qdisc. A cluster is fresh per run, so the values count from its setu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from typing import Any
 
@@ -66,9 +67,23 @@ def qdisc_drops(ns: str, dev: str) -> int | None:
         return None
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def link_health(cluster: NetCluster | LoopbackCluster) -> dict[str, Any]:
-    """Per node: TCP loss recovery in its namespace and drops on both ends of its link."""
+    """Per node: TCP loss recovery in its namespace and drops on both ends of its link; and
+    the CPU the user-space switch has used, which an emulated wire takes from the cores the
+    ranks share (a real link takes none)."""
     health: dict[str, Any] = {}
+    if isinstance(cluster, NetCluster) and cluster.forwarder_pid is not None:
+        health["forwarder_cpu_s"] = process_cpu_s(cluster.forwarder_pid)
     for k in range(cluster.num_nodes):
         entry: dict[str, Any] = {"tcp": tcp_counters(cluster.node_ns(k)),
                                  "node_qdisc_drops": qdisc_drops(cluster.node_ns(k),

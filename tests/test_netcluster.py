@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import netcluster  # noqa: E402
 import netcluster_torchrun  # noqa: E402
 from netcluster import NetCluster  # noqa: E402
+from netcluster_stats import link_health  # noqa: E402
 
 OK, WHY = netcluster.available()
 needs_netns = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
@@ -149,12 +150,19 @@ def test_rate_and_delay_are_measured_on_the_link() -> None:
         assert set(names) <= set(netcluster.list_namespaces())
         out_r, out_s = serve_and_run(cluster, RECEIVER, SENDER, str(skip), str(size))
         backend = cluster.backend
+        health = link_health(cluster)
     rtt = float(out_s.split()[-1])
     got, measured_bps = (float(x) for x in out_r.split())
     assert got == size
     # One-way delay 20 ms each way: RTT >= 40 ms, plus little more (user-space switch, stack).
     assert 2 * delay_s * 0.97 <= rtt <= 2 * delay_s + 0.015, (rtt, backend)
     assert abs(measured_bps - rate_bps) <= 0.35 * rate_bps, (measured_bps, backend)
+    # The kernel's counters are read in each node's namespace, the switch's CPU from /proc.
+    for node in ("node0", "node1"):
+        assert set(health[node]["tcp"]) >= {"RetransSegs", "TCPTimeouts"}, health
+        assert health[node]["node_qdisc_drops"] is not None, health
+    if backend == "forwarder":
+        assert health["forwarder_cpu_s"] > 0, health  # it forwarded every frame
     left = set(netcluster.list_namespaces())
     assert not set(names) & left
     assert cluster.prefix not in root_links()
