@@ -89,15 +89,12 @@ Output: one JSON object on stdout (progress on stderr), with every variant and t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +106,7 @@ sys.path.insert(0, str(BENCH))
 
 import netcluster  # noqa: E402
 from netcluster import LoopbackCluster, NetCluster, NetClusterError  # noqa: E402
-from netcluster_stats import link_health  # noqa: E402
+from netcluster_stats import WireMonitor, link_health, wire_tx_bytes  # noqa: E402
 from netcluster_torchrun import launch_torchrun  # noqa: E402
 
 
@@ -253,76 +250,6 @@ def script_argv(v: Variant, args: argparse.Namespace, run_dir: Path) -> list[str
     for s in sets + v.mcpar_sets + list(args.mcpar_overrides):
         argv += ["--set", s]
     return argv
-
-
-class WireMonitor(threading.Thread):
-    """Reads node 0's link counter each time rank 0 logs a step to metrics.jsonl.
-
-    mcpar's ``comm_bytes`` counts logical bytes over all collectives; this says what really
-    crossed the slow link during the measured steps (e.g. a hierarchical all-reduce sends less
-    between nodes than a flat one of the same logical size). The counter is read through
-    ``/proc/<pid>/net/dev`` of a process inside node 0's namespace, a plain file read from
-    here. Step boundaries are seen within one poll (20 ms), which the window amortizes.
-    """
-
-    def __init__(self, pid: int, ifname: str, metrics: Path, interval_s: float = 0.02):
-        super().__init__(daemon=True)
-        self.netdev = Path(f"/proc/{pid}/net/dev")
-        self.ifname, self.metrics, self.interval_s = ifname, metrics, interval_s
-        self.samples: dict[int, int] = {}  # 1-based step -> tx bytes when its line appeared
-        self._stop_event = threading.Event()
-
-    def tx_bytes(self) -> int | None:
-        try:
-            for line in self.netdev.read_text().splitlines():
-                name, _, rest = line.partition(":")
-                if name.strip() == self.ifname:
-                    return int(rest.split()[8])
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-
-    def run(self) -> None:
-        offset, pending = 0, ""
-        while not self._stop_event.wait(self.interval_s):
-            try:
-                with open(self.metrics, encoding="utf-8") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except OSError:
-                continue
-            if not chunk:
-                continue
-            offset += len(chunk.encode())
-            tx = self.tx_bytes()
-            pending += chunk
-            *lines, pending = pending.split("\n")
-            for line in lines:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    if tx is not None:
-                        self.samples[int(json.loads(line)["step"])] = tx
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
-
-    def per_step(self, first: int, last: int) -> float | None:
-        """Mean bytes sent per step over steps first..last (needs the sample of first - 1)."""
-        if first - 1 in self.samples and last in self.samples and last >= first:
-            return (self.samples[last] - self.samples[first - 1]) / (last - first + 1)
-        return None
-
-
-def wire_tx_bytes(cluster: Any, k: int) -> int | None:
-    """Bytes node k's link interface has sent (the cluster is fresh: since setup)."""
-    if not isinstance(cluster, NetCluster):
-        return None
-    out = subprocess.run(["ip", "-n", cluster.node_ns(k), "-j", "-s", "link", "show", "dev",
-                          cluster.node_ifname(k)], capture_output=True, text=True, check=False)
-    try:
-        return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
-    except (ValueError, LookupError, TypeError):
-        return None
 
 
 def error_summary(output: str, code: int | None) -> str:

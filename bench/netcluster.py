@@ -65,25 +65,34 @@ import abc
 import argparse
 import atexit
 import contextlib
-import ctypes
 import ipaddress
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import FrameType
 from typing import TypeVar
 
-ROOT_PREFIX = "mcnc-"
+from netcluster_host import (
+    ROOT_PREFIX,
+    NetClusterError,
+    allow_congestion_control,
+    available,
+    cleanup,
+    death_signal_preexec,
+    kill_ns_processes,
+    list_namespaces,  # noqa: F401 (part of this module's API: tests and callers use it)
+    netem_available,
+    ns_exec,
+    sh,
+)
+
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_CONGESTION_CONTROL = "cubic"
-_TCP_SYSCTL = "/proc/sys/net/ipv4/tcp_{}_congestion_control"
 NODE_IF = "nc-n{k}"    # node end of node k's veth, inside node k's namespace
 SWITCH_IF = "nc-s{k}"  # switch end, inside the switch namespace
 DEFAULT_MASTER_PORT = 29400
@@ -91,10 +100,6 @@ DEFAULT_MASTER_PORT = 29400
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
-
-
-class NetClusterError(RuntimeError):
-    """Setting up the emulated cluster failed (the message names the command)."""
 
 
 def parse_rate(rate: str | float) -> float:
@@ -117,159 +122,6 @@ def parse_delay(delay: str | float) -> float:
     if m is None or unit not in _TIME_UNITS:
         raise ValueError(f"cannot parse delay {delay!r} (e.g. 1ms, 500us, 0)")
     return float(m.group(1)) * _TIME_UNITS[unit]
-
-
-# --- running ip / tc --------------------------------------------------------------------------
-
-def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise NetClusterError(f"`{' '.join(argv)}` failed ({proc.returncode}): "
-                              f"{(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
-def _allow_congestion_control(algorithm: str) -> None:
-    """Let network namespaces pick ``algorithm`` (loading its module if it is one)."""
-    def listed(kind: str) -> list[str]:
-        with open(_TCP_SYSCTL.format(kind)) as f:
-            return f.read().split()
-
-    if algorithm not in listed("available"):
-        _sh(["modprobe", f"tcp_{algorithm}"], check=False)
-        if algorithm not in listed("available"):
-            raise NetClusterError(
-                f"TCP congestion control {algorithm!r} is not available on this kernel "
-                f"(available: {' '.join(listed('available'))}); choose one of those")
-    allowed = listed("allowed")
-    if algorithm not in allowed:
-        with open(_TCP_SYSCTL.format("allowed"), "w") as f:
-            f.write(" ".join([*allowed, algorithm]))
-
-
-def _ns(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return _sh(["ip", "netns", "exec", ns, *argv], check=check)
-
-
-def list_namespaces() -> list[str]:
-    """Names of all named network namespaces (``ip netns list``)."""
-    out = _sh(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_ns_processes(ns: str, grace_s: float = 2.0) -> None:
-    """Stop every process still running inside ``ns`` (TERM, then KILL)."""
-    def pids() -> list[int]:
-        out = _sh(["ip", "netns", "pids", ns], check=False).stdout.split()
-        return [int(p) for p in out if p.isdigit() and int(p) != os.getpid()]
-
-    found = pids()
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while found and time.monotonic() < deadline:
-        time.sleep(0.05)
-        found = pids()
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def cleanup(all_runs: bool = False) -> list[str]:
-    """Delete leftover namespaces (and anything with the prefix in the host namespace).
-
-    By default only runs whose owner process is gone (its pid is in the name); ``all_runs``
-    removes every ``mcnc-`` namespace, live runs included. Returns the names removed.
-    """
-    removed = []
-    for ns in list_namespaces():
-        if not ns.startswith(ROOT_PREFIX):
-            continue
-        m = re.match(re.escape(ROOT_PREFIX) + r"(\d+)-", ns)
-        if not all_runs and m is not None and _pid_alive(int(m.group(1))):
-            continue
-        _kill_ns_processes(ns)
-        _sh(["ip", "netns", "del", ns], check=False)
-        removed.append(ns)
-    # Links are created inside the run's namespaces, so none should be here; a crash of an
-    # older version could have left one.
-    for line in _sh(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
-        parts = line.split(":")
-        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(ROOT_PREFIX):
-            name = parts[1].strip().split("@")[0]
-            _sh(["ip", "link", "del", name], check=False)
-            removed.append(name)
-    return removed
-
-
-_AVAILABLE: tuple[bool, str] | None = None
-_NETEM: bool | None = None
-
-
-def available() -> tuple[bool, str]:
-    """Can this process build a cluster? ``(True, "")`` or ``(False, why)``; probed once."""
-    global _AVAILABLE
-    if _AVAILABLE is not None:
-        return _AVAILABLE
-    if not sys.platform.startswith("linux"):
-        _AVAILABLE = (False, "network namespaces need Linux")
-    elif os.geteuid() != 0:
-        _AVAILABLE = (False, "network namespaces need root (run as root or in a root container)")
-    elif shutil.which("ip") is None or shutil.which("tc") is None:
-        _AVAILABLE = (False, "`ip` and `tc` (iproute2) are not installed")
-    else:
-        probe = f"{ROOT_PREFIX}{os.getpid()}-probe{secrets.token_hex(2)}"
-        try:
-            _sh(["ip", "netns", "add", probe])
-            _sh(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-            _ns(probe, "tc", "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "10mbit",
-                "burst", "32kb", "latency", "50ms")
-            _AVAILABLE = (True, "")
-        except (NetClusterError, OSError, subprocess.SubprocessError) as err:
-            _AVAILABLE = (False, f"cannot build a namespace with a shaped veth: {err}")
-        finally:
-            _sh(["ip", "netns", "del", probe], check=False)
-    return _AVAILABLE
-
-
-def netem_available() -> bool:
-    """Whether the kernel has ``sch_netem`` (probed once, in a scratch namespace)."""
-    global _NETEM
-    if _NETEM is None:
-        probe = f"{ROOT_PREFIX}{os.getpid()}-netem{secrets.token_hex(2)}"
-        try:
-            _sh(["ip", "netns", "add", probe])
-            _NETEM = _ns(probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
-                         "1ms", check=False).returncode == 0
-        except (NetClusterError, OSError, subprocess.SubprocessError):
-            _NETEM = False
-        finally:
-            _sh(["ip", "netns", "del", probe], check=False)
-    return _NETEM
-
-
-def _death_signal_preexec() -> Callable[[], None] | None:
-    """preexec_fn: the child gets SIGKILL when this process dies (Linux prctl)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-    return preexec
 
 
 # --- the clusters -----------------------------------------------------------------------------
@@ -308,14 +160,14 @@ class _Namespaces(abc.ABC):
         """Defined by each cluster kind."""
 
     def _add_ns(self, name: str) -> None:
-        _sh(["ip", "netns", "add", name])
+        sh(["ip", "netns", "add", name])
         self.namespaces.append(name)
-        _ns(name, "ip", "link", "set", "lo", "up")
+        ns_exec(name, "ip", "link", "set", "lo", "up")
         # No IPv6 chatter (router solicitations, DAD) on the emulated links.
-        _ns(name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", check=False)
+        ns_exec(name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", check=False)
         if self.congestion_control:
-            _allow_congestion_control(self.congestion_control)
-            _ns(name, "sysctl", "-qw",
+            allow_congestion_control(self.congestion_control)
+            ns_exec(name, "sysctl", "-qw",
                 f"net.ipv4.tcp_congestion_control={self.congestion_control}")
 
     def __enter__(self: _NS) -> _NS:
@@ -355,7 +207,7 @@ class _Namespaces(abc.ABC):
         if threading.current_thread() is threading.main_thread():
             # The kernel ties the death signal to the forking thread: only the main thread
             # is sure to live as long as this process.
-            popen_kwargs.setdefault("preexec_fn", _death_signal_preexec())
+            popen_kwargs.setdefault("preexec_fn", death_signal_preexec())
         proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
             ["ip", "netns", "exec", self.node_ns(k), *argv], env=full_env, **popen_kwargs)
         self._procs.append(proc)
@@ -388,8 +240,8 @@ class _Namespaces(abc.ABC):
         for proc in self._procs:
             _terminate(proc)
         for ns in reversed(self.namespaces):
-            _kill_ns_processes(ns, grace_s=1.0)
-            _sh(["ip", "netns", "del", ns], check=False)
+            kill_ns_processes(ns, grace_s=1.0)
+            sh(["ip", "netns", "del", ns], check=False)
         self.namespaces = []
 
 
@@ -459,13 +311,13 @@ class NetCluster(_Namespaces):
 
     def _tbf(self, ns: str, dev: str, parent: list[str]) -> None:
         limit = int(self.rate_bps / 8 * self.queue_s) + self.burst
-        _ns(ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf",
+        ns_exec(ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf",
             "rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst), "limit", str(limit))
 
     def _shape(self, ns: str, dev: str, hop_delay_s: float) -> None:
         if self.backend == "netem":
             # netem delays, its child tbf paces what comes out (tc-netem(8)'s own example).
-            _ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+            ns_exec(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                 f"{hop_delay_s * 1e6:.0f}us", "limit", "100000")
             self._tbf(ns, dev, ["parent", "1:1", "handle", "10:"])
         else:
@@ -482,20 +334,20 @@ class NetCluster(_Namespaces):
             raise NetClusterError("this kernel has no sch_netem; use delay_backend='forwarder'")
         self._add_ns(self.switch_ns)
         if self.backend != "forwarder":
-            _ns(self.switch_ns, "ip", "link", "add", "br0", "type", "bridge")
-            _ns(self.switch_ns, "ip", "link", "set", "br0", "up")
+            ns_exec(self.switch_ns, "ip", "link", "add", "br0", "type", "bridge")
+            ns_exec(self.switch_ns, "ip", "link", "set", "br0", "up")
         for k in range(self.num_nodes):
             ns, node_if, sw_if = self.node_ns(k), self.node_ifname(k), SWITCH_IF.format(k=k)
             self._add_ns(ns)
             # Both ends are born in their namespaces: nothing appears in the host's.
-            _sh(["ip", "link", "add", node_if, "netns", ns, "type", "veth",
+            sh(["ip", "link", "add", node_if, "netns", ns, "type", "veth",
                  "peer", "name", sw_if, "netns", self.switch_ns])
-            _ns(ns, "ip", "addr", "add", f"{self.node_addr(k)}/{self.net.prefixlen}",
+            ns_exec(ns, "ip", "addr", "add", f"{self.node_addr(k)}/{self.net.prefixlen}",
                 "dev", node_if)
-            _ns(ns, "ip", "link", "set", node_if, "up")
+            ns_exec(ns, "ip", "link", "set", node_if, "up")
             if self.backend != "forwarder":
-                _ns(self.switch_ns, "ip", "link", "set", sw_if, "master", "br0")
-            _ns(self.switch_ns, "ip", "link", "set", sw_if, "up")
+                ns_exec(self.switch_ns, "ip", "link", "set", sw_if, "master", "br0")
+            ns_exec(self.switch_ns, "ip", "link", "set", sw_if, "up")
             hop = self.delay_s / 2
             self._shape(ns, node_if, hop)
             self._shape(self.switch_ns, sw_if, hop)
@@ -516,7 +368,7 @@ class NetCluster(_Namespaces):
                 "--queue-s", repr(self.queue_s), "--ifaces", ifaces]
         proc: subprocess.Popen[bytes] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_death_signal_preexec())
+            preexec_fn=death_signal_preexec())
         self._forwarder = proc
         self._procs.append(proc)
         assert proc.stdout is not None
