@@ -222,7 +222,8 @@ class OneBitAdam(torch.optim.Optimizer):
     def _exchange_all(self, indices: list[int], locals_: list[torch.Tensor]
                       ) -> list[torch.Tensor]:
         """:meth:`_exchange` of several segments, pipelined over the link (segment k+1 is
-        compressed while segment k crosses it); the same results as one by one."""
+        compressed while segment k crosses it); the same results as one by one. Under a
+        hierarchical data axis they run one by one (each is already three stages)."""
         pairs = [(self._segments[i].errors[self._current],
                   self._segments[i].errors[1 - self._current]) for i in indices]
         if self._intra > 1:
