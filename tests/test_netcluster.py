@@ -168,16 +168,22 @@ def test_rate_and_delay_are_measured_on_the_link() -> None:
     assert cluster.prefix not in root_links()
 
 
+def idle_round_trip(rate: str, delay: str, size: int) -> float:
+    """Seconds for ``size`` bytes from node 0 to node 1 and a 1-byte reply after an idle
+    spell (SMALL_CLIENT's best round); skips unless the forwarder models the wire."""
+    with NetCluster(2, rate=rate, delay=delay) as cluster:
+        if cluster.backend != "forwarder":
+            pytest.skip(f"the {cluster.backend} backend leaves the wire's timing to the kernel")
+        _, out = serve_and_run(cluster, SMALL_SERVER, SMALL_CLIENT, str(size), str(size))
+    return float(out.split()[-1])
+
+
 @needs_netns
 def test_a_small_message_pays_its_bytes_on_an_idle_link() -> None:
     """A 48 KB message fits in tbf's bucket, which would let it cross an idle link in the
     delay alone; on a real 20 Mbit/s link it takes 19 ms more. The forwarder serializes it."""
     rate_bps, delay_s, size = 20e6, 0.005, 48_000
-    with NetCluster(2, rate="20mbit", delay="5ms") as cluster:
-        if cluster.backend != "forwarder":
-            pytest.skip(f"the {cluster.backend} backend leaves small messages to tbf's burst")
-        _, out = serve_and_run(cluster, SMALL_SERVER, SMALL_CLIENT, str(size), str(size))
-    took = float(out.split()[-1])
+    took = idle_round_trip("20mbit", "5ms", size)
     serialization = size * 8 / rate_bps  # 19.2 ms, framing not counted
     assert 2 * delay_s + 0.95 * serialization <= took <= 2 * delay_s + 1.5 * serialization + 0.01, \
         took
@@ -192,11 +198,7 @@ def test_a_message_is_not_held_longer_than_the_link_model_says() -> None:
     rest is both nodes' network stacks and the Python processes at each end). 12 KB: after
     an idle spell TCP restarts from its initial window, which a larger message overflows."""
     rate_bps, delay_s, size = 100e6, 0.001, 12_000
-    with NetCluster(2, rate="100mbit", delay="1ms") as cluster:
-        if cluster.backend != "forwarder":
-            pytest.skip(f"the {cluster.backend} backend holds frames in the kernel")
-        _, out = serve_and_run(cluster, SMALL_SERVER, SMALL_CLIENT, str(size), str(size))
-    took = float(out.split()[-1])
+    took = idle_round_trip("100mbit", "1ms", size)
     model = 2 * delay_s + size * 8 / rate_bps
     assert model <= took <= model + 0.0008, took
 
