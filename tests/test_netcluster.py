@@ -62,11 +62,15 @@ RECEIVER = ACCEPT_ONE + textwrap.dedent("""
     print(f"{got} {(got - n_skip) * 8 / (end - t_skip)}", flush=True)
 """)
 
-SENDER = textwrap.dedent("""
+# The clients' prologue: connect to argv[1]:argv[2] without Nagle; argv[3] is a size.
+CONNECT = textwrap.dedent("""
     import socket, sys, time
     addr, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     s = socket.create_connection((addr, port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+""")
+
+SENDER = CONNECT + textwrap.dedent("""
     rtts = []
     for _ in range(7):
         t = time.perf_counter()
@@ -93,11 +97,7 @@ SMALL_SERVER = ACCEPT_ONE + textwrap.dedent("""
         conn.sendall(b"k")
 """)
 
-SMALL_CLIENT = textwrap.dedent("""
-    import socket, sys, time
-    addr, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    s = socket.create_connection((addr, port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+SMALL_CLIENT = CONNECT + textwrap.dedent("""
     times = []
     for _ in range(6):
         time.sleep(0.3)  # idle: a token bucket would be full again

@@ -273,6 +273,7 @@ class Trainer:
         assert isinstance(self.optimizer, OneBitAdam)
         grad_sync, cfg = self.pm.grad_sync, self.cfg
         why_not = None
+        has_expert_buckets = any(b.expert for b in grad_sync.buckets)
         if not cfg.controllers.communication.overlap:
             why_not = "controllers.communication.overlap is false"
         elif cfg.optimization.grad_clip > 0:
@@ -280,12 +281,11 @@ class Trainer:
                        "momentum is formed; set it to 0 to overlap")
         elif cfg.parallelism.sequence_parallel:
             why_not = "sequence parallelism synchronizes some gradients after the backward pass"
-        elif any(b.expert for b in grad_sync.buckets):
+        elif has_expert_buckets:
             why_not = "expert-parallel buckets are not exchanged per bucket"
         # One exchange per gradient bucket: from the backward pass, or, after it, all started
         # together and pipelined. A single bucket keeps the optimizer's own flat order.
-        per_bucket = why_not is None or (len(grad_sync.buckets) > 1
-                                         and not any(b.expert for b in grad_sync.buckets))
+        per_bucket = not has_expert_buckets and (why_not is None or len(grad_sync.buckets) > 1)
         if per_bucket:
             self.optimizer.set_exchange_buckets([b.params for b in grad_sync.buckets])
         if why_not is None:
