@@ -23,6 +23,7 @@ helpers, so both do the same floating-point operations in the same order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -284,10 +285,25 @@ class OneBitJob:
     errors_out: OneBitErrorBuffers | None = None
 
 
-def onebit_compressed_allreduce_many(jobs: list[OneBitJob], comm: CommunicationController,
-                                     axis: str = "dp") -> list[torch.Tensor]:
+def onebit_compressed_allreduce_many(
+        jobs: Iterable[OneBitJob], comm: CommunicationController, axis: str = "dp",
+        on_result: Callable[[int, torch.Tensor], None] | None = None,
+        jobs_spread_out: bool = False) -> list[torch.Tensor]:
     """Several independent 1-bit exchanges, pipelined: each job's result is exactly what
     :func:`onebit_compressed_allreduce` would return for it alone.
+
+    ``jobs`` may be produced lazily (e.g. handed over one by one from another thread): job k
+    is compressed and its signs sent as soon as it is produced, while the producer forms job
+    k+1. ``on_result(k, result)`` is called as each job's result is decoded, in job order,
+    so that a caller can use the first results while the later ones are still on the wire.
+
+    The order of the stages must be the same on every rank, so it cannot follow when each job
+    happens to arrive; the caller says what to expect. By default the jobs come one right
+    after the other: every job's first phase, then every job's second. With
+    ``jobs_spread_out`` (buckets launched from the backward pass, milliseconds apart) each job
+    is served as soon as it is started, and the one before it finished when the next arrives:
+    waiting for a later job before serving the first would hold the first's result until the
+    end of the backward pass.
 
     Why: one exchange is a chain compress -> all-to-all -> server average -> all-to-all ->
     decode in which the link idles while a rank computes and the rank idles while bytes cross
@@ -296,10 +312,30 @@ def onebit_compressed_allreduce_many(jobs: list[OneBitJob], comm: CommunicationC
     every rank: every job's first phase, then every job's second, as each becomes ready).
     """
     world = comm.axis_size(axis)
+    results: list[torch.Tensor] = []
+
+    def finish(flight: _InFlight) -> None:
+        results.append(_finish_exchange(flight))
+        if on_result is not None:
+            on_result(len(results) - 1, results[-1])
+
+    if jobs_spread_out:
+        previous = None
+        for job in jobs:
+            flight = _start_exchange(job, world, comm, axis)
+            if previous is not None:
+                finish(previous)
+            _serve_exchange(flight, comm, axis)
+            previous = flight
+        if previous is not None:
+            finish(previous)
+        return results
     flights = [_start_exchange(job, world, comm, axis) for job in jobs]
     for flight in flights:
         _serve_exchange(flight, comm, axis)
-    return [_finish_exchange(flight) for flight in flights]
+    for flight in flights:
+        finish(flight)
+    return results
 
 
 @dataclass

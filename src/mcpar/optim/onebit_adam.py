@@ -28,7 +28,8 @@ so that the trainer can start a bucket's exchange from the backward pass as soon
 gradients are final (:meth:`launch_exchange`): the 1-bit traffic then overlaps with the rest of
 the backward, as DDP's all-reduce does (segments: ``onebit_segments.py``). Segments exchanged
 together (:meth:`launch_all_exchanges` after clipping, or :meth:`step` itself) are pipelined:
-segment k+1 is compressed while segment k's signs cross the link. Errors are double
+segment k+1 is compressed while segment k's signs cross the link, and :meth:`step` updates
+segment k's parameters as soon as its average lands (``onebit_launch.py``). Errors are double
 buffered: an exchange reads the current storage and writes the other, which :meth:`step`
 makes current, so a step that is skipped (non-finite gradients) leaves the error feedback as
 it was.
@@ -41,8 +42,8 @@ resumes bit for bit.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -53,17 +54,16 @@ from mcpar.comm.compression import (
     onebit_compressed_allreduce,
     onebit_compressed_allreduce_many,
 )
-from mcpar.controllers.communication import CommHandle, CommunicationController
-from mcpar.optim.onebit_segments import Segment, bucket_ranges, plan_segments
-
-
-@dataclass
-class _Launched:
-    """An exchange started by :meth:`OneBitAdam.launch_exchange`, not yet committed."""
-
-    handle: CommHandle
-    results: list[torch.Tensor]  # the averaged momenta, once the handle is done
-    position: int = 0  # this exchange's entry in ``results``
+from mcpar.controllers.communication import CommunicationController
+from mcpar.optim.onebit_launch import ExchangeFeed
+from mcpar.optim.onebit_segments import (
+    Segment,
+    apply_update,
+    bucket_ranges,
+    param_views,
+    plan_segment_views,
+    plan_segments,
+)
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -128,6 +128,7 @@ class OneBitAdam(torch.optim.Optimizer):
                        and comm.dp_algorithm(4 * self.numel) == "hierarchical" else 1)
         self._exchange_axis = "dp_inter" if self._intra > 1 else axis
         self._world = comm.axis_size(axis)
+        self._update = torch.empty_like(self._exp_avg)  # scratch of the compressed update
         self._segments: list[Segment] = []
         # Two error storages: the exchanges of a step read the current one and write their new
         # errors to the other, which becomes current when the step commits (a skipped step
@@ -135,9 +136,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self._storages: tuple[OneBitErrorBuffers, OneBitErrorBuffers] = self._plan_segments(
             [[(0, self.numel)]])
         self._current = 0
-        self._launched: dict[int, _Launched] = {}
+        self._launched: dict[int, Future[torch.Tensor]] = {}
+        self._feed: ExchangeFeed | None = None  # the step's exchange job, once launched
         self._denom: torch.Tensor | None = None  # sqrt(v_frozen) + eps, built at first use
-        self._update = torch.empty_like(self._exp_avg)  # scratch of the compressed update
         self._bind_state()
         self._initialized = True
 
@@ -156,6 +157,10 @@ class OneBitAdam(torch.optim.Optimizer):
         self._segments, storages = plan_segments(
             segments, group_betas, self.comm.axis_size(self._exchange_axis), self._intra,
             self.device)
+        group_of = {id(p): index for index, group in enumerate(self.param_groups)
+                    for p in group["params"]}
+        self._views = plan_segment_views(self._segments, self._layout, group_of,
+                                         self._flat_grad, self._update)
         return storages
 
     @property
@@ -214,24 +219,45 @@ class OneBitAdam(torch.optim.Optimizer):
             out[start:end].add_(grad[start:end], alpha=1 - beta1)
         return out
 
-    def _exchange(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """The compressed average of segment ``index``'s local momentum; its errors are read
-        from the current storage and written to the other one (committed by :meth:`step`)."""
-        return self._exchange_all([index], [local])[0]
+    def _segment_grad(self, index: int) -> torch.Tensor:
+        """Segment ``index``'s ``.grad`` fields, flat in its order (missing ones are zero)."""
+        views = self._views[index]
+        for p, view in zip(views.params, views.grads, strict=True):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+            elif grad.is_sparse:
+                raise RuntimeError("OneBitAdam does not support sparse gradients")
+            else:
+                view.copy_(grad.reshape(-1))
+        return views.grad
 
-    def _exchange_all(self, indices: list[int], locals_: list[torch.Tensor]
-                      ) -> list[torch.Tensor]:
-        """:meth:`_exchange` of several segments, pipelined over the link (segment k+1 is
-        compressed while segment k crosses it); the same results as one by one. Under a
-        hierarchical data axis they run one by one (each is already three stages)."""
-        pairs = [(self._segments[i].errors[self._current],
-                  self._segments[i].errors[1 - self._current]) for i in indices]
+    def _run_exchanges(self, fed: Iterable[tuple[int, torch.Tensor]],
+                       on_result: Callable[[int, torch.Tensor], None],
+                       jobs_spread_out: bool = False) -> None:
+        """The compressed averages of (segment index, local momentum) pairs, each reported by
+        ``on_result(index, averaged)`` as it lands; pipelined (segment k+1 is compressed while
+        segment k crosses the link), one by one under a hierarchical data axis (each is
+        already three stages). Errors: read from the current storage, written to the other."""
+        def errors(index: int) -> tuple[OneBitErrorBuffers, OneBitErrorBuffers]:
+            pair = self._segments[index].errors
+            return pair[self._current], pair[1 - self._current]
+
         if self._intra > 1:
-            return [self._hierarchical_exchange(local, current, after)
-                    for local, (current, after) in zip(locals_, pairs, strict=True)]
-        jobs = [OneBitJob(local, current.worker, current.server, after)
-                for local, (current, after) in zip(locals_, pairs, strict=True)]
-        return onebit_compressed_allreduce_many(jobs, self.comm, self.axis)
+            for index, local in fed:
+                on_result(index, self._hierarchical_exchange(local, *errors(index)))
+            return
+        order: list[int] = []
+
+        def jobs() -> Iterator[OneBitJob]:
+            for index, local in fed:
+                order.append(index)
+                current, after = errors(index)
+                yield OneBitJob(local, current.worker, current.server, after)
+
+        onebit_compressed_allreduce_many(jobs(), self.comm, self.axis,
+                                         on_result=lambda k, avg: on_result(order[k], avg),
+                                         jobs_spread_out=jobs_spread_out)
 
     @torch.no_grad()
     def launch_exchange(self, index: int, grad: torch.Tensor) -> None:
@@ -239,23 +265,42 @@ class OneBitAdam(torch.optim.Optimizer):
         gradient (flat, in the segment's order), e.g. from a backward hook. Segments must be
         launched in the same order on every rank. :meth:`step` waits and commits."""
         self._check_launch(index)
-        self._launch_local(index, self.segment_momentum(index, grad))
+        self._hand_over(index, self.segment_momentum(index, grad), spread_out=True)
 
     @torch.no_grad()
     def launch_all_exchanges(self) -> None:
         """Start every segment's exchange from the parameters' current ``.grad`` (final, e.g.
         clipped), so that what the caller does before :meth:`step` overlaps the exchange."""
-        local = self.local_momentum()
         indices = list(range(len(self._segments)))
         for index in indices:
             self._check_launch(index)
-        segments = [self.gather_segment(local, index) for index in indices]
-        # One job for all of them, so that their exchanges are pipelined.
-        results: list[torch.Tensor] = []
-        handle = self.comm.run_async(
-            lambda: results.extend(self._exchange_all(indices, segments)))
-        for index in indices:
-            self._launched[index] = _Launched(handle, results, index)
+        try:
+            for index in indices:
+                self._hand_over(index, self.segment_momentum(index, self._segment_grad(index)),
+                                spread_out=False)
+        except BaseException:
+            self._abandon_feed()
+            raise
+
+    def _hand_over(self, index: int, local: torch.Tensor, spread_out: bool) -> None:
+        """Give segment ``index``'s local momentum to the step's one exchange job, started at
+        the step's first launch: all of a step's segments are pipelined in launch order
+        (``spread_out``: launched one by one from the backward pass, not all at once)."""
+        if self._feed is None:
+            def run(fed: Iterator[tuple[int, torch.Tensor]],
+                    on_result: Callable[[int, torch.Tensor], None]) -> None:
+                self._run_exchanges(fed, on_result, jobs_spread_out=spread_out)
+
+            self._feed = ExchangeFeed(list(range(len(self._segments))), run, self.comm)
+        self._feed.put(index, local)
+        self._launched[index] = self._feed.results[index]
+
+    def _abandon_feed(self) -> None:
+        """End a step's exchange job that will not get all its segments (the caller failed),
+        so that it does not hold the communication thread."""
+        if self._feed is not None and len(self._launched) < len(self._segments):
+            self._feed.abandon()
+        self._feed = None
 
     def _check_launch(self, index: int) -> None:
         if self._step_count < self.freeze_step:  # (not self.compressing: no per-call scan)
@@ -263,20 +308,12 @@ class OneBitAdam(torch.optim.Optimizer):
         if index in self._launched:
             raise RuntimeError(f"exchange segment {index} was already launched this step")
 
-    def _launch_local(self, index: int, local: torch.Tensor) -> None:
-        result: list[torch.Tensor] = []
-        handle = self.comm.run_async(lambda: result.append(self._exchange(index, local)))
-        self._launched[index] = _Launched(handle, result)  # its own job: position 0
-
-    def wait_exchanges(self) -> None:
-        """Wait for every launched exchange (they stay pending until :meth:`step`)."""
-        for launched in self._launched.values():
-            launched.handle.wait()
-
     def discard_exchanges(self) -> None:
         """Forget this step's launched exchanges (the step is skipped): errors unchanged."""
-        self.wait_exchanges()
-        self._launched.clear()
+        self._abandon_feed()
+        launched, self._launched = self._launched, {}
+        for result in launched.values():
+            result.result()  # finished (or its error raised) before it is dropped
 
     # --- state ------------------------------------------------------------------------------
     @property
@@ -414,26 +451,8 @@ class OneBitAdam(torch.optim.Optimizer):
         """x -= lr * (update + wd * x) for the parameters of one group; ``update`` is the
         group's flat slice (consumed)."""
         params = group["params"]
-        if not params:
-            return
-        views = self._param_views(update, 0, params)
-        if group["weight_decay"] != 0:
-            torch._foreach_add_(views, params, alpha=group["weight_decay"])
-        if all(p.dtype == torch.float32 for p in params):
-            torch._foreach_add_(params, views, alpha=-group["lr"])
-        else:
-            for p, view in zip(params, views, strict=True):
-                p.add_(view.to(p.dtype), alpha=-group["lr"])
-
-    @staticmethod
-    def _param_views(flat: torch.Tensor, start: int,
-                     params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """Views of ``flat`` shaped like ``params``, laid out from ``start``."""
-        views, offset = [], start
-        for p in params:
-            views.append(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
+        if params:
+            apply_update(group, params, param_views(update, params))
 
     def _warmup_step(self) -> None:
         grad = self._gather_grad()
@@ -443,8 +462,7 @@ class OneBitAdam(torch.optim.Optimizer):
             m.mul_(beta1).add_(g, alpha=1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             self._apply_update(group, m / v.sqrt().add_(group["eps"]))
-        self._step_count += 1
-        self._step_tensor.fill_(float(self._step_count))
+        self._count_step()
 
     @torch.no_grad()
     def local_momentum(self) -> torch.Tensor:
@@ -454,13 +472,12 @@ class OneBitAdam(torch.optim.Optimizer):
         Public so that a single-process simulation of p workers can drive exactly the
         arithmetic of :meth:`step` (see tests/test_onebit_adam.py).
         """
-        grad = self._gather_grad()
         if len(self._segments) == 1 and self._segments[0].ranges == [(0, self.numel)]:
-            return self.segment_momentum(0, grad)  # already in the flat order
+            return self.segment_momentum(0, self._segment_grad(0))  # already in flat order
         local = torch.empty_like(self._exp_avg)
         for index in range(len(self._segments)):
             self.scatter_segment(local, index,
-                                 self.segment_momentum(index, self.gather_segment(grad, index)))
+                                 self.segment_momentum(index, self._segment_grad(index)))
         return local
 
     @torch.no_grad()
@@ -478,6 +495,18 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _frozen_variance_update(self) -> None:
         """x -= lr * (m / (sqrt(v_frozen) + eps) + wd * x) from the averaged m; count the step."""
+        for index in range(len(self._segments)):
+            self._update_segment(index)
+        self._count_step()
+
+    def _count_step(self) -> None:
+        self._step_count += 1
+        self._step_tensor.fill_(float(self._step_count))
+
+    def _update_segment(self, index: int) -> None:
+        """The frozen-variance update of segment ``index``'s parameters from the averaged m.
+        Element by element, so a step updated segment by segment (as each exchange lands)
+        gives the same bits as one over the whole buffer."""
         if self._denom is None:
             self._denom = torch.empty_like(self._exp_avg_sq)
             for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
@@ -486,11 +515,11 @@ class OneBitAdam(torch.optim.Optimizer):
         # DeepSpeed's order of operations, kept exactly: a fused x (1 - lr wd) - lr m / d is the
         # same update but rounds differently, and measured 1.030 of AdamW's validation loss on
         # the default task against 1.027 (bench/compression_convergence.py).
-        torch.div(self._exp_avg, self._denom, out=self._update)
-        for group, (start, end) in zip(self.param_groups, self._group_ranges, strict=True):
-            self._apply_update(group, self._update[start:end])
-        self._step_count += 1
-        self._step_tensor.fill_(float(self._step_count))
+        for start, end in self._segments[index].ranges:
+            torch.div(self._exp_avg[start:end], self._denom[start:end],
+                      out=self._update[start:end])
+        for group_index, params, views in self._views[index].update_runs:
+            apply_update(self.param_groups[group_index], params, views)
 
     def _hierarchical_exchange(self, local: torch.Tensor, errors: OneBitErrorBuffers,
                                errors_out: OneBitErrorBuffers) -> torch.Tensor:
@@ -525,25 +554,29 @@ class OneBitAdam(torch.optim.Optimizer):
             raise RuntimeError(f"OneBitAdam was built for {self._world} ranks on axis "
                                f"'{self.axis}' but it now has {world}; build the optimizer "
                                "after the process group")
+        def land(index: int, averaged: torch.Tensor) -> None:
+            # m <- the averaged momentum of the segment, in place, and its parameters' update:
+            # segment k's update runs while the later segments are still on the wire.
+            self.scatter_segment(self._exp_avg, index, averaged)
+            self._update_segment(index)
+
+        indices = list(range(len(self._segments)))
         if self._launched:
-            # Exchanges started from the backward pass: every segment must have been launched.
+            # Exchanges started earlier (from the backward pass, or after clipping): every
+            # segment must have been launched. Each is used as soon as it lands.
             if len(self._launched) != len(self._segments):
-                missing = sorted(set(range(len(self._segments))) - set(self._launched))
+                missing = sorted(set(indices) - set(self._launched))
+                self._abandon_feed()
+                self._launched.clear()
                 raise RuntimeError(f"exchange segments {missing} were not launched this step")
-            self.wait_exchanges()
-            averaged = [launched.results[launched.position]
-                        for _, launched in sorted(self._launched.items())]
-            self._launched.clear()
+            launched, self._launched, self._feed = self._launched, {}, None
+            for index in indices:
+                land(index, launched[index].result())
         else:
-            local = self.local_momentum()
-            indices = list(range(len(self._segments)))
-            averaged = self._exchange_all(
-                indices, [self.gather_segment(local, index) for index in indices])
+            self._run_exchanges(((index, self.segment_momentum(index, self._segment_grad(index)))
+                                 for index in indices), land)
         self._current = 1 - self._current  # commit this step's errors
-        # m <- the averaged momentum, written in place segment by segment.
-        for index, values in enumerate(averaged):
-            self.scatter_segment(self._exp_avg, index, values)
-        self._frozen_variance_update()
+        self._count_step()
         return loss
 
 
