@@ -60,6 +60,7 @@ from mcpar.optim.onebit_segments import (
     Segment,
     apply_update,
     bucket_ranges,
+    copy_grads,
     param_views,
     plan_segment_views,
     plan_segments,
@@ -222,14 +223,7 @@ class OneBitAdam(torch.optim.Optimizer):
     def _segment_grad(self, index: int) -> torch.Tensor:
         """Segment ``index``'s ``.grad`` fields, flat in its order (missing ones are zero)."""
         views = self._views[index]
-        for p, view in zip(views.params, views.grads, strict=True):
-            grad = p.grad
-            if grad is None:
-                view.zero_()
-            elif grad.is_sparse:
-                raise RuntimeError("OneBitAdam does not support sparse gradients")
-            else:
-                view.copy_(grad.reshape(-1))
+        copy_grads(views.params, views.grads)
         return views.grad
 
     def _run_exchanges(self, fed: Iterable[tuple[int, torch.Tensor]],
@@ -437,14 +431,8 @@ class OneBitAdam(torch.optim.Optimizer):
     # --- math -------------------------------------------------------------------------------
     def _gather_grad(self) -> torch.Tensor:
         """Every parameter's gradient in the flat fp32 scratch buffer (None counts as zero)."""
-        for p, offset, numel in self._layout:
-            target = self._flat_grad[offset:offset + numel]
-            if p.grad is None:
-                target.zero_()
-            elif p.grad.is_sparse:
-                raise RuntimeError("OneBitAdam does not support sparse gradients")
-            else:
-                target.copy_(p.grad.reshape(-1))
+        copy_grads([p for p, _, _ in self._layout],
+                   [self._flat_grad[offset:offset + numel] for _, offset, numel in self._layout])
         return self._flat_grad
 
     def _apply_update(self, group: dict[str, Any], update: torch.Tensor) -> None:

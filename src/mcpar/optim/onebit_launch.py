@@ -71,4 +71,3 @@ class ExchangeFeed:
                 if not future.done():
                     future.set_exception(err)
             raise
-

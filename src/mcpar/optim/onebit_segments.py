@@ -169,3 +169,14 @@ def apply_update(group: dict[str, Any], params: list[torch.nn.Parameter],
     else:
         for p, view in zip(params, views, strict=True):
             p.add_(view.to(p.dtype), alpha=-group["lr"])
+
+
+def copy_grads(params: Sequence[torch.nn.Parameter], targets: Sequence[torch.Tensor]) -> None:
+    """Each parameter's ``.grad`` into its flat target (a missing gradient counts as zero)."""
+    for p, target in zip(params, targets, strict=True):
+        if p.grad is None:
+            target.zero_()
+        elif p.grad.is_sparse:
+            raise RuntimeError("OneBitAdam does not support sparse gradients")
+        else:
+            target.copy_(p.grad.reshape(-1))
