@@ -40,18 +40,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dp_vs_ddp import DDPSide  # a sibling: run as a script (torchrun), bench/ is on sys.path
 from torch.distributed.elastic.multiprocessing.errors import record
 
-# bench/ is not a package: make its modules importable however this file is started.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dp_vs_ddp import DDPSide  # noqa: E402
-
-from mcpar.config import JobConfig, load_config  # noqa: E402
-from mcpar.data import BatchStream, load_corpus  # noqa: E402
-from mcpar.device import keep_freed_host_memory  # noqa: E402
-from mcpar.models.spec import get_model_spec  # noqa: E402
-from mcpar.topology import resolve_layout  # noqa: E402
+from mcpar.config import JobConfig, load_config
+from mcpar.data import BatchStream, load_corpus
+from mcpar.device import keep_freed_host_memory
+from mcpar.models.spec import get_model_spec
+from mcpar.topology import resolve_layout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

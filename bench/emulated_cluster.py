@@ -3,7 +3,7 @@
 Why
     Gradient compression (1-bit Adam, PowerSGD) and hierarchical all-reduce exist for clusters
     whose inter-node links are much slower than the links inside a node. This benchmark builds
-    such a cluster on one machine (``bench/netcluster.py``: network namespaces as nodes, a
+    such a cluster on one machine (the ``netcluster`` package: network namespaces as nodes, a
     ``rate``/``delay`` shaped link between them, loopback inside each) and trains the same GPT
     on the same data with torch DDP and with mcpar, each job started by one ``torchrun`` per
     node with a static rendezvous across the nodes, exactly as on a real cluster.
@@ -100,14 +100,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import netcluster
+from netcluster import LoopbackCluster, NetCluster, NetClusterError
+from netcluster.stats import WireMonitor, link_health, wire_tx_bytes
+from netcluster.torchrun import launch_torchrun
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(BENCH))
-
-import netcluster  # noqa: E402
-from netcluster import LoopbackCluster, NetCluster, NetClusterError  # noqa: E402
-from netcluster_stats import WireMonitor, link_health, wire_tx_bytes  # noqa: E402
-from netcluster_torchrun import launch_torchrun  # noqa: E402
 
 
 @dataclass

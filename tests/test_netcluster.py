@@ -1,4 +1,4 @@
-"""The emulated cluster (bench/netcluster.py) really shapes its links and always cleans up.
+"""The emulated cluster (src/netcluster) really shapes its links and always cleans up.
 
 Why these tests: every slow-link benchmark figure rests on the link being what it claims. So
 the rate and the delay are measured with real TCP traffic between two node namespaces, the
@@ -19,13 +19,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-import netcluster  # noqa: E402
-import netcluster_torchrun  # noqa: E402
-from netcluster import NetCluster  # noqa: E402
-from netcluster_stats import link_health  # noqa: E402
+import netcluster
+from netcluster import NetCluster
+from netcluster import torchrun as netcluster_torchrun
+from netcluster.stats import link_health
 
 OK, WHY = netcluster.available()
 needs_netns = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
@@ -198,7 +195,7 @@ def test_the_forwarders_timer_wakes_it_when_a_frame_falls_due() -> None:
     import select
     import time
 
-    from netcluster_forwarder import WakeTimer
+    from netcluster.forwarder import WakeTimer
 
     timer = WakeTimer()
     assert timer.fd is not None, "timerfd_create through libc failed"
@@ -246,13 +243,12 @@ def test_teardown_when_the_body_raises() -> None:
 
 @needs_netns
 def test_teardown_on_sigterm() -> None:
-    code = textwrap.dedent(f"""
-        import json, sys, time
-        sys.path.insert(0, {str(REPO / 'bench')!r})
+    code = textwrap.dedent("""
+        import json, time
         from netcluster import NetCluster
         with NetCluster(2, rate="10mbit", delay="5ms") as c:
             sleeper = c.run_on_node(1, ["sleep", "60"])
-            print(json.dumps({{"ns": c.namespaces, "pid": sleeper.pid}}), flush=True)
+            print(json.dumps({"ns": c.namespaces, "pid": sleeper.pid}), flush=True)
             time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -29,7 +29,7 @@ Topology
       the kernel, each hop's egress gets ``netem delay delay/2`` above its ``tbf`` and a kernel
       bridge switches the frames. Many small VMs' kernels (this one included) ship without
       ``sch_netem``; then the switch is a small user-space process in the switch namespace
-      (``netcluster_forwarder.py``) that reads frames from the switch-side veths with
+      (``netcluster.forwarder``) that reads frames from the switch-side veths with
       AF_PACKET sockets, holds each until the wire would have delivered it (serialized at
       ``rate`` on the sender's uplink and the receiver's downlink, plus ``delay``), and sends
       it on. Frames travel with their virtio-net header
@@ -49,14 +49,14 @@ Topology
 Teardown
     Everything is removed on exit, on exceptions and on SIGINT/SIGTERM (the handlers turn the
     signal into an exception so the ``with`` block unwinds); processes started on the nodes are
-    killed first. If the owner was SIGKILLed, ``python bench/netcluster.py cleanup`` removes
+    killed first. If the owner was SIGKILLed, ``python -m netcluster cleanup`` removes
     leftovers whose owner is dead (``--all``: every ``mcnc-`` namespace).
 
 CLI
-    python bench/netcluster.py run --nodes 2 --rate 100mbit --delay 1ms --nproc-per-node 1 \\
+    python -m netcluster run --nodes 2 --rate 100mbit --delay 1ms --nproc-per-node 1 \\
         -- script.py args...          # torchrun on every node, exit code of the worst node
-    python bench/netcluster.py run ... -- -m mcpar.cli train --run-dir runs/x
-    python bench/netcluster.py cleanup [--all]
+    python -m netcluster run ... -- -m mcpar.cli train --run-dir runs/x
+    python -m netcluster cleanup [--all]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TypeVar
 
-from netcluster_host import (
+from .host import (
     ROOT_PREFIX,
     NetClusterError,
     allow_congestion_control,
@@ -85,7 +85,6 @@ from netcluster_host import (
     cleanup,
     death_signal_preexec,
     kill_ns_processes,
-    list_namespaces,  # noqa: F401 (part of this module's API: tests and callers use it)
     netem_available,
     ns_exec,
     sh,
@@ -361,9 +360,8 @@ class NetCluster(_Namespaces):
 
     def _start_forwarder(self) -> None:
         ifaces = ",".join(SWITCH_IF.format(k=k) for k in range(self.num_nodes))
-        forwarder = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                 "netcluster_forwarder.py")
-        argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder,
+        argv = ["ip", "netns", "exec", self.switch_ns, sys.executable, "-m",
+                "netcluster.forwarder",
                 "--delay-s", repr(self.delay_s), "--rate-bps", repr(self.rate_bps),
                 "--queue-s", repr(self.queue_s), "--ifaces", ifaces]
         proc: subprocess.Popen[bytes] = subprocess.Popen(
@@ -411,7 +409,7 @@ class LoopbackCluster(_Namespaces):
 # --- CLI --------------------------------------------------------------------------------------
 
 def _run_main(args: argparse.Namespace) -> int:
-    from netcluster_torchrun import launch_torchrun  # it builds on this module
+    from .torchrun import launch_torchrun  # it builds on this module
 
     script = list(args.script)
     if script and script[0] == "--":
@@ -440,7 +438,8 @@ def _congestion_control_arg(value: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m netcluster",
+                                description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="{run,cleanup}")
     run = sub.add_parser("run", help="run torchrun on every node of a fresh cluster")
     run.add_argument("--nodes", type=int, default=2)
@@ -472,7 +471,3 @@ def main(argv: list[str] | None = None) -> int:
     except NetClusterError as err:
         print(f"netcluster: {err}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
 """Starting a job on an emulated cluster the way users start a multi-node job: one ``torchrun``
-per node (network namespace of ``netcluster.py``), with a static rendezvous across the nodes."""
+per node (network namespace of ``netcluster.cluster``), with a static rendezvous across the
+nodes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from netcluster import DEFAULT_MASTER_PORT, _Namespaces, _terminate
+from .cluster import DEFAULT_MASTER_PORT, _Namespaces, _terminate
 
 
 @dataclass

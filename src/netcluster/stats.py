@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from netcluster import SWITCH_IF, LoopbackCluster, NetCluster
+from .cluster import SWITCH_IF, LoopbackCluster, NetCluster
 
 # Tcp (snmp) and TcpExt (netstat) fields that say how TCP recovered from losses.
 TCP_FIELDS = ("RetransSegs",)

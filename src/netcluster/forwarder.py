@@ -1,7 +1,7 @@
 """The user-space switch of an emulated cluster whose kernel lacks ``netem``: the wire's model.
 
 Started by ``netcluster.NetCluster`` inside the switch namespace as
-``python netcluster_forwarder.py --delay-s D --rate-bps R --ifaces nc-s0,nc-s1``; it prints
+``python -m netcluster.forwarder --delay-s D --rate-bps R --ifaces nc-s0,nc-s1``; it prints
 "ready" once every socket is bound and runs until SIGTERM. It switches each frame to the right
 port and holds it as the wire would: serialized at the link rate on the sender's uplink and
 the receiver's downlink, plus the one-way delay (``LinkModel``). The kernel's tbf on each

@@ -1,7 +1,7 @@
 """The host side of an emulated cluster: running ``ip`` / ``tc``, probing what the kernel can
 do, and removing what a dead run left behind.
 
-Split from ``netcluster.py``, which builds the clusters on top of these helpers.
+Split from ``netcluster.cluster``, which builds the clusters on top of these helpers.
 """
 
 from __future__ import annotations
