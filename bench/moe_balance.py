@@ -1,11 +1,11 @@
 """MoE expert load balancing: static, greedy and reinforcement placement on a drifting trace.
 
 What it measures
-    ``mcpar.controllers.load_balance.ExpertLoadBalancer`` under its three policies, fed the SAME
-    synthetic routing trace. Per policy: the mean imbalance (max rank load / mean rank load, mean
-    over layers and steps), the mean step cost (imbalance + ``--migration-cost`` x experts moved
-    in that step, the objective the balancer minimizes) and the experts moved. The imbalance of
-    step t is measured with the placement in effect during step t; a swap decided at the end of
+    ``mcpar.controllers.compute.load_balance.ExpertLoadBalancer`` under its three policies, fed the
+    SAME synthetic routing trace. Per policy: the mean imbalance (max rank load / mean rank load,
+    mean over layers and steps), the mean step cost (imbalance + ``--migration-cost`` x experts
+    moved in that step, the objective the balancer minimizes) and the experts moved. The imbalance
+    of step t is measured with the placement in effect during step t; a swap decided at the end of
     step t is charged to step t.
 
 The trace
@@ -138,7 +138,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mcpar.controllers.load_balance import ExpertLoadBalancer, imbalance
+from mcpar.controllers.compute.load_balance import ExpertLoadBalancer, imbalance
 
 POLICIES = ("static", "greedy", "reinforcement")
 REPO = Path(__file__).resolve().parents[1]

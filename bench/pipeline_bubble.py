@@ -46,7 +46,7 @@ from bench_workers import run_worker
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage, schedule_problem

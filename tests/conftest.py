@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.metrics import read_metrics
 from mcpar.topology import ParallelDims
 

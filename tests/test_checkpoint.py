@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, recovery_events, run_mcpar, sets, step_losses, worker_pids
 
-from mcpar.checkpoint import SafeFileSystemReader, load_tensors, verify_checkpoint
+from mcpar.checkpoint.manager import SafeFileSystemReader, load_tensors, verify_checkpoint
 from mcpar.metrics import read_metrics
 
 # Losses after a resume must be bitwise equal to the uninterrupted run: compare with ==.

@@ -17,21 +17,21 @@ import pytest
 import torch
 from conftest import REPO, TINY, recovery_events, run_mcpar, sets, step_losses, worker_pids
 
-import mcpar.checkpoint as checkpoint
-from mcpar import checkpoint_packing as packing
-from mcpar.checkpoint import (
+import mcpar.checkpoint.manager as checkpoint
+from mcpar.checkpoint import packing
+from mcpar.checkpoint.async_save import (
+    TEST_DELAY_ENV,
+    BackgroundSave,
+    CheckpointSaveError,
+    StagingBuffers,
+)
+from mcpar.checkpoint.manager import (
     FaultRecoveryManager,
     SafeFileSystemReader,
     find_latest_valid,
     load_tensors,
     verify_checkpoint,
     zstd_available,
-)
-from mcpar.checkpoint_async import (
-    TEST_DELAY_ENV,
-    BackgroundSave,
-    CheckpointSaveError,
-    StagingBuffers,
 )
 from mcpar.config import load_config
 from mcpar.errors import UserError

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mcpar import checkpoint_packing as packing
-from mcpar.checkpoint import SafeFileSystemReader, load_tensors
+from mcpar.checkpoint import packing
+from mcpar.checkpoint.manager import SafeFileSystemReader, load_tensors
 
 
 def _state() -> dict[str, torch.Tensor]:

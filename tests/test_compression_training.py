@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import TINY, run_mcpar, sets
 
-from mcpar.checkpoint import load_tensors
+from mcpar.checkpoint.manager import load_tensors
 from mcpar.config import apply_overrides, parse_config
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.data import DataParallelGradSync
 from mcpar.topology import ParallelDims
 
 STEPS = 20

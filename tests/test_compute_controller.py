@@ -7,12 +7,8 @@ import yaml
 from conftest import run_mcpar, sets
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.compute import (
-    choose_num_microbatches,
-    modelled_step_time,
-    partition_layers,
-    piece_costs,
-)
+from mcpar.controllers.compute.batch_split import choose_num_microbatches, modelled_step_time
+from mcpar.controllers.compute.stage_cut import partition_layers, piece_costs
 from mcpar.metrics import read_metrics
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcpar.controllers.load_balance import (
+from mcpar.controllers.compute.load_balance import (
     ExpertLoadBalancer,
     Swap,
     imbalance,

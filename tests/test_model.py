@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.data import DataParallelGradSync
 from mcpar.topology import ParallelDims
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=256)

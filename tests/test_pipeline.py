@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.launch import find_free_port
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import (

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from conftest import data_parallel_comm
 
 from mcpar.comm.powersgd import PowerSGDCompressor, _orthogonalize
-from mcpar.controllers.communication import CommunicationController
+from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.launch import find_free_port
 from mcpar.topology import ParallelDims
 

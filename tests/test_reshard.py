@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcpar.checkpoint.reshard import reshard, shard_maps
 from mcpar.config import ModelConfig
-from mcpar.controllers.compute import partition_layers
+from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tensor import apply_tensor_parallel
-from mcpar.reshard import reshard, shard_maps
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_heads=4, seq_len=16, vocab_size=64)
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mcpar.capabilities import unsupported_settings
-from mcpar.checkpoint import (
+from mcpar.checkpoint.manager import (
     RecoveryLog,
     checkpoint_dir,
     find_latest_valid,
@@ -24,8 +24,13 @@ from mcpar.checkpoint import (
     resume_problems,
 )
 from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
-from mcpar.controllers.compute import partition_layers, schedule_problems
-from mcpar.controllers.memory import estimate_memory, format_bytes, params_per_pipeline_rank
+from mcpar.controllers.compute.controller import schedule_problems
+from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.controllers.memory.estimate import (
+    estimate_memory,
+    format_bytes,
+    params_per_pipeline_rank,
+)
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem

@@ -28,14 +28,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mcpar.checkpoint import FaultRecoveryManager
+from mcpar.checkpoint.manager import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
+from mcpar.comm.communicator import CommHandle
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
 from mcpar.comm.powersgd import PowerSGDCompressor
 from mcpar.config import JobConfig, to_yaml
-from mcpar.controllers.communication import CommHandle, CommunicationController
-from mcpar.controllers.compute import ComputeController, MicroBatchTask
-from mcpar.controllers.moe_routing import MoERoutingController
+from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+from mcpar.controllers.compute.controller import ComputeController, MicroBatchTask
+from mcpar.controllers.compute.expert_balance import MoERoutingController
+from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
@@ -44,9 +47,9 @@ from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
 from mcpar.optim.onebit_adam import OneBitAdam
 from mcpar.parallel.grad_norm import clip_grad_norm
+from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
-from mcpar.parallelize import parallelize
 from mcpar.topology import detect_node_of_rank, resolve_layout, uses_onebit_adam
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
@@ -77,7 +80,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
         if comm is None:
             raise ValueError("1-bit Adam needs the CommunicationController")
         return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                          freeze_step=opt.freeze_step)
+                          freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm)
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
 
 
@@ -150,9 +153,16 @@ class Trainer:
         self.val_stream = BatchStream(corpus.val, cfg.model.seq_len, gbs, tr.seed)
 
         self.spec = get_model_spec(cfg.model.kind)
-        self.pm = parallelize(cfg, self.dims, self.comm, self.device)
+        self.pm = parallelize(cfg, self.dims, self.comm, self.device,
+                              partition_layers(cfg.model,
+                                               self.dims.pp * cfg.parallelism.virtual_stages))
+        comm_cfg = cfg.controllers.communication
+        self.pm.grad_sync = DataParallelGradSync(
+            self.pm.params, self.comm, bucket_size_mb=comm_cfg.bucket_size_mb,
+            overlap=comm_cfg.overlap,
+            codec=(comm_cfg.compression if comm_cfg.compression in ("fp16", "bf16") else "none"))
         if cfg.controllers.compute.batch_splitting == "dynamic":
-            from mcpar.controllers.batch_split import choose_split
+            from mcpar.controllers.compute.batch_split import choose_split
 
             self.split_report = choose_split(self, env.local_world_size if env else 1)
             if self.rank == 0:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcpar.controllers.communication import CommHandle, CommunicationController
+from mcpar.comm.communicator import CommHandle, Communicator
 
 ONEBIT_CODEC = "1bit"
 
@@ -258,7 +258,7 @@ def _check_buffers(numel: int, world: int, worker_error: torch.Tensor,
 
 
 def onebit_compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor,
-                                server_error: torch.Tensor, comm: CommunicationController,
+                                server_error: torch.Tensor, comm: Communicator,
                                 axis: str = "dp",
                                 errors_out: OneBitErrorBuffers | None = None) -> torch.Tensor:
     """The error-compensated 1-bit average of ``buffer`` over the ranks of ``axis``.
@@ -286,7 +286,7 @@ class OneBitJob:
 
 
 def onebit_compressed_allreduce_many(
-        jobs: Iterable[OneBitJob], comm: CommunicationController, axis: str = "dp",
+        jobs: Iterable[OneBitJob], comm: Communicator, axis: str = "dp",
         on_result: Callable[[int, torch.Tensor], None] | None = None,
         jobs_spread_out: bool = False) -> list[torch.Tensor]:
     """Several independent 1-bit exchanges, pipelined: each job's result is exactly what
@@ -350,7 +350,7 @@ class _InFlight:
     gathered: torch.Tensor | None = None
 
 
-def _start_exchange(job: OneBitJob, world: int, comm: CommunicationController,
+def _start_exchange(job: OneBitJob, world: int, comm: Communicator,
                     axis: str) -> _InFlight:
     """Compress on the worker side and start phase 1: chunk j of the signs, with this
     worker's scale, goes to rank j (each message ends with its scale, so a step costs two
@@ -371,7 +371,7 @@ def _start_exchange(job: OneBitJob, world: int, comm: CommunicationController,
     return _InFlight(job, chunk_bytes, outgoing, received, handle)
 
 
-def _serve_exchange(flight: _InFlight, comm: CommunicationController, axis: str) -> None:
+def _serve_exchange(flight: _InFlight, comm: Communicator, axis: str) -> None:
     """Phase 2: average this rank's chunk over the workers, compress it again and send it with
     its scale to every rank, as an all-to-all of the same message to every peer (see the
     module docstring)."""

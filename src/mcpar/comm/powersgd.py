@@ -1,7 +1,7 @@
 """PowerSGD: low-rank gradient compression with error feedback and warm start.
 
 Why it is written here and not taken from torch: every collective of the job must go through
-the CommunicationController, which counts the bytes and time per operation, mesh axis and
+the Communicator, which counts the bytes and time per operation, mesh axis and
 codec; torch's ``powerSGD_hook`` issues its own ``torch.distributed`` calls from inside DDP's
 C++ reducer, which this framework does not use, so its traffic would be invisible to it. (On
 gloo that hook also deadlocks with two or more DDP buckets: its future callbacks block gloo's
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.comm.communicator import Communicator
 
 POWERSGD_CODEC = "powersgd"
 
@@ -166,7 +166,7 @@ class PowerSGDCompressor:
 
     # --- reduce -------------------------------------------------------------------------------
     @staticmethod
-    def _average_flat(tensors: list[torch.Tensor], comm: CommunicationController, axis: str,
+    def _average_flat(tensors: list[torch.Tensor], comm: Communicator, axis: str,
                       codec: str) -> list[torch.Tensor]:
         """Sum the tensors over the axis in one flat all-reduce and divide by its size."""
         if not tensors:
@@ -178,7 +178,7 @@ class PowerSGDCompressor:
                 zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
 
     @torch.no_grad()
-    def reduce(self, grads: list[torch.Tensor], comm: CommunicationController,
+    def reduce(self, grads: list[torch.Tensor], comm: Communicator,
                axis: str = "dp", key: int = 0) -> None:
         """Replace each gradient in place by its (compressed) average over ``axis``.
 

@@ -12,7 +12,7 @@ Algorithm (algorithms.md §1.2; Tang et al., ICML 2021; DeepSpeed's ``OnebitAdam
   every rank. Then ``x -= lr * (m / (sqrt(v_frozen) + eps) + wd * x)``.
 
 Why it is written here: DeepSpeed's optimizer calls its own communication backend, and every
-collective of this framework has to go through the CommunicationController to be counted.
+collective of this framework has to go through the Communicator to be counted.
 
 All parameters of all groups share one flat float32 momentum and one flat variance buffer (a
 parameter's ``state[p]['exp_avg']`` / ``['exp_avg_sq']`` are views into them), and the frozen
@@ -48,13 +48,13 @@ from typing import Any
 
 import torch
 
+from mcpar.comm.communicator import Communicator
 from mcpar.comm.compression import (
     OneBitErrorBuffers,
     OneBitJob,
     onebit_compressed_allreduce,
     onebit_compressed_allreduce_many,
 )
-from mcpar.controllers.communication import CommunicationController
 from mcpar.optim.onebit_launch import ExchangeFeed
 from mcpar.optim.onebit_segments import (
     Segment,
@@ -77,9 +77,13 @@ class OneBitAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
-                 comm: CommunicationController, axis: str = "dp", lr: float = 1e-3,
+                 comm: Communicator, axis: str = "dp", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, freeze_step: int = 100_000):
+                 weight_decay: float = 0.0, freeze_step: int = 100_000,
+                 dp_algorithm: Callable[[int], str] | None = None):
+        """``dp_algorithm(nbytes)``: the data axis' reduction algorithm for a buffer of that
+        size ('flat' or 'hierarchical'), as the CommunicationController decides it; None is
+        flat."""
         if not isinstance(freeze_step, int) or freeze_step < 1:
             # At least one warm-up step: freezing a variance that was never estimated (zero)
             # would divide the momentum by eps.
@@ -126,7 +130,8 @@ class OneBitAdam(torch.optim.Optimizer):
         # Under a hierarchical data axis the momentum is averaged inside the node in fp32 (fast
         # links) and only the 1/k shard crosses nodes, compressed: the errors are the shard's.
         self._intra = (comm.axis_size("dp_intra") if axis == "dp"
-                       and comm.dp_algorithm(4 * self.numel) == "hierarchical" else 1)
+                       and dp_algorithm is not None
+                       and dp_algorithm(4 * self.numel) == "hierarchical" else 1)
         self._exchange_axis = "dp_inter" if self._intra > 1 else axis
         self._world = comm.axis_size(axis)
         self._update = torch.empty_like(self._exp_avg)  # scratch of the compressed update

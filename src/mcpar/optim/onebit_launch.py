@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from mcpar.controllers.communication import CommHandle, CommunicationController
+from mcpar.comm.communicator import CommHandle, Communicator
 
 # Runs exchanges of (segment index, local momentum) pairs, produced lazily, and reports each
 # (segment index, averaged momentum) as it lands.
@@ -40,7 +40,7 @@ class ExchangeFeed:
     stopped the job (every segment not yet done gets it).
     """
 
-    def __init__(self, indices: list[int], run: RunExchanges, comm: CommunicationController):
+    def __init__(self, indices: list[int], run: RunExchanges, comm: Communicator):
         self.results: dict[int, Future[torch.Tensor]] = {i: Future() for i in indices}
         self._count = len(indices)
         self._queue: queue.SimpleQueue[tuple[int, torch.Tensor] | None] = queue.SimpleQueue()

@@ -13,7 +13,7 @@ Forward of ``ShardedExperts`` (rows = (token, chosen expert) entries of this ran
 3. the received rows are regrouped by local slot and each local expert runs its MLP;
 4. the outputs return by the inverse all-to-all, and are put back in entry order.
 Both all-to-alls are autograd functions whose backward is the opposite all-to-all, all through
-the CommunicationController, so every token byte is counted on the 'ep' axis.
+the Communicator, so every token byte is counted on the 'ep' axis.
 
 Under tensor parallelism each expert's inner width is split over 'tp' (the first weight by
 columns, the second by rows, as Megatron splits a dense MLP): every tp rank dispatches the same
@@ -28,7 +28,7 @@ own tokens, and the expert saw tokens of the whole expert group). Parameters car
 as sharded over 'ep'.
 
 Why hand-written: PyTorch has no MoE dispatch, and the token exchange must go through the
-CommunicationController (counted, and on the groups that ParallelDims owns).
+Communicator (counted, and on the groups that ParallelDims owns).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.comm.communicator import Communicator
 from mcpar.models.moe import Experts, GroupedWeight, MoELayer, expert_mlps
 from mcpar.parallel.tensor import (
     TP_SHARDED_ATTR,
@@ -59,7 +59,7 @@ def is_expert_sharded(p: nn.Parameter) -> bool:
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, comm: CommunicationController,
+    def forward(ctx: Any, rows: torch.Tensor, comm: Communicator,
                 send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         ctx.comm, ctx.send_counts, ctx.recv_counts = comm, send_counts, recv_counts
         return comm.all_to_all_rows(rows, send_counts, recv_counts, axis="ep")
@@ -73,7 +73,7 @@ class _AllToAllRows(torch.autograd.Function):
 class ShardedExperts(nn.Module):
     """This rank's experts of one MoE layer (E/ep slots, each expert's width split over tp)."""
 
-    def __init__(self, full: Experts, comm: CommunicationController, ep_rank: int, ep: int,
+    def __init__(self, full: Experts, comm: Communicator, ep_rank: int, ep: int,
                  tp_rank: int, tp: int):
         super().__init__()
         num_experts = full.num_experts
@@ -129,7 +129,7 @@ class ShardedExperts(nn.Module):
         return out[torch.argsort(order)]
 
 
-def apply_expert_parallel(module: nn.Module, comm: CommunicationController, ep_rank: int,
+def apply_expert_parallel(module: nn.Module, comm: Communicator, ep_rank: int,
                           ep: int, tp_rank: int, tp: int) -> None:
     """Replace, in place, every MoE layer's experts with this rank's ``ShardedExperts`` and
     shard its shared expert over tp. The module must hold the full, initialized model."""

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.comm.communicator import Communicator
 from mcpar.parallel.expert import is_expert_sharded
 from mcpar.parallel.tensor import is_tp_sharded
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
-                   comm: CommunicationController) -> float:
+                   comm: Communicator) -> float:
     """Scale gradients so that their global norm is at most `max_norm` (0 = don't clip).
 
     Returns the global norm before clipping.

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mcpar.controllers.communication import CommHandle, CommunicationController
+from mcpar.comm.communicator import CommHandle, Communicator
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -175,7 +175,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: list[nn.Module], pp_rank: int, pp: int,
-                 comm: CommunicationController, schedule: str, num_microbatches: int,
+                 comm: Communicator, schedule: str, num_microbatches: int,
                  activation_shape: tuple[int, ...],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device, activation_dtype: torch.dtype = torch.float32,

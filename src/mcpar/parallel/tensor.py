@@ -23,7 +23,7 @@ same, but LayerNorm, dropout and the residual adds run on 1/tp of the tokens and
 take 1/tp of the memory.
 
 Why hand-written rather than DTensor / ``parallelize_module``: every collective must go through
-mcpar's CommunicationController, on the "tp" axis, so that bytes and time are counted per axis and
+mcpar's Communicator, on the "tp" axis, so that bytes and time are counted per axis and
 the collectives can later be compressed or run hierarchically. DTensor issues its collectives from
 inside its dispatch, where the controller cannot see, count or replace them. The pieces are few
 (four autograd Functions, three modules, one loss), and the shapes stay plain tensors.
@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mcpar.controllers.communication import CommunicationController
+from mcpar.comm.communicator import Communicator
 from mcpar.models.gpt import MLP, TokenEmbedding
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -69,7 +69,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
     """f without SP: the replicated input feeds every rank's slice; their gradients add up."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
         return x
 
@@ -85,7 +85,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     """g without SP: sum the partial outputs; the (replicated) gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
         comm.all_reduce(out, axis="tp", op="sum")
         return out
@@ -99,7 +99,7 @@ class _GatherAlongSequence(torch.autograd.Function):
     """f with SP: every rank needs the whole sequence; each keeps the sum of its shard's grads."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
         return comm.all_gather_along(x, SEQ_DIM, axis="tp")
 
@@ -112,7 +112,7 @@ class _ReduceScatterAlongSequence(torch.autograd.Function):
     """g with SP: sum the partial outputs but keep only this rank's sequence shard."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
         return comm.reduce_scatter_along(x, SEQ_DIM, axis="tp")
 
@@ -121,7 +121,7 @@ class _ReduceScatterAlongSequence(torch.autograd.Function):
         return ctx.comm.all_gather_along(grad, SEQ_DIM, axis="tp"), None
 
 
-def _enter_parallel_region(x: torch.Tensor, comm: CommunicationController,
+def _enter_parallel_region(x: torch.Tensor, comm: Communicator,
                            sequence_parallel: bool) -> torch.Tensor:
     if comm.axis_size("tp") == 1:
         return x
@@ -129,7 +129,7 @@ def _enter_parallel_region(x: torch.Tensor, comm: CommunicationController,
     return fn.apply(x, comm)
 
 
-def _leave_parallel_region(x: torch.Tensor, comm: CommunicationController,
+def _leave_parallel_region(x: torch.Tensor, comm: Communicator,
                            sequence_parallel: bool) -> torch.Tensor:
     if comm.axis_size("tp") == 1:
         return x
@@ -137,12 +137,12 @@ def _leave_parallel_region(x: torch.Tensor, comm: CommunicationController,
     return fn.apply(x, comm)
 
 
-def enter_tensor_parallel(x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+def enter_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """f on a replicated input (identity forward, gradient summed over tp backward)."""
     return _enter_parallel_region(x, comm, sequence_parallel=False)
 
 
-def leave_tensor_parallel(x: torch.Tensor, comm: CommunicationController) -> torch.Tensor:
+def leave_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """g on partial outputs (summed over tp forward, identity backward)."""
     return _leave_parallel_region(x, comm, sequence_parallel=False)
 
@@ -153,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
     """y[..., local outputs] = f(x) @ W_local^T + b_local: this rank's slice of the outputs."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
-                 comm: CommunicationController, sequence_parallel: bool):
+                 comm: Communicator, sequence_parallel: bool):
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
@@ -174,7 +174,7 @@ class RowParallelLinear(nn.Module):
     """y = g(x_local @ W_local^T) + b: partial products summed over tp, then the whole bias."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
-                 comm: CommunicationController, sequence_parallel: bool):
+                 comm: Communicator, sequence_parallel: bool):
         super().__init__()
         self.weight = weight
         self.register_parameter("bias", bias)
@@ -200,7 +200,7 @@ class VocabParallelTokenEmbedding(nn.Module):
     """
 
     def __init__(self, tok: nn.Embedding, pos: nn.Embedding, dropout: nn.Module,
-                 comm: CommunicationController, tp_rank: int, tp: int, sequence_parallel: bool):
+                 comm: Communicator, tp_rank: int, tp: int, sequence_parallel: bool):
         super().__init__()
         self.tok = tok
         self.pos = pos
@@ -251,7 +251,7 @@ def _mark_sequence_parallel(params: Iterable[nn.Parameter]) -> None:
         setattr(p, SEQUENCE_PARALLEL_ATTR, True)
 
 
-def _validate(module: nn.Module, comm: CommunicationController, tp_rank: int, tp: int,
+def _validate(module: nn.Module, comm: Communicator, tp_rank: int, tp: int,
               sequence_parallel: bool) -> None:
     if tp < 1 or not 0 <= tp_rank < tp:
         raise ValueError(f"tensor-parallel rank {tp_rank} is not in [0, {tp})")
@@ -280,7 +280,7 @@ def _validate(module: nn.Module, comm: CommunicationController, tp_rank: int, tp
                          f"{comm.dims.axis_rank('tp')} of {comm.axis_size('tp')}")
 
 
-def shard_dense_mlp(mlp: nn.Module, comm: CommunicationController, tp_rank: int, tp: int,
+def shard_dense_mlp(mlp: nn.Module, comm: Communicator, tp_rank: int, tp: int,
                     sequence_parallel: bool) -> None:
     """An MLP's ``fc`` column-parallel and ``proj`` row-parallel, in place."""
     mlp.fc = ColumnParallelLinear(_shard(mlp.fc.weight, 0, tp_rank, tp),
@@ -291,7 +291,7 @@ def shard_dense_mlp(mlp: nn.Module, comm: CommunicationController, tp_rank: int,
         _mark_sequence_parallel([mlp.proj.bias])
 
 
-def apply_tensor_parallel(module: nn.Module, comm: CommunicationController, tp_rank: int, tp: int,
+def apply_tensor_parallel(module: nn.Module, comm: Communicator, tp_rank: int, tp: int,
                           sequence_parallel: bool) -> None:
     """Replace, in place, the pieces of a GPT or StageModule with this rank's tp shards.
 
@@ -344,7 +344,7 @@ def apply_tensor_parallel(module: nn.Module, comm: CommunicationController, tp_r
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local_logits: torch.Tensor, targets: torch.Tensor,
-                comm: CommunicationController, tp_rank: int) -> torch.Tensor:
+                comm: Communicator, tp_rank: int) -> torch.Tensor:
         logits = local_logits.float()
         local_vocab = logits.shape[-1]
         # The global max keeps exp() in range. It cancels out of the loss, so it is a constant
@@ -384,7 +384,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
-                                 comm: CommunicationController, tp_rank: int,
+                                 comm: Communicator, tp_rank: int,
                                  tp: int) -> torch.Tensor:
     """Mean token cross-entropy from vocabulary-sharded logits, without gathering them.
 
@@ -401,7 +401,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 
 
 def sync_sequence_parallel_grads(params: Iterable[nn.Parameter],
-                                 comm: CommunicationController) -> None:
+                                 comm: Communicator) -> None:
     """Sum over tp the partial gradients of replicated parameters that act on sequence shards.
 
     One flat buffer, one all-reduce. No-op when tp is 1 or no parameter is marked (no sequence

@@ -12,12 +12,13 @@ choice from the same reduced numbers. The choice is written back into the config
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from mcpar.controllers.compute import choose_num_microbatches
-from mcpar.controllers.memory import estimate_memory, format_bytes
+from mcpar.controllers.memory.estimate import estimate_memory, format_bytes
 from mcpar.device import autocast, memory_budget_bytes, synchronize
 from mcpar.parallel.pipeline import schedule_problem
 
@@ -25,6 +26,51 @@ if TYPE_CHECKING:
     from mcpar.trainer import Trainer
 
 REPEATS = 3  # timed repeats per size, after one untimed warm-up
+
+
+def modelled_step_time(num_microbatches: int, micro_time_s: float, pp: int,
+                       virtual_stages: int, schedule: str) -> float:
+    """Step time of `num_microbatches` micro-batches whose forward+backward on one stage takes
+    `micro_time_s`: m slots of work plus the pipeline's fill and drain."""
+    if pp == 1:
+        return num_microbatches * micro_time_s
+    bubble = (pp - 1) / (virtual_stages if schedule == "interleaved_1f1b" else 1)
+    return (num_microbatches + bubble) * micro_time_s
+
+
+@dataclass
+class SplitChoice:
+    num_microbatches: int
+    micro_batch_size: int
+    modelled_step_s: float
+    table: list[tuple[int, float, float, bool]]  # (m, step seconds, memory bytes, fits)
+
+
+def choose_num_microbatches(
+    rank_batch: int, fixed_cost_s: float, per_sequence_s: float, pp: int, virtual_stages: int,
+    schedule: str, memory_bytes: Callable[[int, int], float], budget_bytes: float,
+    allowed: Callable[[int], bool],
+) -> SplitChoice:
+    """The micro-batch count that minimizes the modelled step time within the memory budget.
+
+    A micro-batch of b sequences is modelled as ``fixed_cost_s + per_sequence_s * b`` (measured):
+    fewer, larger micro-batches pay the fixed cost less often but lengthen the pipeline's fill and
+    drain and hold more activations. ``memory_bytes(m, b)`` is the per-rank estimate.
+    """
+    table = []
+    for m in range(1, rank_batch + 1):
+        if rank_batch % m or not allowed(m):
+            continue
+        b = rank_batch // m
+        step = modelled_step_time(m, fixed_cost_s + per_sequence_s * b, pp, virtual_stages,
+                                  schedule)
+        mem = memory_bytes(m, b)
+        table.append((m, step, mem, mem <= budget_bytes))
+    fitting = [row for row in table if row[3]]
+    if not fitting:
+        raise ValueError("no micro-batch split fits the memory budget")
+    m, step, _, _ = min(fitting, key=lambda row: (row[1], row[0]))
+    return SplitChoice(m, rank_batch // m, step, table)
 
 
 def _time_forward_backward(trainer: Trainer, micro_batch_size: int) -> float:

@@ -2,14 +2,17 @@
 
 1. Build the full model from its spec with the seeded init (every rank draws the same values, so
    every shard below holds exactly the single-process numbers).
-2. Pipeline: the ComputeController's partitioner cuts the blocks into pp x virtual_stages stages;
-   this rank keeps the chunks of its global stages (rank r holds stages r, r + pp, ...).
+2. Pipeline: the plan's stage cut (the ComputeController's) splits the blocks into pp x
+   virtual_stages stages; this rank keeps the chunks of its global stages (rank r holds stages
+   r, r + pp, ...).
 3. Tensor (and sequence) parallelism shards each kept chunk in place.
 4. Expert parallelism: each MoE layer keeps this rank's experts (split over the expert axis, their
    width over the tensor axis) and exchanges tokens by all-to-all.
 5. Move to the device.
-6. Data parallelism: one bucketed gradient all-reduce over every parameter this rank holds
-   (expert weights over their replicas only).
+
+Data parallelism is not applied here: the CommunicationController's gradient exchange takes the
+parameters this returns (``ParallelModel.params``) and synchronizes them (see
+``mcpar.controllers.communication``).
 
 Building the whole model first costs host memory on every rank; it is what makes the shards
 bit-identical to the single-process model, which the parity tests rely on.
@@ -24,11 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.communication import CommunicationController
-from mcpar.controllers.compute import partition_layers
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.data import DataParallelGradSync
 from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import StageModule, cut_model
@@ -43,7 +44,6 @@ class ParallelModel:
     chunks: list[StageModule]  # this rank's stages, in local chunk order
     layer_ranges: list[tuple[int, int]]  # every global stage's [start, end) blocks
     params: list[nn.Parameter]  # unique parameters this rank holds
-    grad_sync: DataParallelGradSync
     loss_fn: LossFn
 
     @property
@@ -59,14 +59,18 @@ class ParallelModel:
             chunk.train(mode)
 
 
-def parallelize(cfg: JobConfig, dims: ParallelDims, comm: CommunicationController,
-                device: torch.device) -> ParallelModel:
+def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: torch.device,
+                layer_ranges: list[tuple[int, int]]) -> ParallelModel:
+    """This rank's part of the model. ``layer_ranges``: every global stage's [start, end) blocks,
+    the ComputeController's stage cut from the job's plan."""
     spec = get_model_spec(cfg.model.kind)
     full = spec.build(cfg.model, cfg.training.seed)
 
     # 2. pipeline cut
     virtual = cfg.parallelism.virtual_stages
-    layer_ranges = partition_layers(cfg.model, dims.pp * virtual)
+    if len(layer_ranges) != dims.pp * virtual:
+        raise ValueError(f"{len(layer_ranges)} stage ranges for pipeline {dims.pp} x "
+                         f"virtual_stages {virtual}")
     pp_rank = dims.axis_rank("pp")
     chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, dims.pp))
               for c in range(virtual)]
@@ -88,20 +92,12 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: CommunicationControlle
     # 5. device
     chunks = [chunk.to(device) for chunk in chunks]
 
-    # 6. data parallelism over the unique parameters (a tied weight is one parameter)
+    # The unique parameters (a tied weight is one parameter), for the gradient exchange.
     unique: dict[int, nn.Parameter] = {}
     for chunk in chunks:
         for p in chunk.parameters():
             unique.setdefault(id(p), p)
     params = list(unique.values())
-    grad_sync = DataParallelGradSync(
-        params, comm, bucket_size_mb=cfg.controllers.communication.bucket_size_mb,
-        overlap=cfg.controllers.communication.overlap,
-        # fp16/bf16 cast the wire; 1-bit and PowerSGD are set up by the trainer.
-        codec=(cfg.controllers.communication.compression
-               if cfg.controllers.communication.compression in ("fp16", "bf16") else "none"),
-    )
-
     if dims.tp > 1:
         tp_rank = dims.axis_rank("tp")
 
@@ -111,4 +107,4 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: CommunicationControlle
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    return ParallelModel(chunks, layer_ranges, params, grad_sync, loss_fn)
+    return ParallelModel(chunks, layer_ranges, params, loss_fn)

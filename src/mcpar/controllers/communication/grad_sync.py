@@ -35,7 +35,8 @@ from typing import Protocol
 
 import torch
 
-from mcpar.controllers.communication import CommHandle, CommunicationController
+from mcpar.comm.communicator import CommHandle
+from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.parallel.expert import is_expert_sharded
 
 

@@ -65,15 +65,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mcpar import checkpoint_packing as packing
-from mcpar.checkpoint_async import (
+from mcpar.checkpoint import packing
+from mcpar.checkpoint.async_save import (
     BackgroundSave,
     CheckpointSaveError,
     Coordination,
     StagingBuffers,
     apply_test_delay,
 )
-from mcpar.checkpoint_files import (  # noqa: F401  (re-exported: the files' API)
+from mcpar.checkpoint.files import (  # noqa: F401  (re-exported: the files' API)
     _ZSTD_DESCRIPTOR,
     _ZSTD_FIX,
     MANIFEST,
@@ -92,10 +92,10 @@ from mcpar.checkpoint_files import (  # noqa: F401  (re-exported: the files' API
     verify_checkpoint,
     zstd_available,
 )
-from mcpar.checkpoint_packing import PackedCheckpoint
+from mcpar.checkpoint.packing import PackedCheckpoint
+from mcpar.checkpoint.reshard import restore_resharded
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
-from mcpar.reshard import restore_resharded
 
 FORMAT_VERSION = 2  # 2: tensors packed per group and dtype (checkpoint_packing.py)
 # Config sections whose change makes saved state meaningless (shapes, data order, init).

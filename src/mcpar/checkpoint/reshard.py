@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.compute import partition_layers
+from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import cut_model
@@ -138,7 +138,7 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
     zero; RNG states stay as the config's seed set them. The data stream position is
     layout-independent and is restored by the caller.
     """
-    from mcpar.checkpoint import load_tensors  # the checkpoint module imports this one
+    from mcpar.checkpoint.manager import load_tensors  # the checkpoint module imports this one
 
     cfg, dims = manager.cfg, manager.dims
     old = meta["layout"]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcpar import checkpoint_packing as packing
+from mcpar.checkpoint import packing
 
 # Test hook, never set in production: "STEP:SECONDS" makes rank 0's writer sleep after the shard
 # files of step STEP are written and before it commits them, so that a test can kill a worker

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mcpar.checkpoint_packing import PackedCheckpoint
+from mcpar.checkpoint.packing import PackedCheckpoint
 from mcpar.errors import UserError, problem
 
 try:  # DCP's zstd stream transform (experimental API); it needs `zstandard` or `pyzstd`

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcpar.config import JobConfig
-from mcpar.controllers.compute import partition_layers
+from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.topology import ParallelDims
 

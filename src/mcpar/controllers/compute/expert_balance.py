@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from mcpar.config import JobConfig
-from mcpar.controllers.communication import CommunicationController
-from mcpar.controllers.load_balance import ExpertLoadBalancer, imbalance
+from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.compute.load_balance import ExpertLoadBalancer, imbalance
 from mcpar.models.moe import MoELayer
 from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
 from mcpar.topology import ParallelDims
