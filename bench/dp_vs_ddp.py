@@ -19,8 +19,11 @@ What it measures
     (many of them) resist such load better than long ones.
 
     The two models train independently on identical data from identical weights, so their losses
-    must agree step by step (fp32: to about 1e-4); ``max_abs_loss_diff`` is the largest difference
-    over the timed steps, on any rank, and ``max_abs_param_diff`` compares the final weights.
+    must agree step by step (fp32: to 1e-4 over the first 20 steps, warm-up included, else a
+    warning); compared is the step's loss averaged over the ranks (mcpar's own figure against
+    the mean of DDP's per-rank losses). ``max_abs_loss_diff`` is the largest difference over the
+    timed steps, ``max_abs_loss_diff_first_20_steps`` the one the warning judges, and
+    ``max_abs_param_diff`` compares the final weights.
 
 How to run
     python bench/dp_vs_ddp.py [--steps N] [--warmup W] [--rounds R] [--nproc 2]
@@ -59,6 +62,10 @@ from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.trainer import Trainer, build_optimizer, lr_at
+
+# DESIGN.md §5: fp32 loss parity, |Δ mean loss| <= 1e-4 over the first 20 steps.
+LOSS_PARITY_FP32 = 1e-4
+PARITY_STEPS = 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,8 +218,17 @@ def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) ->
                   + ", ".join(f"{n} {tokens_per_step * args.steps / seconds[n][-1]:.0f} tok/s"
                               for n in ("mcpar", "ddp")))
 
-    local_diff = max(abs(losses["mcpar"][s] - losses["ddp"][s]) for s in timed_steps)
-    max_loss_diff = reduce_scalar(local_diff, dist.ReduceOp.MAX)
+    # Like for like: mcpar's step loss is already the mean over ranks (StepResult.loss), the
+    # DDP side's is this rank's own, so it is averaged over the ranks here, after the timed
+    # rounds (as bench/ddp_peer.py does), in float64 like mcpar's. Steps 0, 1, ... in order.
+    all_steps = sorted(losses["ddp"])
+    ddp_mean = torch.tensor([losses["ddp"][s] for s in all_steps], dtype=torch.float64)
+    dist.all_reduce(ddp_mean)
+    ddp_mean /= world
+    mcpar_mean = torch.tensor([losses["mcpar"][s] for s in all_steps], dtype=torch.float64)
+    loss_diff = (mcpar_mean - ddp_mean).abs()
+    max_loss_diff = float(loss_diff[args.warmup:].max())  # the timed steps
+    parity_diff = float(loss_diff[:PARITY_STEPS].max())
     last = timed_steps[-1]
     final = {n: reduce_scalar(losses[n][last], dist.ReduceOp.SUM) / world for n in sides}
     with torch.no_grad():
@@ -223,8 +239,15 @@ def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) ->
     rates = {n: [tokens_per_step * args.steps / s for s in seconds[n]] for n in sides}
     medians = {n: statistics.median(rates[n]) for n in sides}
     round_ratios = [m / d for m, d in zip(rates["mcpar"], rates["ddp"], strict=True)]
-    if max_loss_diff > 1e-4 and cfg.training.dtype == "float32":
-        log(rank, f"WARNING: losses differ by up to {max_loss_diff:.3g} (expected <= 1e-4)")
+    # Same init, data and fp32 math: the two differ only in the order floats are summed (DDP's
+    # buckets against mcpar's), ulps that training then amplifies. Measured, 2 ranks, default
+    # model: mean losses bit-identical over the first 12 steps, 1.8e-6 apart by step 25,
+    # 3.6e-5 by step 83 (weights 3e-4). A real difference is 1e-2 or more: two ranks' batches
+    # differ by 0.1 (the old rank-0-against-mean comparison). So parity is judged as
+    # DESIGN.md §5 states it, <= 1e-4 over the first 20 steps; later steps' drift is reported.
+    if parity_diff > LOSS_PARITY_FP32 and cfg.training.dtype == "float32":
+        log(rank, f"WARNING: mean losses differ by up to {parity_diff:.3g} in the first "
+                  f"{PARITY_STEPS} steps (expected <= {LOSS_PARITY_FP32:g})")
     return {
         "benchmark": "dp_vs_ddp",
         "world_size": world,
@@ -250,6 +273,7 @@ def run_benchmark(args: argparse.Namespace, cfg: JobConfig, trainer: Trainer) ->
         "final_loss_mcpar": final["mcpar"],
         "final_loss_ddp": final["ddp"],
         "max_abs_loss_diff": max_loss_diff,
+        "max_abs_loss_diff_first_20_steps": parity_diff,
         "max_abs_param_diff": max_param_diff,
         "torch_version": torch.__version__,
     }
