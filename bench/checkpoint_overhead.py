@@ -59,6 +59,7 @@ from bench_workers import run_worker, settings_problem
 
 from mcpar.config import JobConfig, load_config
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer
 
 MODES = ("none", "sync", "async")
@@ -99,9 +100,10 @@ def log(rank: int, message: str) -> None:
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    cfg = build_config(args)
+    plan = resolve_plan(build_config(args), env.world_size)
+    cfg = plan.config  # the resolved config: global batch and accumulation filled
     # One folder for all ranks (made by the launching process): a checkpoint is written by all.
-    trainer = Trainer(cfg, args.run_dir, env)
+    trainer = Trainer(plan, args.run_dir, env)
     try:
         result = run_benchmark(args, cfg, trainer, args.run_dir)
     finally:

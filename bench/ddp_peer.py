@@ -47,7 +47,7 @@ from mcpar.config import JobConfig, load_config
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import keep_freed_host_memory
 from mcpar.models.spec import get_model_spec
-from mcpar.topology import resolve_layout
+from mcpar.plan import resolve_plan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,10 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace, world: int) -> JobConfig:
     base = ["training.progress=false", "training.device=cpu", f"training.steps={args.steps}"]
     cfg = load_config(None, base + list(args.overrides))
-    dims = resolve_layout(cfg, world)  # fills global_batch_size and gradient_accumulation
-    if dims.dp != world:
-        raise SystemExit(f"ddp_peer: pure data parallelism only; got {dims.describe()}")
-    return cfg
+    plan = resolve_plan(cfg, world)  # its config has global_batch_size and accumulation filled
+    if plan.dp != world:
+        raise SystemExit(f"ddp_peer: pure data parallelism only; got "
+                         f"{plan.parallel_dims().describe()}")
+    return plan.config
 
 
 def read_wire_tx() -> int | None:

@@ -61,6 +61,7 @@ from mcpar.device import autocast, keep_freed_host_memory, synchronize
 from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
+from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer, build_optimizer, lr_at
 
 # DESIGN.md §5: fp32 loss parity, |Δ mean loss| <= 1e-4 over the first 20 steps.
@@ -167,10 +168,11 @@ def reduce_scalar(value: float, op: dist.ReduceOp.RedOpType) -> float:
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     keep_freed_host_memory()  # as mcpar's workers do on CPU: both sides allocate alike
-    cfg = build_config(args)
+    plan = resolve_plan(build_config(args), env.world_size)
+    cfg = plan.config  # the resolved config: global batch and accumulation filled
     with tempfile.TemporaryDirectory(prefix="mcpar-bench-") as tmp:
         # The Trainer creates the process group (gloo, tcp:// from the launcher's environment).
-        trainer = Trainer(cfg, Path(tmp), env)
+        trainer = Trainer(plan, Path(tmp), env)
         try:
             result = run_benchmark(args, cfg, trainer)
         finally:

@@ -2,7 +2,8 @@
 
 What it measures
     ``--pp`` worker processes (gloo) run one optimizer step's forward and backward of ``--micro``
-    micro-batches through ``mcpar.parallel.pipeline.PipelineExecutor`` under three schedules:
+    micro-batches through ``mcpar.parallel.pipeline.PipelineExecutor`` (the step tasks of
+    ``mcpar.controllers.compute.schedules``) under three schedules:
     ``gpipe`` and ``1f1b`` (one stage per rank) and ``interleaved_1f1b`` (``--virtual`` stages per
     rank). A rank's idle fraction in a step is ``1 - busy / step_time``: busy is the time inside
     its forward/backward tasks (``last_stats.busy_s``), step_time the wall time of the whole step,
@@ -47,10 +48,12 @@ from torch import nn
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.pipeline import PipelineExecutor, global_stage, schedule_problem
+from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model
+from mcpar.parallel.tasks import Task
 from mcpar.topology import ParallelDims
 
 FIXED_SHAPE = (4, 16, 8)  # micro-batch, seq, hidden of the fixed-cost stages: tiny on purpose
@@ -137,7 +140,8 @@ class FixedCostStage(nn.Module):
         return _SleepInBackward.apply(x * self.scale, 2 * self.fwd_s)
 
 
-def measure(executor: PipelineExecutor, make_batches: Callable[[], tuple[list, list]],
+def measure(executor: PipelineExecutor, tasks: list[Task],
+            make_batches: Callable[[], tuple[list, list]],
             warmup: int, repeats: int) -> dict:
     """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier."""
     rank, pp = dist.get_rank(), dist.get_world_size()
@@ -145,7 +149,7 @@ def measure(executor: PipelineExecutor, make_batches: Callable[[], tuple[list, l
     for n in range(warmup + repeats):
         inputs, targets = make_batches()
         dist.barrier()
-        executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None)
+        executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None, tasks)
         stats = executor.last_stats
         step = torch.tensor([stats.total_s], dtype=torch.float64)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
@@ -171,9 +175,10 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
         chunks: list[nn.Module] = [
             FixedCostStage(args.fwd_ms / 1000 / v, first=global_stage(c, rank, pp) == 0)
             for c in range(v)]
-        executor = PipelineExecutor(chunks, rank, pp, comm, schedule, m, FIXED_SHAPE,
+        executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
                                     F.mse_loss, torch.device("cpu"))
-        result = measure(executor, batches, args.warmup, args.repeats)
+        result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
+                         args.repeats)
         expected = theory(pp, m, v)
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,
                          "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
@@ -202,9 +207,10 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
         ranges = [(s * per_stage, (s + 1) * per_stage) for s in range(pp * v)]
         chunks: list[nn.Module] = [cut_model(model, ranges, global_stage(c, rank, pp))
                                    for c in range(v)]
-        executor = PipelineExecutor(chunks, rank, pp, comm, schedule, m,
+        executor = PipelineExecutor(chunks, rank, pp, comm, m,
                                     (*shape, args.hidden), loss_fn, torch.device("cpu"))
-        result = measure(executor, batches, args.warmup, args.repeats)
+        result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
+                         args.repeats)
         model.zero_grad(set_to_none=True)
         expected = theory(pp, m, v)
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,

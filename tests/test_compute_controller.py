@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from conftest import run_mcpar, sets
@@ -67,6 +69,12 @@ def test_dynamic_batch_splitting_end_to_end(tmp_path) -> None:
         "--nproc", "2", "--run-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dynamic batch splitting:" in proc.stdout
+    # The choice is a new plan (plan.json); config.yaml keeps the config as resolved at start.
+    batch = json.loads((run / "plan.json").read_text())["batch"]
+    assert batch["batch_splitting"] == "dynamic"
+    assert batch["micro_batch_size"] * batch["num_microbatches"] == 8
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["micro_batch_size"] == batch["micro_batch_size"]
     resolved = yaml.safe_load((run / "config.yaml").read_text())["optimization"]
-    assert resolved["micro_batch_size"] * resolved["gradient_accumulation"] == 8
+    assert (resolved["micro_batch_size"], resolved["gradient_accumulation"]) == (8, 1)
     assert len(read_metrics(run)) == 3

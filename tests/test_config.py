@@ -8,7 +8,7 @@ import pytest
 
 from mcpar.config import JobConfig, apply_overrides, load_config, parse_config
 from mcpar.errors import UserError
-from mcpar.topology import resolve_layout
+from mcpar.plan import resolve_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,8 @@ def test_seed_config_loads_with_french_keys_and_values() -> None:
     assert cfg.optimization.gradient_accumulation == 8
     assert cfg.optimization.checkpoint.interval == 1000
     assert cfg.optimization.checkpoint.strategy == "selective"
-    dims = resolve_layout(cfg, None)
-    assert (dims.world_size, dims.tp, dims.pp, dims.dp, dims.ep) == (1024, 8, 4, 32, 16)
+    plan = resolve_plan(cfg, None)
+    assert (plan.world_size, plan.tp, plan.pp, plan.dp, plan.ep) == (1024, 8, 4, 32, 16)
 
 
 def test_unknown_key_suggests_nearest() -> None:
@@ -91,7 +91,7 @@ def test_overrides_are_validated_like_the_file() -> None:
 def layout_problems(overrides: list[str], world_size: int | None) -> list[str]:
     cfg = parse_config(apply_overrides({}, overrides))
     with pytest.raises(UserError) as info:
-        resolve_layout(cfg, world_size)
+        resolve_plan(cfg, world_size)
     return info.value.problems
 
 
@@ -119,12 +119,29 @@ def test_several_layout_problems_are_all_reported() -> None:
     assert keys == ["model.num_heads", "model.num_heads", "model.num_layers"]
 
 
-def test_data_degree_and_accumulation_are_derived() -> None:
+def test_data_degree_and_accumulation_are_derived_into_the_plan_not_the_config() -> None:
     cfg = parse_config(apply_overrides({}, ["optimization.global_batch_size=32",
                                             "optimization.micro_batch_size=4"]))
-    dims = resolve_layout(cfg, 4)
-    assert dims.dp == 4 and cfg.optimization.gradient_accumulation == 2
-    assert cfg.parallelism.data == 4
+    plan = resolve_plan(cfg, 4)
+    assert plan.dp == 4 and plan.num_microbatches == 2 and plan.global_batch_size == 32
+    # The plan's config is the resolved one (config.yaml); the user's is left as it was.
+    assert plan.config.parallelism.data == 4
+    assert plan.config.optimization.gradient_accumulation == 2
+    assert cfg.parallelism.data is None and cfg.optimization.gradient_accumulation is None
+
+
+def test_a_validated_config_cannot_be_assigned_to() -> None:
+    cfg = parse_config(apply_overrides({}, ["parallelism.data=2"]))
+    for section, key, value in (("parallelism", "data", 4), ("optimization",
+                                "gradient_accumulation", 3), ("model", "num_layers", 9)):
+        with pytest.raises(Exception, match="frozen"):
+            setattr(getattr(cfg, section), key, value)
+    with pytest.raises(Exception, match="frozen"):
+        cfg.model = cfg.model  # type: ignore[misc]
+    assert cfg.parallelism.data == 2 and cfg.model.num_layers == 4
+    # Resolving a plan, twice, never writes to it either.
+    first, second = resolve_plan(cfg, 2), resolve_plan(cfg, 2)
+    assert first == second and cfg.optimization.gradient_accumulation is None
 
 
 def test_config_reference_is_current() -> None:
@@ -151,6 +168,14 @@ def test_config_reference_is_current() -> None:
       "controllers.communication.powersgd_start_step=400"], 2,
      "controllers.communication.powersgd_start_step", "never compress"),
     (["cluster.inter_node_bandwidth_gbps=10"], 2, "cluster", "all four"),
+    # PowerSGD runs over the whole data axis in one group: under a hierarchical or hybrid
+    # topology it would run flat while the log says otherwise, so it is refused.
+    (["controllers.communication.compression=powersgd",
+      "controllers.communication.topology=hierarchical"], 2,
+     "controllers.communication.topology", "'powersgd'"),
+    (["controllers.communication.compression=powersgd",
+      "controllers.communication.topology=hybrid"], 2,
+     "controllers.communication.topology", "'powersgd'"),
 ])
 def test_impossible_communication_settings_are_refused(overrides: list[str], world: int,
                                                        key: str, words: str) -> None:
@@ -161,12 +186,13 @@ def test_impossible_communication_settings_are_refused(overrides: list[str], wor
 def test_compression_settings_that_work_pass() -> None:
     for overrides in (["controllers.communication.compression=1bit"],
                       ["optimization.optimizer=onebit_adam"],
-                      ["controllers.communication.compression=powersgd",
+                      ["controllers.communication.compression=powersgd"],
+                      ["controllers.communication.compression=1bit",
                        "controllers.communication.topology=hierarchical"],
                       ["controllers.communication.compression=fp16",
                        "controllers.communication.topology=hybrid"]):
         cfg = parse_config(apply_overrides({}, overrides))
-        assert resolve_layout(cfg, 2).dp == 2
+        assert resolve_plan(cfg, 2).dp == 2
 
 
 @pytest.mark.parametrize("overrides,world,words", [

@@ -22,17 +22,18 @@ import torch.nn.functional as F
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import find_free_port
-from mcpar.models.spec import get_model_spec
-from mcpar.parallel.pipeline import (
+from mcpar.controllers.compute.schedules import (
     SCHEDULES,
     Action,
-    PipelineExecutor,
     build_schedule,
-    global_stage,
     schedule_problem,
+    step_tasks,
 )
+from mcpar.launch import find_free_port
+from mcpar.models.spec import get_model_spec
+from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model
+from mcpar.parallel.tasks import TaskKind
 from mcpar.topology import ParallelDims
 
 # (schedule, virtual stages) pairs that build_schedule accepts
@@ -204,30 +205,54 @@ def stages_of_rank(model: torch.nn.Module, pp: int, v: int, rank: int) -> list[t
     return [cut_model(model, ranges, global_stage(c, rank, pp)) for c in range(v)]
 
 
-def lone_executor(schedule: str = "1f1b", m: int = 2, v: int = 1) -> PipelineExecutor:
+def lone_executor(m: int = 2, v: int = 1) -> PipelineExecutor:
     # Rank 0 of a 2-stage pipeline, without peers: enough for errors raised before any receive.
     model = get_model_spec("gpt").build(tiny_config(2 * v), 0)
     comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
-    return PipelineExecutor(stages_of_rank(model, 2, v, 0), 0, 2, comm, schedule, m, (2, 16, 32),
+    return PipelineExecutor(stages_of_rank(model, 2, v, 0), 0, 2, comm, m, (2, 16, 32),
                             lm_loss, torch.device("cpu"))
 
 
-def test_executor_rejects_too_few_micro_batches_for_interleaving() -> None:
+def test_step_tasks_reject_too_few_micro_batches_for_interleaving() -> None:
     with pytest.raises(ValueError, match="multiple of the pipeline degree 2"):
-        lone_executor("interleaved_1f1b", m=1, v=2)
+        step_tasks("interleaved_1f1b", 0, 2, 1, 2)
 
 
 def test_executor_needs_inputs_on_the_first_stage() -> None:
+    tasks = step_tasks("1f1b", 0, 2, 2)
     with pytest.raises(ValueError, match="needs 2 micro-batches of inputs, got none"):
-        lone_executor().run(None, None)
+        lone_executor().run(None, None, tasks)
     with pytest.raises(ValueError, match="got 1"):
-        lone_executor().run([torch.zeros(2, 16, dtype=torch.long)], None)
+        lone_executor().run([torch.zeros(2, 16, dtype=torch.long)], None, tasks)
 
 
 def test_executor_names_an_activation_shape_mismatch() -> None:
     tokens = [torch.zeros(3, 16, dtype=torch.long)] * 2  # 3 sequences, set up for 2
     with pytest.raises(ValueError, match=r"shape \(3, 16, 32\).*\(2, 16, 32\)"):
-        lone_executor().run(tokens, None)
+        lone_executor().run(tokens, None, step_tasks("1f1b", 0, 2, 2))
+
+
+def test_step_tasks_arm_each_chunk_before_its_last_backward() -> None:
+    # Interleaved, rank 0 of 2, 2 chunks, 4 micro-batches.
+    tasks = step_tasks("interleaved_1f1b", 0, 2, 4, 2)
+    kinds = [t.kind for t in tasks]
+    assert kinds[-3:] == [TaskKind.WAIT_SENDS, TaskKind.WAIT_GRADS, TaskKind.OPTIMIZER_STEP]
+    for chunk in range(2):
+        backwards = [i for i, t in enumerate(tasks)
+                     if t.kind is TaskKind.BACKWARD and t.chunk == chunk]
+        (arm,) = [i for i, t in enumerate(tasks)
+                  if t.kind is TaskKind.SYNC_GRADS and t.chunk == chunk]
+        assert arm == backwards[-1] - 1  # right before the chunk's last backward
+    # Every forward of a stage after the first is preceded by its receive, and every backward
+    # of a stage before the last by the receive of its gradient.
+    for i, t in enumerate(tasks):
+        if t.kind is TaskKind.FORWARD and global_stage(t.chunk, 0, 2) > 0:
+            assert tasks[i - 1].kind is TaskKind.RECV_ACTIVATION and tasks[i - 1].micro == t.micro
+    # Without a pipeline: forward, backward of each micro-batch in turn, the arming before
+    # the last backward only.
+    plain = [t.kind.value for t in step_tasks("1f1b", 0, 1, 3)]
+    assert plain == ["forward", "backward", "forward", "backward", "forward", "sync_grads",
+                     "backward", "wait_sends", "wait_grads", "optimizer_step"]
 
 
 # -- executor, real processes -------------------------------------------------------------------
@@ -260,16 +285,17 @@ def run_case(rank: int, pp: int, schedule: str, v: int, m: int, bf16: bool) -> d
     dims = ParallelDims(dp=1, tp=1, pp=pp, ep=1, world_size=pp)
     dims.build_mesh("cpu")
     comm = CommunicationController(dims)
-    hooked: list[int] = []
     shape = (MICRO_BATCH, cfg.seq_len, cfg.hidden_size)
     executor = PipelineExecutor(
-        chunks, rank, pp, comm, schedule, m, shape, lm_loss, torch.device("cpu"),
+        chunks, rank, pp, comm, m, shape, lm_loss, torch.device("cpu"),
         activation_dtype=torch.bfloat16 if bf16 else torch.float32,
         forward_context=(lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16
         else contextlib.nullcontext,
-        before_last_backward=hooked.append,
     )
-    losses = executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None)
+    tasks = step_tasks(schedule, rank, pp, m, v)
+    hooked = [t.chunk for t in tasks if t.kind is TaskKind.SYNC_GRADS]
+    losses = executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None,
+                          tasks)
 
     ref_model, ref_losses = reference(cfg, seed, inputs, targets)
     held = {id(p) for c in chunks for p in c.parameters()}

@@ -24,21 +24,19 @@ from mcpar.checkpoint.manager import (
     resume_problems,
 )
 from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
-from mcpar.controllers.compute.controller import schedule_problems
-from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.controllers.memory.estimate import (
-    estimate_memory,
     format_bytes,
     params_per_pipeline_rank,
 )
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
+from mcpar.faults import FaultInjector
 from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 from mcpar.models.spec import get_model_spec
+from mcpar.plan import JobPlan, resolve_plan
 from mcpar.sim.cli import add_subcommands as add_sim_subcommands
 from mcpar.sim.cli import run as run_sim_command
-from mcpar.topology import ParallelDims, resolve_layout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,18 +87,18 @@ def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -
     return (par.data or 1) * par.tensor * par.pipeline
 
 
-def _check_data(cfg: JobConfig) -> None:
+def _check_data(plan: JobPlan) -> None:
     """Load the corpus once before any worker starts: bad paths, token ids beyond the vocabulary
     or a corpus too small for the sequence length are user errors (exit 2), not a worker crash;
     a BPE tokenizer is trained here once and the workers read it from the cache."""
+    cfg = plan.config
     corpus = load_corpus(
         cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
         token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir,
     )
     # Building the streams runs their checks (e.g. a split too small for model.seq_len).
     for tokens in (corpus.train, corpus.val):
-        BatchStream(tokens, cfg.model.seq_len, cfg.optimization.global_batch_size or 1,
-                    cfg.training.seed)
+        BatchStream(tokens, cfg.model.seq_len, plan.global_batch_size, cfg.training.seed)
 
 
 def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
@@ -119,8 +117,8 @@ def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
     return path
 
 
-def _prepare_run_dir(run_dir: Path, cfg: JobConfig, resume: bool = False,
-                     dims: ParallelDims | None = None) -> None:
+def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> None:
+    cfg, dims = plan.config, plan.parallel_dims()
     ckpt_dir = checkpoint_dir(cfg, run_dir)
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(problem(
@@ -132,8 +130,8 @@ def _prepare_run_dir(run_dir: Path, cfg: JobConfig, resume: bool = False,
             "optimization.checkpoint.dir", f"{ckpt_dir} already holds checkpoints; pass --resume "
             "to continue from them, or choose another directory"
         ))
-    found = find_latest_valid(ckpt_dir) if resume and dims is not None else None
-    if found is not None and dims is not None:
+    found = find_latest_valid(ckpt_dir) if resume else None
+    if found is not None:
         # Refuse before any worker starts: a mismatch is a user error (exit 2), not a crash.
         problems = resume_problems(read_meta(found[1]), cfg, layout_of(dims, cfg))
         if problems:
@@ -142,7 +140,7 @@ def _prepare_run_dir(run_dir: Path, cfg: JobConfig, resume: bool = False,
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(problem("--run-dir", f"cannot create {run_dir}: {err.strerror}")) from None
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # the resolved config, written once
 
 
 def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) -> None:
@@ -164,13 +162,13 @@ def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) 
         ))
 
 
-def _validate_for_training(cfg: JobConfig, world_size: int) -> ParallelDims:
+def _validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
     select_device(cfg.training.device)
-    dims = resolve_layout(cfg, world_size)
-    problems = schedule_problems(cfg) + unsupported_settings(cfg)
+    plan = resolve_plan(cfg, world_size)
+    problems = unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
-    return dims
+    return plan
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -180,22 +178,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = detect_env()
     if env is not None:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
-        dims = _validate_for_training(cfg, env.world_size)
+        plan = _validate_for_training(cfg, env.world_size)
         run_dir = _new_run_dir(args.run_dir, env)
         # A torchrun restart (--max-restarts) resumes like our own launcher's restarts do.
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         if env.rank == 0:
-            _prepare_run_dir(run_dir, cfg, resume, dims)
-        run_worker(cfg, run_dir, env, resume=resume, stop_after=args.stop_after)
+            _prepare_run_dir(run_dir, plan, resume)
+        run_worker(plan.config, run_dir, env, resume=resume, stop_after=args.stop_after)
         return 0
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
-    dims = _validate_for_training(cfg, world_size)
-    _check_data(cfg)
+    plan = _validate_for_training(cfg, world_size)
+    _check_data(plan)
     run_dir = _new_run_dir(args.run_dir, None)
-    _prepare_run_dir(run_dir, cfg, args.resume, dims)
+    _prepare_run_dir(run_dir, plan, args.resume)
     if world_size == 1:
-        trainer = Trainer(cfg, run_dir, None, resume=args.resume, stop_after=args.stop_after)
+        trainer = Trainer(plan, run_dir, None, resume=args.resume, stop_after=args.stop_after,
+                          faults=FaultInjector.from_env())
         trainer.train()
         return 0
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
@@ -217,22 +216,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    dims = resolve_layout(cfg, args.nproc)
-    problems = schedule_problems(cfg)
-    if problems:
-        raise UserError(problems)
-    m, opt, ctl = cfg.model, cfg.optimization, cfg.controllers
+    plan = resolve_plan(_load(args), args.nproc)
+    cfg = plan.config
+    m, ctl = cfg.model, cfg.controllers
     spec = get_model_spec(m.kind)
-    est = estimate_memory(cfg, dims)
+    est = plan.memory
+    exchange = plan.grad_exchange
     lines = [
         f"mcpar check: {args.config} is valid",
-        f"layout:  {dims.describe()}",
-        f"mesh:    pp {dims.pp} x dp {dims.dp} x tp {dims.tp} "
+        f"layout:  {plan.parallel_dims().describe()}",
+        f"mesh:    pp {plan.pp} x dp {plan.dp} x tp {plan.tp} "
         "(tensor innermost within a node, pipeline outermost)",
-        f"batch:   {opt.global_batch_size} sequences per step = micro-batch "
-        f"{opt.micro_batch_size} x accumulation {opt.gradient_accumulation} x data {dims.dp}; "
-        f"{opt.global_batch_size * m.seq_len} tokens",
+        f"batch:   {plan.global_batch_size} sequences per step = micro-batch "
+        f"{plan.micro_batch_size} x accumulation {plan.num_microbatches} x data {plan.dp}; "
+        f"{plan.global_batch_size * m.seq_len} tokens",
         f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}"
         + (f", {m.num_experts} experts top-{m.top_k}" if m.kind == "moe" else "")
@@ -243,12 +240,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"{ctl.memory.allocation} offload={ctl.memory.offload} zero_stage={ctl.memory.zero_stage}; "
         f"communication compression={ctl.communication.compression} "
         f"topology={ctl.communication.topology}",
-        f"pipeline: {dims.pp * cfg.parallelism.virtual_stages} stages of blocks "
-        + " | ".join(f"{a}-{b - 1}" for a, b in
-                     partition_layers(m, dims.pp * cfg.parallelism.virtual_stages))
-        + f" (schedule {cfg.parallelism.schedule})" if dims.pp > 1 else "pipeline: none",
+        f"gradient exchange: {exchange.strategy}, {exchange.topology}, codec {exchange.codec}",
+        f"pipeline: {len(plan.stage_cut)} stages of blocks "
+        + " | ".join(f"{a}-{b - 1}" for a, b in plan.stage_cut)
+        + f" (schedule {plan.schedule})" if plan.pp > 1 else "pipeline: none",
         "parameters per rank by pipeline position: "
-        + ", ".join(f"{n:,} ({format_bytes(4 * n)})" for n in params_per_pipeline_rank(cfg, dims))
+        + ", ".join(f"{n:,} ({format_bytes(4 * n)})"
+                    for n in params_per_pipeline_rank(cfg, plan.parallel_dims()))
         + f" (single process: {est.num_params:,})",
         f"per-rank memory estimate (largest rank, {est.params_per_rank:,} parameters):",
     ]

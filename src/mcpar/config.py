@@ -6,7 +6,8 @@ unchanged. Every problem is reported as one line naming the dotted key path, and
 resulting ``UserError`` into exit code 2.
 
 Cross-field checks that need the world size (degrees multiply to it, batch divisibility) live in
-``resolve_layout`` so that ``mcpar check`` and ``mcpar train`` run the same rules.
+``mcpar.plan.resolve_plan`` so that ``mcpar check``, ``mcpar train`` and ``mcpar simulate`` run
+the same rules.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from mcpar.errors import UserError, problem
 
 
 class _Section(BaseModel):
-    # Unknown keys are errors (with a suggestion), never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors (with a suggestion), never silently ignored. Frozen: once
+    # validated a config is never written to; what a run derives from it lives in its JobPlan
+    # (mcpar.plan), and a changed config is a new object (model_copy).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelConfig(_Section):

@@ -1,17 +1,18 @@
-"""The training loop of one worker: wires config, mesh, controllers, model, data and metrics.
+"""The training loop of one worker: wires the plan, mesh, controllers, model, data and metrics.
 
 Order of construction (fixed, so every rank builds the same thing):
 1. device and process group (explicit device; gloo on CPU, NCCL on CUDA);
-2. ParallelDims and its DeviceMesh;
-3. CommunicationController over the mesh's groups;
+2. ParallelDims of the plan's degrees, and its DeviceMesh;
+3. CommunicationController over the mesh's groups, with the plan's data-axis topology;
 4. data: corpus, training and validation streams (layout-independent sample order);
-5. the model, parallelized in a fixed order (pipeline cut, tensor/sequence sharding, device,
-   data-parallel gradient buckets): see ``parallelize.py``;
-6. batch splitting (fixed, or chosen by the ComputeController), optimizer, pipeline executor;
-7. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
+5. the model, parallelized in a fixed order on the plan's stage cut (``parallel/parallelize.py``);
+6. the gradient sync; dynamic batch splitting, if planned (a new plan); ``plan.json``;
+7. the optimizer and the planned gradient exchange (the CommunicationController's);
+8. the ComputeController, with the step's task list from its schedule generator;
+9. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
    optimizer, RNG, data position) before the run logger opens metrics.jsonl;
-8. the loop: the ComputeController runs the step's tasks, then gradients are clipped over the
-   whole mesh and the optimizer steps; checkpoints are saved between steps.
+10. the loop: the ComputeController runs each step's tasks, the last of which is the update
+    (gradients clipped over the whole mesh, the optimizer step); checkpoints between steps.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ from mcpar.checkpoint.manager import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
 from mcpar.comm.communicator import CommHandle
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
-from mcpar.comm.powersgd import PowerSGDCompressor
-from mcpar.config import JobConfig, to_yaml
+from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.communication.grad_exchange import GradExchangePlan, build_grad_exchange
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
-from mcpar.controllers.compute.controller import ComputeController, MicroBatchTask
+from mcpar.controllers.compute.batch_split import choose_split
+from mcpar.controllers.compute.controller import ComputeController, StepBatch
 from mcpar.controllers.compute.expert_balance import MoERoutingController
-from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
+from mcpar.faults import FaultInjector
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
@@ -50,7 +53,8 @@ from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
-from mcpar.topology import detect_node_of_rank, resolve_layout, uses_onebit_adam
+from mcpar.plan import JobPlan, resolve_plan
+from mcpar.topology import detect_node_of_rank
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
 EVAL_TAG_BASE = 1 << 24
@@ -67,18 +71,17 @@ def lr_at(step: int, cfg: JobConfig) -> float:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
-                    comm: CommunicationController | None = None) -> torch.optim.Optimizer:
-    """AdamW, or 1-bit Adam (AdamW whose momentum is exchanged in 1 bit past its freeze
-    step; it needs the CommunicationController)."""
+                    exchange: GradExchangePlan,
+                    comm: CommunicationController) -> torch.optim.Optimizer:
+    """AdamW, or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
+    is exchanged in 1 bit past its freeze step, through the CommunicationController)."""
     # Weight decay on matrices only; biases and norms are left alone (GPT-2 practice).
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = cfg.optimization
     groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if uses_onebit_adam(cfg):
-        if comm is None:
-            raise ValueError("1-bit Adam needs the CommunicationController")
+    if exchange.strategy == "onebit":
         return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
                           freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm)
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
@@ -95,30 +98,20 @@ class StepResult:
     moe: dict[str, object] | None = None  # routing metrics of a MoE model
 
 
-def fault_nonfinite_steps() -> set[int]:
-    """Fault injection for tests: 1-based steps whose loss is made NaN on rank
-    ``MCPAR_FAULT_RANK`` (default 0), from ``MCPAR_FAULT_NONFINITE_STEPS`` ("3,4")."""
-    raw = os.environ.get("MCPAR_FAULT_NONFINITE_STEPS", "")
-    return {int(v) for v in raw.split(",") if v.strip()}
-
-
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path, env: DistEnv | None,
-                 resume: bool = False, stop_after: int | None = None):
+    def __init__(self, plan: JobPlan, run_dir: Path, env: DistEnv | None,
+                 resume: bool = False, stop_after: int | None = None,
+                 faults: FaultInjector | None = None):
         """``resume``: continue from the newest valid checkpoint (step 0 if there is none).
         ``stop_after``: stop after that step, saving a checkpoint, without changing the
-        schedule (the LR decay still targets ``training.steps``)."""
+        schedule (the LR decay still targets ``training.steps``). ``faults``: what a test
+        injects (None in production)."""
+        cfg = plan.config
         self.cfg = cfg
         self.stop_after = stop_after
+        self.faults = faults
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
-        self.fault_steps = fault_nonfinite_steps()
-        self.fault_rank = int(os.environ.get("MCPAR_FAULT_RANK", "0"))
-        # Fault injection for tests: rank MCPAR_FAULT_RANK hangs at this 1-based step, on the
-        # first start of the job only (a restarted job runs normally).
-        first_start = os.environ.get("MCPAR_RESTART_COUNT", "0") in ("", "0")
-        self.fault_stall_step = (int(os.environ.get("MCPAR_FAULT_STALL_STEP", "0"))
-                                 if first_start else 0)
         self.run_dir = run_dir
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
@@ -134,73 +127,62 @@ class Trainer:
         # that two runs of one config draw the same numbers (a resume restores its state).
         torch.manual_seed(cfg.training.seed)
         self.device_reason = info.reason
-        self.dims = resolve_layout(cfg, env.world_size if env else 1)
+        self.dims = plan.parallel_dims()
         self.dims.build_mesh(info.type)
         self.comm = CommunicationController(self.dims)
-        self._setup_topology()
+        self._setup_topology(plan.grad_exchange.topology)
         self.dp_rank = self.dims.axis_rank("dp")
 
-        opt, tr = cfg.optimization, cfg.training
         corpus = load_corpus(
             cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
             token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir,
             is_main=self.rank == 0, barrier=self.comm.barrier,
         )
         self.corpus_description = corpus.description
-        gbs = opt.global_batch_size
-        assert gbs is not None
+        gbs, tr = plan.global_batch_size, cfg.training
         self.train_stream = BatchStream(corpus.train, cfg.model.seq_len, gbs, tr.seed)
         self.val_stream = BatchStream(corpus.val, cfg.model.seq_len, gbs, tr.seed)
 
         self.spec = get_model_spec(cfg.model.kind)
-        self.pm = parallelize(cfg, self.dims, self.comm, self.device,
-                              partition_layers(cfg.model,
-                                               self.dims.pp * cfg.parallelism.virtual_stages))
-        comm_cfg = cfg.controllers.communication
-        self.pm.grad_sync = DataParallelGradSync(
-            self.pm.params, self.comm, bucket_size_mb=comm_cfg.bucket_size_mb,
-            overlap=comm_cfg.overlap,
-            codec=(comm_cfg.compression if comm_cfg.compression in ("fp16", "bf16") else "none"))
-        if cfg.controllers.compute.batch_splitting == "dynamic":
-            from mcpar.controllers.compute.batch_split import choose_split
-
-            self.split_report = choose_split(self, env.local_world_size if env else 1)
+        self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(plan.stage_cut))
+        comm_plan = plan.grad_exchange
+        self.grad_sync = DataParallelGradSync(self.pm.params, comm_plan.bucket_size_mb,
+                                              overlap=comm_plan.overlap)
+        if plan.batch_splitting == "dynamic":
+            choice, report = choose_split(
+                cfg, self.dims, self.pm.chunks, self.pm.loss_fn, self.device, self.comm,
+                env.local_world_size if env else 1, self.activation_shape,
+                memory_bytes=lambda m, b: plan.with_split(b, m).memory.total_bytes)
+            plan = plan.with_split(choice.micro_batch_size, choice.num_microbatches)
             if self.rank == 0:
-                print(f"mcpar: {self.split_report}", flush=True)
-                # The run directory's config.yaml records what was chosen.
-                (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        num_micro = opt.gradient_accumulation or 1
-        self.optimizer = build_optimizer(self.pm.params, cfg, self.comm)
-        self.powersgd: PowerSGDCompressor | None = None
-        comm_cfg = cfg.controllers.communication
-        if comm_cfg.compression == "powersgd":
-            self.powersgd = PowerSGDCompressor(comm_cfg.powersgd_rank,
-                                               start_iter=comm_cfg.powersgd_start_step,
-                                               seed=tr.seed)
-            compressor = self.powersgd
-            self.pm.grad_sync.set_bucket_reducer(
-                lambda index, grads: compressor.reduce(grads, self.comm, "dp", key=index))
-        if isinstance(self.optimizer, OneBitAdam):
-            self._plan_onebit_exchange()
-        self.executor: PipelineExecutor | None = None
-        if self.dims.pp > 1:
-            self.executor = PipelineExecutor(
-                self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
-                cfg.parallelism.schedule, num_micro, self.activation_shape(opt.micro_batch_size),
-                self.pm.loss_fn, self.device,
-                forward_context=lambda: autocast(self.device, cfg.training.dtype),
-            )
-            self.compute = ComputeController(num_micro, self.pm.grad_sync,
-                                             pipeline_step=self._pipeline_step)
-        else:
-            self.compute = ComputeController(num_micro, self.pm.grad_sync,
-                                             forward_backward=self._forward_backward)
+                print(f"mcpar: {report}", flush=True)
+        self.plan = plan
+        if self.rank == 0 and not resume:
+            write_json_atomic(run_dir / "plan.json", plan.to_json())
+        self.optimizer = build_optimizer(self.pm.params, cfg, comm_plan, self.comm)
+        self.grad_exchange, exchange_text = build_grad_exchange(
+            comm_plan, cfg, self.comm, self.grad_sync, self.optimizer, tr.seed)
+        if self.rank == 0 and comm_plan.strategy != "none":
+            print(f"mcpar: {exchange_text}", flush=True)
+        self.executor = PipelineExecutor(
+            self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
+            plan.num_microbatches, self.activation_shape(plan.micro_batch_size),
+            faults.wrap_loss(self.pm.loss_fn, self.rank) if faults else self.pm.loss_fn,
+            self.device, forward_context=lambda: autocast(self.device, cfg.training.dtype),
+        )
+        self.compute = ComputeController(
+            step_tasks(plan.schedule or "1f1b", self.dims.axis_rank("pp"), self.dims.pp,
+                       plan.num_microbatches, plan.virtual_stages),
+            self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
+            self.grad_sync, self._update)
         self.moe: MoERoutingController | None = None
         if cfg.model.kind == "moe":
-            self.moe = MoERoutingController(cfg, self.dims, self.comm, self.pm.chunks,
+            # The planned split's config: its aux loss is scaled by the micro-batch count.
+            self.moe = MoERoutingController(plan.config, self.dims, self.comm, self.pm.chunks,
                                             self.optimizer, run_dir, is_main=self.rank == 0)
-        rank_state = RankStateGroup([CompressionState(self.optimizer, self.powersgd),
-                                     *([self.moe] if self.moe is not None else [])])
+        rank_state = RankStateGroup([
+            CompressionState(self.optimizer, self.grad_exchange.compressor),
+            *([self.moe] if self.moe is not None else [])])
         self.recovery = FaultRecoveryManager(
             cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
             self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state)
@@ -211,9 +193,8 @@ class Trainer:
             _truncate_metrics(run_dir, self.start_step)
         self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
 
-    def _setup_topology(self) -> None:
+    def _setup_topology(self, topology: str) -> None:
         """Split the data axis by node for hierarchical / hybrid all-reduces."""
-        topology = self.cfg.controllers.communication.topology
         if topology == "flat" or self.dims.dp == 1:
             return
         cluster = self.cfg.cluster
@@ -249,81 +230,37 @@ class Trainer:
             seq //= self.dims.tp
         return (micro_batch_size, seq, self.cfg.model.hidden_size)
 
-    # --- one micro-batch without a pipeline ----------------------------------------------------
     def _micro(self, stream: BatchStream, step: int, micro: int) -> tuple[torch.Tensor, ...]:
         inputs, targets = stream.micro_batch(step, self.dp_rank, self.dims.dp, micro,
-                                             self.cfg.optimization.micro_batch_size)
+                                             self.plan.micro_batch_size)
         return inputs.to(self.device), targets.to(self.device)
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device, self.cfg.training.dtype):
-            logits = self.pm.chunks[0](inputs)
-        return self.pm.loss_fn(logits, targets)
-
-    def _forward_backward(self, task: MicroBatchTask) -> float:
-        loss = self._loss(*self._micro(self.train_stream, task.step, task.micro_index))
-        if task.step + 1 in self.fault_steps and self.rank == self.fault_rank:
-            loss = loss * float("nan")
-        # Mean over the step's micro-batches; the data-parallel mean happens in the all-reduce.
-        (loss / self.compute.num_microbatches).backward()
-        return loss.item()
-
-    # --- one step through the pipeline ---------------------------------------------------------
-    def _pipeline_step(self, step: int) -> list[float]:
-        assert self.executor is not None
+    def _step_batch(self, step: int) -> StepBatch:
+        """This rank's micro-batches of ``step``: inputs where it holds the first stage,
+        targets where it holds the last."""
         batches = [self._micro(self.train_stream, step, m)
-                   for m in range(self.compute.num_microbatches)]
+                   for m in range(self.plan.num_microbatches)]
         inputs = [b[0] for b in batches] if self.pm.holds_first_stage else None
         targets = [b[1] for b in batches] if self.pm.holds_last_stage else None
-        return self.executor.run(inputs, targets)
-
-    def _plan_onebit_exchange(self) -> None:
-        """Exchange 1-bit Adam's momentum per gradient bucket from the backward pass where the
-        step allows it; otherwise in one exchange after the backward pass."""
-        assert isinstance(self.optimizer, OneBitAdam)
-        grad_sync, cfg = self.pm.grad_sync, self.cfg
-        why_not = None
-        has_expert_buckets = any(b.expert for b in grad_sync.buckets)
-        if not cfg.controllers.communication.overlap:
-            why_not = "controllers.communication.overlap is false"
-        elif cfg.optimization.grad_clip > 0:
-            why_not = ("optimization.grad_clip > 0 needs the whole gradient's norm before the "
-                       "momentum is formed; set it to 0 to overlap")
-        elif cfg.parallelism.sequence_parallel:
-            why_not = "sequence parallelism synchronizes some gradients after the backward pass"
-        elif has_expert_buckets:
-            why_not = "expert-parallel buckets are not exchanged per bucket"
-        # One exchange per gradient bucket: from the backward pass, or, after it, all started
-        # together and pipelined. A single bucket keeps the optimizer's own flat order.
-        per_bucket = not has_expert_buckets and (why_not is None or len(grad_sync.buckets) > 1)
-        if per_bucket:
-            self.optimizer.set_exchange_buckets([b.params for b in grad_sync.buckets])
-        if why_not is None:
-            grad_sync.set_momentum_exchange(self.optimizer)
-        if self.rank == 0:
-            count = len(grad_sync.buckets) if per_bucket else 1
-            where = (f"{count} bucket(s), each started from the backward pass"
-                     if why_not is None else
-                     f"{count} exchange(s), pipelined, started after the backward pass "
-                     f"({why_not})")
-            print(f"mcpar: 1-bit Adam momentum exchange: {where}", flush=True)
+        return inputs, targets
 
     # --- one optimizer step --------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         self.pm.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
-        # Past its freeze step, 1-bit Adam exchanges the momentum itself: no gradient all-reduce.
-        self.pm.grad_sync.skip_step = bool(getattr(self.optimizer, "compressing", False))
-        losses = self.compute.run_step(step)
+        result = self.compute.run_step(step, self._step_batch(step))
+        assert isinstance(result, StepResult)
+        self.train_stream.advance()
+        return result
+
+    def _update(self, step: int, losses: list[float]) -> StepResult:
+        """The step's last task: gradients are complete (and reduced over data); clip them
+        over the whole mesh, agree on skipping, and step the optimizer."""
         if self.cfg.parallelism.sequence_parallel:
             sync_sequence_parallel_grads(self.pm.params, self.comm)
         grad_norm = clip_grad_norm(self.pm.params, self.cfg.optimization.grad_clip, self.comm)
-        if self.pm.grad_sync.skip_step and self.pm.grad_sync.momentum_exchange is None:
-            # 1-bit Adam exchanging after the backward pass: start it now, from the clipped
-            # gradients, so that the step's world collective below overlaps it.
-            assert isinstance(self.optimizer, OneBitAdam)
-            self.optimizer.launch_all_exchanges()
+        self.grad_exchange.after_clip()
         local_loss = sum(losses) / len(losses) if losses else None
         nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
                                                      and not math.isfinite(local_loss))
@@ -331,8 +268,7 @@ class Trainer:
         # (under 1-bit Adam's compressed phase the replicas' gradients differ).
         result = self._gather_step_stats(local_loss, grad_norm, nonfinite)
         if result.skipped:
-            if isinstance(self.optimizer, OneBitAdam):
-                self.optimizer.discard_exchanges()  # its error feedback stays as it was
+            self.grad_exchange.discard_step()
             self.skipped_steps += 1
             self.nonfinite_in_a_row += 1
             limit = self.cfg.training.max_nonfinite_steps
@@ -351,7 +287,6 @@ class Trainer:
         if self.moe is not None:
             # Bias balancing and expert migration happen inside the step: their cost is timed.
             result.moe = self.moe.after_step(step)
-        self.train_stream.advance()
         return result
 
     def _pipeline_eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
@@ -387,12 +322,14 @@ class Trainer:
         self.pm.train(False)
         total = torch.zeros(2, dtype=torch.float64)
         for step in range(self.cfg.training.eval_batches):
-            for micro in range(self.compute.num_microbatches):
+            for micro in range(self.plan.num_microbatches):
                 inputs, targets = self._micro(self.val_stream, step, micro)
                 if self.dims.pp > 1:
                     loss = self._pipeline_eval_loss(inputs, targets)
                 else:
-                    loss = self._loss(inputs, targets).item()
+                    with autocast(self.device, self.cfg.training.dtype):
+                        logits = self.pm.chunks[0](inputs)
+                    loss = self.pm.loss_fn(logits, targets).item()
                 if loss is not None:
                     total += torch.tensor([loss, 1.0], dtype=torch.float64)
         # Only last-stage ranks hold losses; summing over the world counts each of them.
@@ -419,7 +356,7 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, tr = self.cfg, self.cfg.training
-        tokens_per_step = cfg.optimization.global_batch_size * cfg.model.seq_len
+        tokens_per_step = self.plan.global_batch_size * cfg.model.seq_len
         # All shards together, from the spec (a sharded model holds only part of it here).
         num_params = self.spec.num_params(cfg.model)
         if self.rank == 0:
@@ -444,8 +381,8 @@ class Trainer:
             self.comm.stats.reset_step()
             synchronize(self.device)
             t0 = time.perf_counter()
-            if step + 1 == self.fault_stall_step and self.rank == self.fault_rank:
-                time.sleep(3600)  # fault injection: this rank hangs; its peers must time out
+            if self.faults is not None:
+                self.faults.before_step(step, self.rank)
             result = self.train_step(step)
             synchronize(self.device)
             step_time = time.perf_counter() - t0
@@ -459,6 +396,8 @@ class Trainer:
                 "comm_bytes": self.comm.stats.step_bytes(),
                 "comm_bytes_by_axis": self.comm.stats.step_bytes_by_axis(),
                 "comm_time_s": self.comm.stats.step_time_s(), "peak_mem_bytes": peak_mem,
+                # Waiting for gradient reductions after the step's compute: what overlap hid not.
+                "exposed_comm_s": self.compute.exposed_comm_s(),
                 "skipped": result.skipped,
             }
             if result.moe is not None:
@@ -501,8 +440,8 @@ class Trainer:
             "wall_time_s": time.perf_counter() - start_wall, "num_params": num_params,
             "max_params_per_rank": self.max_params_per_rank,
             "skipped_steps": self.skipped_steps,
-            "micro_batch_size": cfg.optimization.micro_batch_size,
-            "gradient_accumulation": cfg.optimization.gradient_accumulation,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "gradient_accumulation": self.plan.num_microbatches,
             "pipeline_stages": [list(r) for r in self.pm.layer_ranges],
             "flops_per_token": self.spec.flops_per_token(cfg.model),
             "device": self.device.type,
@@ -540,12 +479,17 @@ def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False
                stop_after: int | None = None) -> None:
     """Train as one worker of a launched job, leave the process group cleanly, and exit.
 
+    The worker resolves the plan of ``cfg`` (the run directory's config) on the job's world,
+    as the launcher did; faults are injected only where a test asked for them in the
+    environment.
+
     The exit skips interpreter finalization on purpose: gloo's worker threads can still hold
     completed work (tensors with Python references) whose destruction during finalization
     aborts the process (SIGABRT) after a run that succeeded. Every output is closed and flushed
     before this point.
     """
-    trainer = Trainer(cfg, run_dir, env, resume=resume, stop_after=stop_after)
+    trainer = Trainer(resolve_plan(cfg, env.world_size), run_dir, env, resume=resume,
+                      stop_after=stop_after, faults=FaultInjector.from_env())
     try:
         trainer.train()
     finally:

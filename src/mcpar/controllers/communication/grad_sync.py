@@ -15,13 +15,12 @@ Mechanism (the one DDP uses, kept small):
 - A post-accumulate-grad hook counts ready parameters; when a bucket is full it is launched
   asynchronously. Buckets are launched strictly in bucket order on every rank, because collectives
   on a process group must be issued in the same order everywhere.
-- During gradient accumulation only the last micro-batch synchronizes.
-- The reduction itself is the CommunicationController's: flat or hierarchical (by its topology),
-  fp16/bf16 on the wire, or a bucket reducer such as PowerSGD run on its communication thread.
-  With 1-bit Adam past its freeze step the optimizer exchanges the momentum itself, and the
-  trainer switches the all-reduce off (``skip_step``); when the optimizer exchanges per bucket
-  (``set_momentum_exchange``), each full bucket starts its 1-bit exchange from the backward
-  pass instead, in the same bucket order.
+- Only armed parameters count (``arm``): the ComputeController arms a chunk's parameters right
+  before that chunk's last backward of the step, so gradient accumulation never synchronizes
+  and, under a pipeline, each chunk's buckets start reducing while the schedule goes on.
+- What a full bucket's reduction is belongs to the job's gradient-exchange strategy
+  (``grad_exchange.py``): an all-reduce (flat, hierarchical or hybrid; fp16/bf16 on the wire),
+  PowerSGD on the communication thread, or 1-bit Adam's momentum exchange.
 - Expert-parallel parameters (parallel/expert.py) differ between the ranks of an expert group:
   they have buckets of their own, summed over the 'edp' axis (their replicas) and divided by the
   data degree like every other gradient.
@@ -36,15 +35,21 @@ from typing import Protocol
 import torch
 
 from mcpar.comm.communicator import CommHandle
-from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.parallel.expert import is_expert_sharded
 
 
-class MomentumExchange(Protocol):
-    """What 1-bit Adam offers to exchange bucket by bucket (mcpar.optim.onebit_adam); its
-    ``step`` waits for the exchanges and commits them."""
+class BucketExchange(Protocol):
+    """What a gradient-exchange strategy offers the bucketed sync (see ``grad_exchange.py``)."""
 
-    def launch_exchange(self, index: int, grad: torch.Tensor) -> None: ...
+    @property
+    def active(self) -> bool:
+        """Whether buckets are launched this step (False: the strategy moves the gradients
+        itself, after the backward pass)."""
+        ...
+
+    def launch(self, bucket: GradBucket) -> CommHandle | None:
+        """Start the reduction of a full bucket; a handle to wait for, or None."""
+        ...
 
 
 @dataclass
@@ -60,31 +65,28 @@ class GradBucket:
 
 
 class DataParallelGradSync:
-    """Averages gradients over the data-parallel axis through the CommunicationController."""
+    """Bucketed gradient synchronization over the data-parallel axis; what a bucket's
+    reduction is belongs to the exchange strategy (``set_exchange``)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: CommunicationController,
-                 bucket_size_mb: float = 25.0, overlap: bool = True, codec: str = "none"):
-        """``codec``: 'none', 'fp16' or 'bf16' (cast on the wire); a bucket reducer set with
-        ``set_bucket_reducer`` replaces the all-reduce altogether."""
-        self.comm = comm
-        self.degree = comm.axis_size("dp")
+    def __init__(self, params: list[torch.nn.Parameter], bucket_size_mb: float = 25.0,
+                 overlap: bool = True):
         self.overlap = overlap
-        self.codec = codec
-        # Off for the micro-batches that only accumulate (set by the ComputeController).
-        self.sync_enabled = True
-        # Off for a whole step whose optimizer synchronizes by itself (1-bit Adam).
-        self.skip_step = False
-        self.bucket_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
-        # Started per bucket instead of the all-reduce in a skipped step (1-bit Adam).
-        self.momentum_exchange: MomentumExchange | None = None
+        self.exchange: BucketExchange | None = None
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20))
         self._next_launch = 0
         self._bucket_of: dict[int, GradBucket] = {}
+        self._armed: set[int] = set()
+        # Called with each bucket's index when its reduction starts (the ComputeController's
+        # task log).
+        self.on_launch: Callable[[int], None] | None = None
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def set_exchange(self, exchange: BucketExchange) -> None:
+        self.exchange = exchange
 
     @staticmethod
     def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[GradBucket]:
@@ -112,25 +114,10 @@ class DataParallelGradSync:
                                       expert=is_expert_sharded(group[0])))
         return buckets
 
-    def set_bucket_reducer(self, reducer: Callable[[int, list[torch.Tensor]], None]) -> None:
-        """Average each bucket's gradients with ``reducer(bucket_index, grads)`` (in place)
-        instead of the all-reduce, e.g. PowerSGD; it runs on the controller's communication
-        thread."""
-        self.bucket_reducer = reducer
-
-    def set_momentum_exchange(self, exchange: MomentumExchange) -> None:
-        """In steps with ``skip_step`` set, hand each full bucket's gradient buffer to
-        ``exchange.launch_exchange(bucket_index, buffer)`` (its parameters, in bucket order,
-        are those of :attr:`buckets`); the optimizer's step waits for the exchanges."""
-        if any(b.expert for b in self.buckets):
-            raise ValueError("a per-bucket momentum exchange cannot cover expert-parallel "
-                             "buckets")
-        self.momentum_exchange = exchange
-
     @property
     def _idle(self) -> bool:
-        """No synchronization this micro-batch."""
-        return not self.sync_enabled or (self.skip_step and self.momentum_exchange is None)
+        """No bucket is launched this step."""
+        return self.exchange is None or not self.exchange.active
 
     @property
     def grad_bytes(self) -> int:
@@ -141,8 +128,16 @@ class DataParallelGradSync:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
+    def arm(self, params: list[torch.nn.Parameter]) -> None:
+        """Count these parameters' next gradient: their last backward of the step is next."""
+        if not self._idle:
+            self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self._idle or not self.overlap:
+        if id(param) not in self._armed:
+            return
+        self._armed.discard(id(param))
+        if not self.overlap:
             return
         bucket = self._bucket_of[id(param)]
         bucket.num_ready += 1
@@ -154,35 +149,22 @@ class DataParallelGradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
-        if self.skip_step:
-            assert self.momentum_exchange is not None
-            self.momentum_exchange.launch_exchange(bucket.index, bucket.buffer)
-        elif bucket.expert:
-            if self.degree > 1:
-                bucket.buffer.div_(self.degree)
-            bucket.handle = self.comm.all_reduce(bucket.buffer, axis="edp", async_op=True)
-        elif self.bucket_reducer is not None:
-            reducer, grads = self.bucket_reducer, [p.grad for p in bucket.params]
-            index = bucket.index
-            bucket.handle = self.comm.run_async(
-                lambda: reducer(index, grads))  # type: ignore[arg-type]
-        else:
-            if self.degree > 1:
-                # Divide first: the sum of averages stays in range for low-precision buffers.
-                bucket.buffer.div_(self.degree)
-            bucket.handle = self.comm.dp_all_reduce(bucket.buffer, codec=self.codec,
-                                                    async_op=True)
+        assert self.exchange is not None
+        if self.on_launch is not None:
+            self.on_launch(bucket.index)
+        bucket.handle = self.exchange.launch(bucket)
         bucket.launched = True
 
     def finish(self) -> None:
         """Launch whatever the hooks did not (unused parameters, overlap off) and wait for all."""
+        self._armed.clear()
         if self._idle:
             return
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
-        # A momentum exchange is not waited for here: the optimizer's step waits and commits,
-        # so the step's bookkeeping (gradient norm, the trainer's world collective, on a group
+        # A momentum exchange returns no handle: the optimizer's step waits and commits, so
+        # the step's bookkeeping (gradient norm, the trainer's world collective, on a group
         # of its own) runs while the last exchange is still on the wire.
         for bucket in self.buckets:
             if bucket.handle is not None:

@@ -5,8 +5,8 @@ real model (its own pipeline chunks, tensor collectives included), fits
 ``time(b) = fixed_cost + per_sequence * b``, takes the slowest rank's figures (the pipeline moves at
 the pace of its slowest stage), and picks the number of micro-batches that minimizes the modelled
 step time within the memory budget (``choose_num_microbatches``). Every rank reaches the same
-choice from the same reduced numbers. The choice is written back into the config, so
-``config.yaml`` and ``summary.json`` record it.
+choice from the same reduced numbers. The choice makes a new plan (``JobPlan.with_split``): the
+run directory's ``plan.json`` and ``summary.json`` record it; the config is left as it was.
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from mcpar.controllers.memory.estimate import estimate_memory, format_bytes
+from mcpar.comm.communicator import Communicator
+from mcpar.config import JobConfig
+from mcpar.controllers.compute.schedules import schedule_problem
 from mcpar.device import autocast, memory_budget_bytes, synchronize
-from mcpar.parallel.pipeline import schedule_problem
+from mcpar.metrics import format_bytes
+from mcpar.topology import ParallelDims
 
-if TYPE_CHECKING:
-    from mcpar.trainer import Trainer
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 REPEATS = 3  # timed repeats per size, after one untimed warm-up
 
@@ -73,23 +75,24 @@ def choose_num_microbatches(
     return SplitChoice(m, rank_batch // m, step, table)
 
 
-def _time_forward_backward(trainer: Trainer, micro_batch_size: int) -> float:
+def _time_forward_backward(cfg: JobConfig, chunks: list[nn.Module], loss_fn: LossFn,
+                           device: torch.device, activation_shape: tuple[int, ...],
+                           micro_batch_size: int) -> float:
     """Median seconds of one forward+backward of this rank's chunks on a synthetic micro-batch."""
-    cfg, device = trainer.cfg, trainer.device
     gen = torch.Generator().manual_seed(0)
     seq, vocab = cfg.model.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, vocab, (micro_batch_size, seq), generator=gen).to(device)
-    activations = torch.randn(trainer.activation_shape(micro_batch_size), generator=gen).to(device)
+    activations = torch.randn(activation_shape, generator=gen).to(device)
     times = []
     for _ in range(REPEATS + 1):
         synchronize(device)
         start = time.perf_counter()
-        for chunk in trainer.pm.chunks:
+        for chunk in chunks:
             x = tokens if chunk.is_first else activations.clone().requires_grad_(True)
             with autocast(device, cfg.training.dtype):
                 out = chunk(x)
             if chunk.is_last:
-                trainer.pm.loss_fn(out, tokens).backward()
+                loss_fn(out, tokens).backward()
             else:
                 out.backward(torch.ones_like(out))
         synchronize(device)
@@ -97,20 +100,26 @@ def _time_forward_backward(trainer: Trainer, micro_batch_size: int) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def choose_split(trainer: Trainer, local_world_size: int) -> str:
-    """Choose and apply micro_batch_size / gradient_accumulation; returns a one-line report."""
-    cfg, dims, comm = trainer.cfg, trainer.dims, trainer.comm
+def choose_split(cfg: JobConfig, dims: ParallelDims, chunks: list[nn.Module], loss_fn: LossFn,
+                 device: torch.device, comm: Communicator, local_world_size: int,
+                 activation_shape: Callable[[int], tuple[int, ...]],
+                 memory_bytes: Callable[[int, int], float]) -> tuple[SplitChoice, str]:
+    """The micro-batch split of ``cfg``'s global batch that this rank and its peers measure
+    best (every rank reaches the same choice); and a one-line report. ``memory_bytes(m, b)``:
+    the MemoryController's per-rank estimate with m micro-batches of b sequences. The
+    gradients the measurement leaves are zeroed; nothing is synchronized (no bucket is armed)."""
     opt, par = cfg.optimization, cfg.parallelism
     assert opt.global_batch_size is not None
     rank_batch = opt.global_batch_size // dims.dp
     sizes = (1, min(rank_batch, 4))
-    sync = trainer.pm.grad_sync
-    sync.sync_enabled = False  # measurement only: no gradient all-reduce
     try:
-        t_small, t_large = (_time_forward_backward(trainer, b) for b in sizes)
+        t_small, t_large = (_time_forward_backward(cfg, chunks, loss_fn, device,
+                                                   activation_shape(b), b) for b in sizes)
     finally:
-        sync.sync_enabled = True
-        sync.zero_grad()
+        for chunk in chunks:
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()  # in place: a gradient is a view into its bucket
     per_sequence = max(0.0, (t_large - t_small) / (sizes[1] - sizes[0])) if sizes[1] > 1 else 0.0
     fixed = max(0.0, t_small - per_sequence)
     figures = torch.tensor([fixed, per_sequence], dtype=torch.float64)
@@ -118,26 +127,19 @@ def choose_split(trainer: Trainer, local_world_size: int) -> str:
     fixed, per_sequence = float(figures[0]), float(figures[1])
 
     budget_gb = cfg.controllers.memory.memory_budget_gb
-    budget = budget_gb * 2**30 if budget_gb else memory_budget_bytes(trainer.device,
-                                                                       local_world_size)
-
-    def memory(m: int, b: int) -> float:
-        trial = cfg.model_copy(deep=True)
-        trial.optimization.micro_batch_size = b
-        trial.optimization.gradient_accumulation = m
-        return estimate_memory(trial, dims).total_bytes
+    budget = budget_gb * 2**30 if budget_gb else memory_budget_bytes(device, local_world_size)
 
     def allowed(m: int) -> bool:
         return dims.pp == 1 or schedule_problem(par.schedule, dims.pp, m,
                                                 par.virtual_stages) is None
 
     choice = choose_num_microbatches(rank_batch, fixed, per_sequence, dims.pp,
-                                     par.virtual_stages, par.schedule, memory, budget, allowed)
-    opt.micro_batch_size = choice.micro_batch_size
-    opt.gradient_accumulation = choice.num_microbatches
+                                     par.virtual_stages, par.schedule, memory_bytes, budget,
+                                     allowed)
     options = ", ".join(f"m={m}: {step * 1e3:.0f} ms{'' if fits else ' (over budget)'}"
                         for m, step, _, fits in choice.table)
-    return (f"dynamic batch splitting: {choice.num_microbatches} micro-batches of "
-            f"{choice.micro_batch_size} sequences (measured {fixed * 1e3:.1f} ms + "
-            f"{per_sequence * 1e3:.2f} ms/sequence per micro-batch; modelled step "
-            f"{choice.modelled_step_s * 1e3:.0f} ms; budget {format_bytes(budget)}; {options})")
+    return choice, (
+        f"dynamic batch splitting: {choice.num_microbatches} micro-batches of "
+        f"{choice.micro_batch_size} sequences (measured {fixed * 1e3:.1f} ms + "
+        f"{per_sequence * 1e3:.2f} ms/sequence per micro-batch; modelled step "
+        f"{choice.modelled_step_s * 1e3:.0f} ms; budget {format_bytes(budget)}; {options})")

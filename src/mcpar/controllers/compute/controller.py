@@ -1,105 +1,135 @@
-"""ComputeController: owns the schedule of work within an optimizer step.
+"""ComputeController: owns every task of an optimizer step, and their order.
 
-Three decisions live here:
+Every layout's step is a list of tasks (``mcpar.parallel.tasks``) that this controller runs, in
+the order its schedule generator gives (``schedules.step_tasks``): receive, forward and send of
+each (stage chunk, micro-batch); receive, backward and send of its gradient; the arming of each
+chunk's gradient buckets right before that chunk's last backward, so that their data-parallel
+reduction starts as soon as each bucket is full and overlaps the rest of the schedule; waiting
+for the sends and the reductions; the optimizer step. Without a pipeline the step is the same
+list with one stage. This is the seed's ``submit_task`` / ``schedule_tasks``.
 
-- **Partitioning**: how the model is cut into pipeline stages. Stages are balanced by the modelled
-  cost of each piece (the embedding and the output head included, since a large vocabulary makes
-  the head cost as much as several blocks), not by counting layers.
-- **Batch splitting**: how many micro-batches a step is cut into. ``fixed`` takes the config;
-  ``dynamic`` measures this model's forward+backward time at two micro-batch sizes and picks the
-  count that minimizes the modelled step time (pipeline bubble included) within the memory budget.
-- **The task queue** (the seed's ``submit_task`` / ``schedule_tasks``): without a pipeline a task
-  is the forward and backward of one micro-batch and only the last one lets the gradient
-  all-reduce fire; with a pipeline the queue holds one task per step that runs the pipeline
-  schedule (GPipe, 1F1B or interleaved 1F1B) through the PipelineExecutor, and the gradient
-  all-reduce runs once the schedule has drained.
+Each task's start and end are kept in :attr:`ComputeController.task_log` (and the start of each
+bucket's reduction, which the backward triggers), so a step's timeline can be read afterwards:
+the tests read it to show the overlap, the benches to measure the exposed communication.
+
+The other decisions of this controller live beside it: the stage cut (``stage_cut.py``), the
+number of micro-batches (``batch_split.py``), the pipeline schedules (``schedules.py``) and the
+expert load-balancing policy (``load_balance.py``, ``expert_balance.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from mcpar.config import JobConfig
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync
-from mcpar.errors import problem
-from mcpar.parallel.pipeline import schedule_problem
+import torch
+
+from mcpar.parallel.pipeline import PipelineExecutor
+from mcpar.parallel.tasks import STAGE_TASKS, Task, TaskKind
 
 
-def schedule_problems(cfg: JobConfig) -> list[str]:
-    """Problems of the pipeline schedule with this layout and micro-batch count (resolved)."""
-    par = cfg.parallelism
-    if par.pipeline == 1:
-        if par.virtual_stages > 1:
-            return [problem("parallelism.virtual_stages",
-                            f"{par.virtual_stages} virtual stages need parallelism.pipeline > 1")]
-        return []
-    if par.virtual_stages > 1 and par.schedule != "interleaved_1f1b":
-        return [problem("parallelism.schedule",
-                        f"'{par.schedule}' runs one stage per rank; use 'interleaved_1f1b' with "
-                        f"virtual_stages {par.virtual_stages}")]
-    if par.schedule == "interleaved_1f1b" and par.virtual_stages == 1:
-        return [problem("parallelism.virtual_stages",
-                        "interleaved_1f1b needs at least 2 virtual stages per rank")]
-    if cfg.controllers.compute.batch_splitting == "dynamic":
-        return []  # the controller only considers micro-batch counts the schedule accepts
-    num_micro = cfg.optimization.gradient_accumulation or 1
-    reason = schedule_problem(par.schedule, par.pipeline, num_micro, par.virtual_stages)
-    if reason:
-        return [problem("optimization.gradient_accumulation",
-                        f"{num_micro} micro-batches per step: {reason}")]
-    return []
+class GradientSync(Protocol):
+    """What the controller needs of the CommunicationController's gradient sync."""
+
+    on_launch: Callable[[int], None] | None
+
+    def zero_grad(self) -> None: ...
+
+    def arm(self, params: list[torch.nn.Parameter]) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 @dataclass(frozen=True)
-class MicroBatchTask:
-    step: int
-    micro_index: int
-    is_last: bool  # the last micro-batch of the step: gradients are synchronized after it
+class TaskRecord:
+    """One entry of the task log: seconds since the step started."""
+
+    name: str  # a task kind's value, or 'reduce_start' for a bucket's reduction
+    chunk: int
+    micro: int  # the bucket's index for 'reduce_start'
+    start: float
+    end: float
+
+
+StepBatch = tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]
 
 
 class ComputeController:
-    """Runs the tasks of a step and returns the step's micro-batch losses (where known)."""
+    """Runs the tasks of each step through the stage executor, the gradient sync and the
+    optimizer step it is given, and keeps the step's task log."""
 
-    def __init__(self, num_microbatches: int, grad_sync: DataParallelGradSync,
-                 forward_backward: Callable[[MicroBatchTask], float] | None = None,
-                 pipeline_step: Callable[[int], list[float]] | None = None):
-        if (forward_backward is None) == (pipeline_step is None):
-            raise ValueError("give exactly one of forward_backward and pipeline_step")
-        self.num_microbatches = num_microbatches
-        self._forward_backward = forward_backward
-        self._pipeline_step = pipeline_step
-        self._grad_sync = grad_sync
-        self._queue: deque[MicroBatchTask] = deque()
+    def __init__(self, tasks: list[Task], executor: PipelineExecutor,
+                 chunk_params: list[list[torch.nn.Parameter]], grad_sync: GradientSync,
+                 optimizer_step: Callable[[int, list[float]], object]):
+        """``tasks``: one step's tasks (the same every step); ``chunk_params[c]``: the
+        parameters of local chunk c; ``optimizer_step(step, losses)``: the update, run as the
+        step's OPTIMIZER_STEP task; its result is what :meth:`run_step` returns."""
+        self.tasks = tasks
+        self.executor = executor
+        self.chunk_params = chunk_params
+        self.grad_sync = grad_sync
+        self.optimizer_step = optimizer_step
+        self.num_microbatches = executor.num_microbatches
+        self.task_log: list[TaskRecord] = []
+        self._queue: deque[Task] = deque()
+        self._step = 0
+        self._losses: list[float] = []
+        self._result: object = None
+        self._start = 0.0
+        grad_sync.on_launch = self._log_reduce_start
 
-    def submit_task(self, task: MicroBatchTask) -> None:
+    def submit_task(self, task: Task) -> None:
         self._queue.append(task)
 
-    def schedule_tasks(self) -> list[float]:
-        """Run the queued tasks in order; returns each micro-batch's (unscaled) loss."""
-        losses: list[float] = []
+    def schedule_tasks(self) -> None:
+        """Run the queued tasks in order, logging each."""
         while self._queue:
             task = self._queue.popleft()
-            if self._pipeline_step is not None:
-                # The whole pipeline schedule is one task: gradients are complete only at its end.
-                self._grad_sync.sync_enabled = False
-                losses += self._pipeline_step(task.step)
-            else:
-                assert self._forward_backward is not None
-                self._grad_sync.sync_enabled = task.is_last
-                losses.append(self._forward_backward(task))
-        self._grad_sync.sync_enabled = True
-        return losses
+            begin = time.perf_counter() - self._start
+            self._run(task)
+            self.task_log.append(TaskRecord(task.kind.value, task.chunk, task.micro, begin,
+                                            time.perf_counter() - self._start))
 
-    def run_step(self, step: int) -> list[float]:
-        """Forward/backward of every micro-batch of `step`; gradients end averaged over data."""
-        self._grad_sync.zero_grad()
-        if self._pipeline_step is not None:
-            self.submit_task(MicroBatchTask(step, 0, True))
+    def _run(self, task: Task) -> None:
+        if task.kind in STAGE_TASKS:
+            self.executor.run_task(task)
+        elif task.kind is TaskKind.SYNC_GRADS:
+            self.grad_sync.arm(self.chunk_params[task.chunk])
+        elif task.kind is TaskKind.WAIT_GRADS:
+            # The step's losses are read back here, once its compute is done.
+            self._losses = self.executor.end()
+            self.grad_sync.finish()
+        elif task.kind is TaskKind.OPTIMIZER_STEP:
+            self._result = self.optimizer_step(self._step, self._losses)
         else:
-            for i in range(self.num_microbatches):
-                self.submit_task(MicroBatchTask(step, i, i == self.num_microbatches - 1))
-        losses = self.schedule_tasks()
-        self._grad_sync.finish()
-        return losses
+            raise ValueError(f"unknown task {task}")
+
+    def _log_reduce_start(self, bucket_index: int) -> None:
+        now = time.perf_counter() - self._start
+        self.task_log.append(TaskRecord("reduce_start", 0, bucket_index, now, now))
+
+    def run_step(self, step: int, batch: StepBatch) -> object:
+        """Run every task of ``step`` on ``batch`` (the inputs of the first stage and the
+        targets of the last, per micro-batch); returns the optimizer step's result."""
+        self._step, self._losses, self._result = step, [], None
+        self.task_log = []
+        self.grad_sync.zero_grad()
+        self._start = time.perf_counter()
+        self.executor.begin(*batch)
+        for task in self.tasks:
+            self.submit_task(task)
+        try:
+            self.schedule_tasks()
+        except BaseException:
+            self._queue.clear()
+            self.executor.abort()
+            raise
+        return self._result
+
+    def exposed_comm_s(self) -> float:
+        """Seconds of the last step spent waiting for gradient reductions after the compute
+        (the WAIT_GRADS task): the communication the schedule did not hide."""
+        return sum(r.end - r.start for r in self.task_log if r.name == TaskKind.WAIT_GRADS.value)

@@ -1,0 +1,303 @@
+"""The resolved plan of a job: a validated config plus the world resolve into a frozen JobPlan.
+
+``resolve_plan`` is the one place where a config meets a world size: it runs every cross-field
+check (degrees against the world and the model, batch divisibility, schedule, gradient exchange,
+node layout), derives what the config leaves open (the data degree, the micro-batch count, the
+global batch) and asks each controller for its part of the plan:
+
+- ComputeController: the stage cut (``stage_cut.partition_layers``), the schedule;
+- CommunicationController: the gradient exchange (``grad_exchange.plan_grad_exchange``);
+- MemoryController: the per-rank memory estimate (``memory.estimate``).
+
+``mcpar check``, ``mcpar train`` (the launcher and every worker) and ``mcpar simulate`` all go
+through it, so they accept and refuse the same configs. The config itself is never written to:
+``JobPlan.config`` is a new, frozen config with the derived values filled in (the run
+directory's ``config.yaml``); dynamic batch splitting produces a new plan (``with_split``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mcpar.config import JobConfig
+from mcpar.controllers.communication.grad_exchange import (
+    GradExchangePlan,
+    grad_exchange_problems,
+    plan_grad_exchange,
+    uses_onebit_adam,
+)
+from mcpar.controllers.compute.schedules import schedule_problems
+from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory
+from mcpar.errors import UserError, problem
+from mcpar.topology import ParallelDims, split_dp_by_node
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything a run is, once resolved; ``plan.json`` in the run directory."""
+
+    config: JobConfig  # the user's config with the derived values filled in (frozen)
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    virtual_stages: int
+    sequence_parallel: bool
+    micro_batch_size: int  # sequences per micro-batch per data-parallel rank
+    num_microbatches: int  # per step
+    global_batch_size: int  # sequences per step, all ranks
+    schedule: str | None  # pipeline schedule; None without a pipeline
+    stage_cut: tuple[tuple[int, int], ...]  # [start, end) blocks of every global stage
+    grad_exchange: GradExchangePlan
+    memory: MemoryEstimate  # the largest rank's
+    batch_splitting: str  # how the micro-batch count was chosen: 'fixed' or 'dynamic'
+
+    def parallel_dims(self) -> ParallelDims:
+        """A new ParallelDims of this plan's degrees (it holds the process groups it builds)."""
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+                            world_size=self.world_size)
+
+    def with_split(self, micro_batch_size: int, num_microbatches: int) -> JobPlan:
+        """This plan with another micro-batch split of the same global batch (dynamic batch
+        splitting); the config, memory estimate and checks follow."""
+        if micro_batch_size * num_microbatches * self.dp != self.global_batch_size:
+            raise ValueError(f"{num_microbatches} x {micro_batch_size} x data {self.dp} is not "
+                             f"the global batch {self.global_batch_size}")
+        opt = self.config.optimization.model_copy(update={
+            "micro_batch_size": micro_batch_size, "gradient_accumulation": num_microbatches})
+        config = self.config.model_copy(update={"optimization": opt})
+        problems = schedule_problems(config, num_microbatches)
+        if problems:
+            raise UserError(problems)
+        return dataclasses.replace(
+            self, config=config, micro_batch_size=micro_batch_size,
+            num_microbatches=num_microbatches, batch_splitting="dynamic",
+            memory=estimate_memory(config, self.parallel_dims()))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "world_size": self.world_size,
+            "degrees": {"data": self.dp, "tensor": self.tp, "pipeline": self.pp,
+                        "experts": self.ep},
+            "mesh": {"order": ["pp", "dp", "tp"], "virtual_stages": self.virtual_stages,
+                     "sequence_parallel": self.sequence_parallel},
+            "batch": {"micro_batch_size": self.micro_batch_size,
+                      "num_microbatches": self.num_microbatches,
+                      "global_batch_size": self.global_batch_size,
+                      "batch_splitting": self.batch_splitting},
+            "schedule": self.schedule,
+            "stage_cut": [list(r) for r in self.stage_cut],
+            "grad_exchange": self.grad_exchange.to_json(),
+            "memory": {"params_per_rank": self.memory.params_per_rank,
+                       **{name: value for name, value in self.memory.rows()}},
+        }
+
+
+def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
+    """The plan of ``cfg`` on ``world_size`` workers (None: what the degrees multiply to, for
+    ``mcpar check``). Raises UserError listing every problem found."""
+    par, opt = cfg.parallelism, cfg.optimization
+    problems: list[str] = []
+    tp, pp = par.tensor, par.pipeline
+    dp = par.data
+    if dp is None:
+        if world_size is None:
+            dp = 1
+        elif world_size % (tp * pp):
+            problems.append(problem(
+                "parallelism.data",
+                f"{world_size} workers cannot be split into tensor {tp} x pipeline {pp} groups; "
+                f"use a world size divisible by {tp * pp}",
+            ))
+            dp = 1
+        else:
+            dp = world_size // (tp * pp)
+    if world_size is not None and dp * tp * pp != world_size:
+        problems.append(problem(
+            "parallelism",
+            f"the layout needs data {dp} x tensor {tp} x pipeline {pp} = {dp * tp * pp} devices, "
+            f"but the job has {world_size}; change the degrees or the number of workers",
+        ))
+    problems += model_layout_problems(cfg, dp)
+    problems += communication_problems(cfg, dp)
+    accum = opt.gradient_accumulation
+    if opt.global_batch_size is not None:
+        per_micro = opt.micro_batch_size * dp
+        if opt.global_batch_size % per_micro:
+            problems.append(problem(
+                "optimization.global_batch_size",
+                f"{opt.global_batch_size} is not divisible by micro_batch_size "
+                f"{opt.micro_batch_size} x data {dp} = {per_micro}",
+            ))
+        elif accum is not None and accum * per_micro != opt.global_batch_size:
+            problems.append(problem(
+                "optimization.gradient_accumulation",
+                f"{accum} x micro_batch_size {opt.micro_batch_size} x data {dp} != "
+                f"global_batch_size {opt.global_batch_size}; set one of them only",
+            ))
+        else:
+            accum = opt.global_batch_size // per_micro
+    num_micro = accum or 1
+    problems += schedule_problems(cfg, num_micro)
+    rpn = cfg.cluster.ranks_per_node
+    if (rpn is not None and world_size is not None and not problems
+            and cfg.controllers.communication.topology != "flat"):
+        if world_size % rpn:
+            problems.append(problem(
+                "cluster.ranks_per_node",
+                f"{world_size} ranks do not fill nodes of {rpn}; use a divisor of {world_size}",
+            ))
+        else:
+            try:
+                split_dp_by_node(ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts,
+                                              world_size=world_size),
+                                 [r // rpn for r in range(world_size)])
+            except UserError as err:
+                problems += err.problems
+    if problems:
+        raise UserError(problems)
+    global_batch = opt.micro_batch_size * num_micro * dp
+    resolved = cfg.model_copy(update={
+        "parallelism": par.model_copy(update={"data": dp}),
+        "optimization": opt.model_copy(update={"gradient_accumulation": num_micro,
+                                               "global_batch_size": global_batch}),
+    })
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, world_size=dp * tp * pp)
+    return JobPlan(
+        config=resolved, world_size=dims.world_size, dp=dp, tp=tp, pp=pp, ep=par.experts,
+        virtual_stages=par.virtual_stages, sequence_parallel=par.sequence_parallel,
+        micro_batch_size=opt.micro_batch_size, num_microbatches=num_micro,
+        global_batch_size=global_batch, schedule=par.schedule if pp > 1 else None,
+        stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
+        grad_exchange=plan_grad_exchange(cfg, dp),
+        memory=estimate_memory(resolved, dims),
+        batch_splitting=cfg.controllers.compute.batch_splitting,
+    )
+
+
+def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
+    """The model's shape against the parallel degrees."""
+    par, model = cfg.parallelism, cfg.model
+    tp, pp = par.tensor, par.pipeline
+    problems: list[str] = []
+    if model.hidden_size % model.num_heads:
+        problems.append(problem(
+            "model.num_heads",
+            f"{model.num_heads} heads do not divide hidden_size {model.hidden_size}",
+        ))
+    if model.num_heads % tp:
+        problems.append(problem(
+            "model.num_heads",
+            f"{model.num_heads} heads are not divisible by parallelism.tensor {tp}",
+        ))
+    if model.ffn_size % tp:
+        problems.append(problem(
+            "model.ffn_hidden_size",
+            f"{model.ffn_size} is not divisible by parallelism.tensor {tp}",
+        ))
+    if model.vocab_size % tp:
+        problems.append(problem(
+            "model.vocab_size",
+            f"{model.vocab_size} is not divisible by parallelism.tensor {tp} (the vocabulary "
+            "is split over tensor ranks)",
+        ))
+    if par.sequence_parallel and tp == 1:
+        problems.append(problem(
+            "parallelism.sequence_parallel",
+            "shards the sequence over tensor ranks; it needs parallelism.tensor > 1",
+        ))
+    if par.sequence_parallel and model.seq_len % tp:
+        problems.append(problem(
+            "model.seq_len",
+            f"{model.seq_len} is not divisible by parallelism.tensor {tp} "
+            "(sequence parallelism splits it)",
+        ))
+    if model.num_layers < pp * par.virtual_stages:
+        problems.append(problem(
+            "model.num_layers",
+            f"{model.num_layers} layers cannot fill pipeline {pp} x virtual_stages "
+            f"{par.virtual_stages} stages; a stage would be empty",
+        ))
+    if model.tie_embeddings and pp > 1:
+        problems.append(problem(
+            "model.tie_embeddings",
+            "a tied embedding cannot be split between the first and last pipeline stages; "
+            "set it to false or use parallelism.pipeline 1",
+        ))
+    if dp % par.experts:
+        problems.append(problem(
+            "parallelism.experts",
+            f"expert degree {par.experts} does not divide the data degree {dp} (the expert "
+            f"axis is carved out of the data axis); use a divisor of {dp}",
+        ))
+    if model.kind == "moe" and par.sequence_parallel:
+        problems.append(problem(
+            "parallelism.sequence_parallel",
+            "is not supported with model.kind 'moe' (the router needs every token of the "
+            "sequence on each tensor rank); set it to false",
+        ))
+    if model.kind == "moe":
+        if model.num_experts % par.experts:
+            problems.append(problem(
+                "model.num_experts",
+                f"{model.num_experts} experts are not divisible by parallelism.experts "
+                f"{par.experts}",
+            ))
+        if model.top_k > model.num_experts:
+            problems.append(problem(
+                "model.top_k",
+                f"top_k {model.top_k} is larger than num_experts {model.num_experts}; use at "
+                f"most {model.num_experts}",
+            ))
+    return problems
+
+
+def communication_problems(cfg: JobConfig, dp: int) -> list[str]:
+    """Combinations of compression, optimizer, topology and layout that cannot work."""
+    comm, opt, cluster = cfg.controllers.communication, cfg.optimization, cfg.cluster
+    problems: list[str] = []
+    if opt.optimizer == "onebit_adam" and comm.compression not in ("none", "1bit"):
+        problems.append(problem(
+            "controllers.communication.compression",
+            f"{comm.compression!r} cannot be combined with optimization.optimizer "
+            "'onebit_adam', which compresses the momentum in 1 bit itself; use compression "
+            "'1bit' or optimizer 'adamw'",
+        ))
+    if (comm.compression != "none" or opt.optimizer == "onebit_adam") and dp == 1:
+        key = ("controllers.communication.compression" if comm.compression != "none"
+               else "optimization.optimizer")
+        problems.append(problem(
+            key, "compression acts on the data-parallel exchange, and this layout has data 1; "
+            "use more data-parallel ranks or compression 'none' / optimizer 'adamw'",
+        ))
+    if uses_onebit_adam(cfg):
+        if opt.freeze_step >= cfg.training.steps:
+            problems.append(problem(
+                "optimization.freeze_step",
+                f"{opt.freeze_step} is not below training.steps {cfg.training.steps}: 1-bit "
+                "Adam would never compress; use about 15-25% of the steps",
+            ))
+        if cfg.controllers.memory.zero_stage > 0:
+            problems.append(problem(
+                "controllers.memory.zero_stage",
+                "1-bit Adam needs the whole momentum on every data-parallel rank and cannot "
+                "shard optimizer state; use zero_stage 0",
+            ))
+    if comm.compression == "powersgd" and comm.powersgd_start_step >= cfg.training.steps:
+        problems.append(problem(
+            "controllers.communication.powersgd_start_step",
+            f"{comm.powersgd_start_step} is not below training.steps {cfg.training.steps}: "
+            "PowerSGD would never compress",
+        ))
+    problems += grad_exchange_problems(cfg)
+    link = [cluster.intra_node_bandwidth_gbps, cluster.intra_node_latency_us,
+            cluster.inter_node_bandwidth_gbps, cluster.inter_node_latency_us]
+    if any(v is not None for v in link) and any(v is None for v in link):
+        problems.append(problem(
+            "cluster", "give all four of intra/inter_node_bandwidth_gbps and "
+            "intra/inter_node_latency_us, or none (they are then measured)",
+        ))
+    return problems
