@@ -127,6 +127,14 @@ LAYOUT_ERRORS = [
      "parallelism.schedule"),
     (["parallelism.tensor=2", "parallelism.pipeline=2"], 2, "parallelism:"),
     (["parallelism.sequence_parallel=true"], 1, "parallelism.sequence_parallel"),
+    # PowerSGD has no hierarchical path: refused, never run flat under a hierarchical label.
+    (["controllers.communication.compression=powersgd",
+      "controllers.communication.topology=hierarchical", "cluster.ranks_per_node=1"], 2,
+     "controllers.communication.topology: 'hierarchical' cannot be combined with compression "
+     "'powersgd'"),
+    (["controllers.communication.compression=powersgd",
+      "controllers.communication.topology=hybrid"], 2,
+     "controllers.communication.topology: 'hybrid' cannot be combined"),
 ]
 
 
