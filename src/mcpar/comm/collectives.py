@@ -1,12 +1,17 @@
 """Link model and algorithm choice for the data-parallel all-reduce: flat ring or hierarchical.
 
+The formulas are the cost model's (``mcpar.sim.collectives``: ``ring_all_reduce``,
+``two_level_all_reduce``, ``fit_ring_link``), so the runtime's ``hybrid`` choice and the simulator
+price a collective alike; this module only says which links the runtime's measured model gives
+them.
+
 Flat: the backend's own ring over every data-parallel rank. With ranks numbered node by node,
 the ring crosses the inter-node link once per node boundary, and each of its 2(n-1) steps waits
 for the slowest hop: T = 2(n-1) (a_inter + S / (n b_inter)).
 
 Hierarchical: reduce-scatter inside the node (k ranks), all-reduce of the 1/k shards across the
 N nodes, all-gather inside the node. The k shard all-reduces run at once and share the node's
-link, so together they move what one all-reduce of S would:
+link (each gets b_inter / k), so together they move what one all-reduce of S would:
 T = 2(k-1) (a_intra + S / (k b_intra)) + 2(N-1) (a_inter + S / (N b_inter)).
 
 On a node whose ranks share one network link, hierarchical sends 2(N-1)/N S through it instead
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcpar.sim.collectives import Link, fit_ring_link, ring_all_reduce, two_level_all_reduce
+
 
 @dataclass(frozen=True)
 class LinkModel:
@@ -29,6 +36,13 @@ class LinkModel:
     inter_latency_s: float
     inter_bandwidth: float
 
+    def intra(self) -> Link:
+        return Link(self.intra_latency_s, self.intra_bandwidth)
+
+    def inter(self, sharing: int = 1) -> Link:
+        """The inter-node link as each of `sharing` rings running over it at once gets it."""
+        return Link(self.inter_latency_s, self.inter_bandwidth / sharing)
+
     def describe(self) -> str:
         return (f"intra-node {self.intra_bandwidth * 8 / 1e9:.3g} Gbit/s, "
                 f"{self.intra_latency_s * 1e6:.0f} us; inter-node "
@@ -38,19 +52,13 @@ class LinkModel:
 def flat_all_reduce_time(nbytes: float, ranks_per_node: int, num_nodes: int,
                          link: LinkModel) -> float:
     n = ranks_per_node * num_nodes
-    if n == 1:
-        return 0.0
-    if num_nodes == 1:
-        return 2 * (n - 1) * (link.intra_latency_s + nbytes / (n * link.intra_bandwidth))
-    return 2 * (n - 1) * (link.inter_latency_s + nbytes / (n * link.inter_bandwidth))
+    return ring_all_reduce(nbytes, n, link.intra() if num_nodes == 1 else link.inter())
 
 
 def hierarchical_all_reduce_time(nbytes: float, ranks_per_node: int, num_nodes: int,
                                  link: LinkModel) -> float:
-    k, nodes = ranks_per_node, num_nodes
-    intra = 2 * (k - 1) * (link.intra_latency_s + nbytes / (k * link.intra_bandwidth))
-    inter = 2 * (nodes - 1) * (link.inter_latency_s + nbytes / (nodes * link.inter_bandwidth))
-    return intra + inter
+    return two_level_all_reduce(nbytes, ranks_per_node, num_nodes, link.intra(),
+                                link.inter(sharing=ranks_per_node)).total
 
 
 def choose_all_reduce(nbytes: float, ranks_per_node: int, num_nodes: int,
@@ -67,10 +75,5 @@ def fit_link(small_time_s: float, small_bytes: float, large_time_s: float, large
              num_ranks: int) -> tuple[float, float]:
     """(latency, bandwidth) of one link class from two timed ring all-reduces over
     `num_ranks` ranks: T = 2(n-1) (a + S / (n b))."""
-    steps = 2 * (num_ranks - 1)
-    per_step_small = small_time_s / steps
-    per_step_large = large_time_s / steps
-    slope = (per_step_large - per_step_small) / ((large_bytes - small_bytes) / num_ranks)
-    bandwidth = 1.0 / slope if slope > 0 else float("inf")
-    latency = max(0.0, per_step_small - small_bytes / num_ranks / bandwidth)
-    return latency, bandwidth
+    fitted = fit_ring_link(small_time_s, small_bytes, large_time_s, large_bytes, num_ranks)
+    return fitted.alpha, fitted.bandwidth

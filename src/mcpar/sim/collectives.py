@@ -22,6 +22,11 @@ Hierarchical all-reduce (intra-node reduce-scatter, inter-node all-reduce of the
 k local ranks in parallel, intra-node all-gather) has the same inter-node bytes per NIC as a
 well-formed flat ring; it wins on latency (2(N-1) inter-node steps instead of 2(p-1)) and is where
 compression of only the inter-node stage plugs in.
+
+These ring formulas and ``two_level_all_reduce`` are mcpar's one link model: the runtime's
+``hybrid`` choice (``mcpar.comm.collectives``) prices flat and hierarchical all-reduces with them,
+on the links it measured at start (one shared inter-node link per node), where the simulator
+builds its links from the cluster (one NIC per GPU).
 """
 
 from __future__ import annotations
@@ -117,6 +122,31 @@ class Phases:
         return self.intra + self.inter
 
 
+def two_level_all_reduce(n: float, per_node: int, nodes: int, intra: Link, inter: Link,
+                         inter_bytes_factor: float = 1.0) -> Phases:
+    """Hierarchical all-reduce of `n` bytes over `nodes` nodes of `per_node` ranks: ring
+    reduce-scatter inside the node, ring all-reduce of each 1/per_node shard across the nodes
+    (the per_node shard rings run at once, each on the `inter` link it gets), ring all-gather
+    inside the node. `inter_bytes_factor` scales the inter-node bytes only (compression of
+    that stage). The runtime's hybrid choice (``mcpar.comm.collectives``) prices with this too."""
+    local = ring_reduce_scatter(n, per_node, intra) + ring_all_gather(n, per_node, intra)
+    remote = ring_all_reduce(n / per_node * inter_bytes_factor, nodes, inter)
+    return Phases(local, remote)
+
+
+def fit_ring_link(small_time_s: float, small_bytes: float, large_time_s: float,
+                  large_bytes: float, num_ranks: int) -> Link:
+    """The link of two timed ring all-reduces over `num_ranks` ranks: ``ring_all_reduce``
+    solved for alpha and bandwidth (T = 2 (p-1) alpha + 2 (p-1)/p n / bandwidth)."""
+    steps = 2 * (num_ranks - 1)
+    per_step_small = small_time_s / steps
+    per_step_large = large_time_s / steps
+    slope = (per_step_large - per_step_small) / ((large_bytes - small_bytes) / num_ranks)
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    alpha = max(0.0, per_step_small - small_bytes / num_ranks / bandwidth)
+    return Link(alpha, bandwidth)
+
+
 def measured(cluster: Cluster, op: str, n: float, p: int) -> float | None:
     """A collective priced from the profile's own measurement (CPU/gloo), else None.
 
@@ -148,11 +178,9 @@ def hierarchical_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: f
 
     `inter_bytes_factor` scales the inter-node bytes only (compression of that stage)."""
     g = cluster.gpus_per_node
-    k, nodes = group.per_node(g), group.nodes(g)
-    intra = intra_link(cluster, net_eff)
-    local = ring_reduce_scatter(n, k, intra) + ring_all_gather(n, k, intra)
-    remote = ring_all_reduce(n / k * inter_bytes_factor, nodes, inter_link(cluster, net_eff))
-    return Phases(local, remote)
+    # Each GPU has its own NIC (one rail per GPU), so every shard ring gets a whole one.
+    return two_level_all_reduce(n, group.per_node(g), group.nodes(g), intra_link(cluster, net_eff),
+                                inter_link(cluster, net_eff), inter_bytes_factor)
 
 
 def tree_all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
