@@ -26,7 +26,8 @@ from mcpar.sim.fromconfig import (
     unpriced_settings,
     with_preset,
 )
-from mcpar.sim.hardware import GIB, Cluster, cluster_preset, load_accelerators
+from mcpar.sim.hardware import GIB, Cluster, load_accelerators
+from mcpar.sim.localprofile import named_cluster
 from mcpar.sim.planner import SearchSpace, best_or_error, format_table, plan
 from mcpar.sim.runs import predict_run, read_runs, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _cluster(args: argparse.Namespace) -> Cluster:
     table = load_accelerators(args.hardware)
-    return cluster_preset(args.cluster, table, key="--cluster")
+    return named_cluster(args.cluster, table, key="--cluster")
 
 
 def _workload(args: argparse.Namespace, cluster: Cluster,

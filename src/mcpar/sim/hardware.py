@@ -30,6 +30,9 @@ from mcpar.errors import UserError, problem
 ALPHA_INTRA_S = 2e-6  # per ring step on NVLink/NVSwitch
 ALPHA_INTER_S = 6e-6  # per ring step through a NIC and one switch hop
 GIB = 2.0**30
+# What a GPU holds besides the job's tensors: CUDA context, NCCL and cuBLAS workspaces, allocator
+# fragmentation. A CPU worker has none of these (the local profile's reserve is 0).
+RESERVED_BYTES = 2.0 * GIB
 
 # Dense FP8 tensor-core peaks (TFLOP/s) from the datasheets; hardware.csv has no fp8 column.
 FP8_PEAK_TFLOPS = {"H100-80GB": 1979.0, "H200-141GB": 1979.0}
@@ -90,6 +93,7 @@ class Cluster:
     # CPU profile only: measured (alpha, beta) per operation ("ar", "ag", "rs", "p2p") of
     # t = alpha + n beta between two ranks; empty: the textbook ring costs on the links above.
     op_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
+    reserved_bytes: float = RESERVED_BYTES  # per device, beside the job's memory
 
     @property
     def num_nodes(self) -> int:
@@ -163,12 +167,9 @@ CLUSTER_PRESET = re.compile(r"^(?P<gpu>[a-z0-9-]+)x(?P<n>\d+)$")
 def cluster_preset(name: str, table: dict[str, Accelerator] | None = None,
                    key: str = "--cluster") -> Cluster:
     """A cluster from a preset name: ``<gpu>x<count>`` (8 GPUs per node, the table's typical
-    inter-node bandwidth), e.g. ``a100x1024``, ``h100x512``, ``a100-40gbx64``; or ``local``,
-    this machine's measured profile (see ``localprofile``)."""
-    if name == "local":
-        from mcpar.sim.localprofile import load_local_cluster
-
-        return load_local_cluster()
+    inter-node bandwidth), e.g. ``a100x1024``, ``h100x512``, ``a100-40gbx64``. ``local``, this
+    machine's measured profile, is ``localprofile.named_cluster``'s (which builds on this module,
+    so this one does not import it)."""
     match = CLUSTER_PRESET.match(name.strip().lower())
     if not match:
         raise UserError(problem(key, f"unknown cluster preset {name!r}; use <gpu>x<count> "

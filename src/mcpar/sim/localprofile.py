@@ -42,7 +42,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mcpar.sim.hardware import Accelerator, Cluster, Efficiency, LocalProfile
+from mcpar.sim.hardware import (
+    Accelerator,
+    Cluster,
+    Efficiency,
+    LocalProfile,
+    cluster_preset,
+    load_accelerators,
+)
 
 PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
 
@@ -307,7 +314,8 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
     return Cluster(accel=accel, num_gpus=ranks_hint, gpus_per_node=1 << 20,
                    inter_bw=1.0 / (2 * ar_beta), alpha_intra=ar_alpha / 2,
                    alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
-                   op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()})
+                   op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
+                   reserved_bytes=0.0)
 
 
 def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Cluster:
@@ -322,6 +330,15 @@ def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Clu
     else:
         profile = LocalProfile.from_json(path.read_text())
     return local_cluster(profile)
+
+
+def named_cluster(name: str, table: dict[str, Accelerator] | None = None,
+                  key: str = "--cluster") -> Cluster:
+    """``local`` (this machine's saved profile, measured first when missing) or a GPU preset
+    (``hardware.cluster_preset``)."""
+    if name.strip().lower() == "local":
+        return load_local_cluster()
+    return cluster_preset(name, table or load_accelerators(), key=key)
 
 
 def main(argv: list[str] | None = None) -> int:
