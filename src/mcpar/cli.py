@@ -248,9 +248,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         + ", ".join(f"{n:,} ({format_bytes(4 * n)})"
                     for n in params_per_pipeline_rank(cfg, plan.parallel_dims()))
         + f" (single process: {est.num_params:,})",
-        f"per-rank memory estimate (largest rank, {est.params_per_rank:,} parameters):",
     ]
-    lines += [f"  {name:<16} {format_bytes(value):>12}" for name, value in est.rows()]
+    lines += est.report_lines()
     pending = unsupported_settings(cfg)
     if pending:
         lines.append("not trainable with this version yet (mcpar train will refuse):")

@@ -28,6 +28,7 @@ from mcpar.sim.fromconfig import (
 )
 from mcpar.sim.hardware import GIB, Cluster, load_accelerators
 from mcpar.sim.localprofile import named_cluster
+from mcpar.sim.memory import format_memory_rows, memory_header
 from mcpar.sim.planner import SearchSpace, best_or_error, format_table, plan
 from mcpar.sim.runs import predict_run, read_runs, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
@@ -138,8 +139,10 @@ def _as_json(model: ModelShape, layout: Layout, cluster: Cluster, pred: Predicti
                     "gpus_per_node": cluster.gpus_per_node},
         "step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
         "comm_fraction": pred.comm_fraction, "bubble_fraction": pred.bubble_fraction,
-        "memory_gib": {k: v / GIB for k, v in asdict(pred.memory).items()}
-        | {"total": pred.memory.total / GIB, "limit": pred.memory_limit / GIB},
+        "memory_gib": {k: v / GIB for k, v in asdict(pred.memory).items() if k != "params"}
+        | {"per_rank": pred.memory.per_rank / GIB, "total": pred.memory.total / GIB,
+           "limit": pred.memory_limit / GIB},
+        "memory_rows_bytes": dict(pred.memory.rows()), "params_per_rank": pred.memory.params,
         "fits": pred.fits, "breakdown_s": pred.breakdown, "notes": notes,
     }
 
@@ -165,11 +168,12 @@ def _describe(model: ModelShape, lay: Layout, cluster: Cluster, pred: Prediction
         f"{pred.bubble_fraction:.1%}",
         "critical path (s): " + ", ".join(f"{k} {v:.4g}" for k, v in
                                           sorted(pred.breakdown.items(), key=lambda kv: -kv[1])),
-        f"memory per GPU: weights {mem.weights / GIB:.2f} + gradients {mem.gradients / GIB:.2f} "
-        f"+ optimizer {mem.optimizer / GIB:.2f} + activations {mem.activations / GIB:.2f} + "
-        f"other {mem.other / GIB:.2f} = {mem.total / GIB:.2f} GiB of "
-        f"{pred.memory_limit / GIB:.0f} ({'fits' if pred.fits else 'DOES NOT FIT'})",
+        memory_header(mem.params),
     ]
+    lines += format_memory_rows(mem.rows())
+    lines.append(f"memory per GPU: {mem.per_rank / GIB:.2f} GiB + {mem.reserved / GIB:.2f} "
+                 f"reserved by the device = {mem.total / GIB:.2f} GiB of "
+                 f"{pred.memory_limit / GIB:.0f} ({'fits' if pred.fits else 'DOES NOT FIT'})")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 

@@ -55,7 +55,7 @@ from mcpar.sim.hardware import Cluster, Efficiency
 from mcpar.sim.memory import MemoryBreakdown, memory_per_gpu, params_per_rank, state_bytes
 from mcpar.sim.oversubscription import shared_pipeline_time
 from mcpar.sim.params import GPU_EFFICIENCY
-from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems
+from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems, rank_layers
 
 
 @dataclass
@@ -162,7 +162,7 @@ class DPCost:
 def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: Roofline,
             fwd_window: float, bwd_window: float) -> DPCost:
     dense, expert, _ = params_per_rank(m, lay)
-    w_b, g_b, _ = state_bytes(lay.precision)
+    w_b, g_b, _ = state_bytes(lay.precision, lay.autocast)
     if lay.compression in ("fp16", "bf16") or lay.zero_stage >= 2:
         # ZeRO-2/3 runs (DeepSpeed, FSDP) reduce-scatter in the 16-bit compute dtype.
         g_b = min(g_b, 2.0)
@@ -249,19 +249,6 @@ def check(m: ModelShape, lay: Layout, cluster: Cluster, where: str,
         raise UserError(problems)
 
 
-def stage_layers(m: ModelShape, lay: Layout) -> list[float]:
-    """Layers held by each pipeline rank (all its vp chunks). Megatron splits evenly; when the
-    count does not divide (DeepSpeed-style runs) the spare layers go to the middle stages, since
-    the end stages also carry the embedding and the head."""
-    stages = lay.pp * lay.vp
-    base, extra = divmod(m.layers, stages)
-    order = sorted(range(stages), key=lambda i: abs(i - (stages - 1) / 2))
-    counts = [float(base)] * stages
-    for i in order[:extra]:
-        counts[i] += 1
-    return [sum(counts[r::lay.pp]) for r in range(lay.pp)]
-
-
 @dataclass
 class PipelineCore:
     """What a layout's pipeline costs before ZeRO stage, compression and collective topology
@@ -287,7 +274,7 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
     head = head_times(m, lay, cluster, eff, rl)
     emb = embedding_times(m, lay, cluster, eff, rl)
     p, v = lay.pp, lay.vp
-    counts = stage_layers(m, lay)
+    counts = rank_layers(m, lay)
     overhead_per_layer = eff.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
 
     p2p_s = 0.0
@@ -355,7 +342,7 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     return Prediction(
         step_s=step, pipeline_s=pipeline, bubble_s=bubble, comm_exposed_s=comm,
         dp_comm_s=dp.total, optimizer_s=breakdown["optimizer"],
-        memory=memory_per_gpu(m, lay), memory_limit=cluster.accel.hbm_bytes,
+        memory=memory_per_gpu(m, lay, cluster.reserved_bytes), memory_limit=cluster.accel.hbm_bytes,
         model_flops=model_flops_per_token(m) * tokens, num_gpus=lay.num_gpus,
         peak_flops=cluster.accel.peak(lay.precision), tokens=tokens,
         breakdown={k: t for k, t in breakdown.items() if t > 0},

@@ -1,9 +1,15 @@
 """An mcpar job config (``JobConfig``) as the simulator's model shape and layout.
 
-mcpar's GPT is a GELU MLP with full multi-head attention, so ``kv_heads = heads``; an MoE config
-(``model.kind: moe``) has ``num_experts`` experts of ``ffn_hidden_size`` each. Settings the cost
-model does not price (offload, the expert scheduler, dynamic batch splitting, topology-aware
-allocation) are returned as notes, so the CLI says so instead of ignoring them silently.
+mcpar's GPT is a GELU MLP with full multi-head attention, so ``kv_heads = heads``, with biases on
+its linears, a learned position table, an optionally tied head and dropout only when
+``model.dropout > 0``; an MoE config (``model.kind: moe``) has ``num_experts`` bias-free experts of
+``ffn_hidden_size`` each (and a shared expert when asked). With those flags the simulator counts
+every parameter a rank holds as the model spec does. The layout carries mcpar's stage cut
+(``stages``) and its mixed precision (autocast: fp32 weights), so that ``mcpar check``
+(``controllers.memory.estimate``) and ``mcpar simulate`` price the same memory from the same
+mapping. Settings the cost model does not price (offload, the expert scheduler, dynamic batch
+splitting, topology-aware allocation) are returned as notes, so the CLI says so instead of
+ignoring them silently.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import replace
 
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
+from mcpar.sim.stages import stage_sizes
 from mcpar.sim.workload import Layout, ModelPreset, ModelShape
 
 # Layout field -> the config key a problem with it should name.
@@ -37,6 +44,8 @@ def config_model(cfg: JobConfig) -> ModelShape:
         layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_heads,
         ffn=m.ffn_size, ffn_kind="gelu", vocab=m.vocab_size, seq_len=m.seq_len,
         experts=m.num_experts if moe else 0, top_k=m.top_k if moe else 0, name="config",
+        bias=True, learned_positions=True, tied_embeddings=m.tie_embeddings,
+        shared_expert=moe and m.shared_expert, dropout=m.dropout > 0,
     )
 
 
@@ -44,7 +53,9 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
                   precision: str | None = None) -> Layout:
     """The layout of `cfg` on `num_gpus` devices. The global batch is the config's
     ``global_batch_size``, else micro-batch x ``gradient_accumulation`` x data when the
-    accumulation is set, else (with a model preset) the preset's batch."""
+    accumulation is set, else (with a model preset) the preset's batch. The config's own model
+    gets mcpar's stage cut and autocast; a preset model (a published stack) gets the even split
+    and 16-bit weight copies."""
     par, mem, com, opt = (cfg.parallelism, cfg.controllers.memory, cfg.controllers.communication,
                           cfg.optimization)
     tp, pp = par.tensor, par.pipeline
@@ -71,7 +82,16 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         compression=com.compression, topology=topology, bucket_mb=com.bucket_size_mb,
         # mcpar's pipeline sends whole activations (a sequence shard under SP), fp32 or bf16.
         p2p_split=par.sequence_parallel,
+        autocast=preset is None,
+        stages=_stage_cut(cfg, pp * par.virtual_stages) if preset is None else (),
     )
+
+
+def _stage_cut(cfg: JobConfig, num_stages: int) -> tuple[int, ...]:
+    """mcpar's cut, or none when the model has too few layers (``layout_problems`` says so)."""
+    if not 1 <= num_stages <= cfg.model.num_layers:
+        return ()
+    return stage_sizes(cfg.model, num_stages)
 
 
 def unpriced_settings(cfg: JobConfig) -> list[str]:

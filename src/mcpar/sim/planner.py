@@ -151,9 +151,9 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
     for core_layout in [*core_layouts(m, cluster, global_batch, precision, space, attention),
                         *extra]:
         # The leanest variant of this core (weights, gradients and optimizer state sharded).
-        lean = memory_per_gpu(m, core_layout.with_(zero_stage=3)).total
+        lean = memory_per_gpu(m, core_layout.with_(zero_stage=3), cluster.reserved_bytes).total
         if core_layout in extra:
-            lean = memory_per_gpu(m, core_layout).total
+            lean = memory_per_gpu(m, core_layout, cluster.reserved_bytes).total
         if lean > limit:
             considered += 1
             if smallest is None or lean < smallest[0]:
@@ -175,7 +175,7 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
                 continue
             seen.add(lay)
             considered += 1
-            mem = memory_per_gpu(m, lay).total
+            mem = memory_per_gpu(m, lay, cluster.reserved_bytes).total
             if mem > limit:
                 continue
             found.append(Candidate(lay, finish(core, m, lay, cluster)))

@@ -1,7 +1,10 @@
 """What is simulated: the model's shape, the parallel layout and the training settings.
 
 A ``ModelShape`` is the transformer as the calibration table describes it (``ffn`` is the inner
-width of one MLP, of one expert for MoE; every layer is an MoE layer when ``experts > 0``).
+width of one MLP, of one expert for MoE; every layer is an MoE layer when ``experts > 0``). Its
+flags default to the published stacks (no linear biases, rotary positions, untied head, dropout
+masks kept); an mcpar config sets them to mcpar's GPT (``fromconfig``), so that the parameters a
+rank holds are counted exactly, as the model spec counts them.
 A ``Layout`` holds the degrees and settings a run or a plan chooses. ``layout_problems`` lists
 every impossible combination, each naming the key at fault, so that a bad CSV row or config
 fails with all its problems at once.
@@ -35,6 +38,11 @@ class ModelShape:
     experts: int = 0
     top_k: int = 0
     name: str = ""
+    bias: bool = False  # biases on the attention and dense-MLP linears (GPT-2, mcpar's GPT)
+    learned_positions: bool = False  # a seq_len x hidden position table beside the embedding
+    tied_embeddings: bool = False  # the head shares the embedding when one rank holds both
+    shared_expert: bool = False  # MoE: a dense MLP every token goes through, beside the experts
+    dropout: bool = True  # dropout layers keep 1-byte masks for the backward pass
 
     @property
     def head_dim(self) -> float:
@@ -49,20 +57,39 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    def layer_param_split(self) -> tuple[float, float, float]:
+        """Parameters of one layer as tensor parallelism places them: (split over tp ranks,
+        replicated on every tp rank, expert weights). Split: the attention and MLP matrices, the
+        biases of column-parallel linears (QKV, up/gate). Replicated: the two norms (weight and
+        bias), the biases of row-parallel linears (added after the reduction), the router."""
+        h, f = self.hidden, self.ffn
+        kv = self.kv_heads * self.head_dim
+        split = h * (h + 2 * kv) + h * h + (h + 2 * kv if self.bias else 0)
+        replicated = 4 * h + (h if self.bias else 0)
+        dense_mlp_split = self.mlp_matrices * h * f + ((self.mlp_matrices - 1) * f if self.bias
+                                                        else 0)
+        dense_mlp_replicated = h if self.bias else 0
+        if not self.is_moe:
+            return split + dense_mlp_split, replicated + dense_mlp_replicated, 0.0
+        replicated += h * self.experts  # the router
+        if self.shared_expert:
+            split += dense_mlp_split
+            replicated += dense_mlp_replicated
+        return split, replicated, float(self.experts * self.mlp_matrices * h * f)
+
     def layer_params(self) -> tuple[float, float]:
         """(dense, expert) parameters of one layer: attention + norms (+ dense MLP or router)
         and the experts' MLPs."""
-        h = self.hidden
-        kv = self.kv_heads * self.head_dim
-        attn = h * (h + 2 * kv) + h * h + 4 * h  # qkv, output projection, two norms
-        mlp = self.mlp_matrices * h * self.ffn
-        if self.is_moe:
-            return attn + h * self.experts, self.experts * mlp
-        return attn + mlp, 0.0
+        split, replicated, expert = self.layer_param_split()
+        return split + replicated, expert
 
     def num_params(self) -> float:
+        """Layers, embedding (and position table), final norm and head (none when tied)."""
         dense, expert = self.layer_params()
-        return self.layers * (dense + expert) + 2 * self.vocab * self.hidden
+        h = self.hidden
+        ends = self.vocab * h * (1 if self.tied_embeddings else 2) + 2 * h
+        return self.layers * (dense + expert) + ends + (
+            self.seq_len * h if self.learned_positions else 0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +119,13 @@ class Layout:
     # Pipeline sends carry 1/tp of the activation, all-gathered over NVLink at the receiver
     # (Megatron's scatter-gather); False: the whole activation crosses.
     p2p_split: bool = True
+    # Mixed precision by autocast (PyTorch AMP, mcpar's bfloat16): fp32 weights, gradients and
+    # residual stream, 16-bit matmul inputs and outputs. False: 16-bit weight copies beside fp32
+    # master weights (Megatron, DeepSpeed), the residual stream in 16 bits.
+    autocast: bool = False
+    # Layers of each of the pp x vp pipeline stages, first to last (stage s on rank s % pp);
+    # empty: the even split of ``stage_blocks``.
+    stages: tuple[int, ...] = ()
 
     @property
     def num_gpus(self) -> int:
@@ -124,6 +158,28 @@ class Layout:
         if self.ep > 1:
             text += f" ep{self.ep}"
         return text
+
+
+def stage_blocks(m: ModelShape, lay: Layout) -> list[int]:
+    """Layers of each pipeline stage (pp x vp of them, first to last): ``lay.stages`` when the
+    layout gives the cut (mcpar's cost-balanced one, see ``stages``), else Megatron's even split;
+    when the count does not divide (DeepSpeed-style runs) the spare layers go to the middle
+    stages, since the end stages also carry the embedding and the head."""
+    if lay.stages:
+        return list(lay.stages)
+    stages = lay.pp * lay.vp
+    base, extra = divmod(m.layers, stages)
+    order = sorted(range(stages), key=lambda i: abs(i - (stages - 1) / 2))
+    counts = [base] * stages
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def rank_layers(m: ModelShape, lay: Layout) -> list[float]:
+    """Layers held by each pipeline rank (all its vp stages)."""
+    counts = stage_blocks(m, lay)
+    return [float(sum(counts[r::lay.pp])) for r in range(lay.pp)]
 
 
 def model_problems(m: ModelShape, where: str) -> list[str]:
@@ -170,6 +226,10 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     # priced rather than refused here: published runs may do either. The planner avoids both.
     if m.layers < lay.pp * lay.vp:
         bad("pp", f"{m.layers} layers cannot fill pp {lay.pp} x vp {lay.vp} stages")
+    if lay.stages and (len(lay.stages) != lay.pp * lay.vp or sum(lay.stages) != m.layers
+                       or min(lay.stages) < 1):
+        bad("pp", f"stage cut {list(lay.stages)} does not place {m.layers} layers on pp "
+                  f"{lay.pp} x vp {lay.vp} stages of at least one layer")
     if lay.seq_parallel and lay.tp == 1:
         bad("seq_parallel", "sequence parallelism shards over tensor ranks; it needs tp > 1")
     if m.seq_len % lay.cp or (m.seq_len // lay.cp) % (lay.tp if lay.seq_parallel else 1):

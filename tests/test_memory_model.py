@@ -1,0 +1,181 @@
+"""One memory model: ``mcpar check`` (the runtime's estimate) and ``mcpar simulate`` (the cost
+model) print the same per-rank memory for the same config, row by row and byte for byte, over six
+layouts; the exact parameter counts and mcpar's stage cut are the simulator's too; and one
+layout is worked out by hand, so that the two cannot drift together either."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli_in_process
+
+from mcpar.config import load_config
+from mcpar.controllers.compute.stage_cut import partition_layers as runtime_cut
+from mcpar.controllers.memory.estimate import estimate_memory, params_per_pipeline_rank
+from mcpar.models.spec import get_model_spec
+from mcpar.plan import resolve_plan
+from mcpar.sim.costmodel import simulate
+from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.hardware import LocalProfile, cluster_preset
+from mcpar.sim.memory import memory_per_gpu, rank_params
+from mcpar.sim.stages import partition_layers as sim_cut
+
+SMALL = {"num_layers": 4, "hidden_size": 128, "num_heads": 8, "seq_len": 128, "vocab_size": 256}
+
+# name -> (config, GPUs). Pipeline layouts run several micro-batches under 1F1B; the big
+# vocabulary of "pipeline2" makes mcpar's cost-balanced cut uneven (5 blocks | 1 block + head).
+LAYOUTS: dict[str, tuple[dict, int]] = {
+    "data4": ({"parallelism": {"data": 4}}, 4),
+    "tensor2": ({"parallelism": {"tensor": 2, "data": 2}}, 4),
+    "pipeline2-1f1b": ({"model": {"num_layers": 6, "vocab_size": 8192},
+                        "parallelism": {"pipeline": 2, "data": 2},
+                        "optimization": {"micro_batch_size": 4, "gradient_accumulation": 4}}, 4),
+    "tensor2-sp-pipeline2": ({"parallelism": {"tensor": 2, "pipeline": 2, "data": 2,
+                                              "sequence_parallel": True},
+                              "optimization": {"micro_batch_size": 4,
+                                               "gradient_accumulation": 4}}, 8),
+    "moe-experts2": ({"model": {"kind": "moe", "num_experts": 4, "top_k": 2,
+                                "shared_expert": True},
+                      "parallelism": {"experts": 2, "data": 2}}, 2),
+    "bf16-zero1": ({"model": {"tie_embeddings": True, "dropout": 0.1},
+                    "training": {"dtype": "bfloat16"},
+                    "controllers": {"memory": {"zero_stage": 1}},
+                    "parallelism": {"data": 4}}, 4),
+}
+
+
+def write_config(tmp_path: Path, name: str) -> tuple[Path, int]:
+    body, gpus = LAYOUTS[name]
+    body = json.loads(json.dumps(body))
+    body["model"] = SMALL | body.get("model", {})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path, gpus
+
+
+def memory_block(stdout: str) -> list[str]:
+    """The header and the six rows both commands print."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("per-rank memory"))
+    return lines[start:start + 7]
+
+
+def row_bytes(block: list[str]) -> dict[str, int]:
+    out = {}
+    for line in block[1:]:
+        match = re.match(r"^  (\S.*?)\s{2,}.*?\s([\d,]+) B$", line)
+        assert match, line
+        out[match[1]] = int(match[2].replace(",", ""))
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_check_and_simulate_print_the_same_memory(name: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path, gpus = write_config(tmp_path, name)
+    check = run_cli_in_process(capsys, "check", str(path))
+    assert check.returncode == 0, check.stderr
+    sim = run_cli_in_process(capsys, "simulate", str(path), "--cluster", f"a100x{gpus}")
+    assert sim.returncode == 0, sim.stderr
+    check_block, sim_block = memory_block(check.stdout), memory_block(sim.stdout)
+    assert check_block == sim_block
+    rows = row_bytes(check_block)
+    assert list(rows) == ["parameters", "gradients", "optimizer state", "activations", "other",
+                          "total"]
+    assert rows["total"] == sum(v for k, v in rows.items() if k != "total") > 0
+    # The simulator adds only the GPU's own reserve on top.
+    reserve = re.search(r"memory per GPU: [\d.]+ GiB \+ ([\d.]+) reserved", sim.stdout)
+    assert reserve and float(reserve[1]) == 2.0
+
+    # The functions behind the two commands agree too, in whole bytes.
+    cfg = load_config(str(path))
+    plan = resolve_plan(cfg, None)
+    est = estimate_memory(plan.config, plan.parallel_dims())
+    assert est.rows() == list(rows.items()) == plan.memory.rows()
+    pred = simulate(config_model(cfg), config_layout(cfg, gpus), cluster_preset(f"a100x{gpus}"))
+    assert pred.memory.rows() == est.rows()
+    assert pred.memory.total == pytest.approx(pred.memory.per_rank + 2 * 2**30)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_simulator_counts_every_parameter_and_cuts_stages_as_the_runtime(
+        name: str, tmp_path: Path) -> None:
+    path, _ = write_config(tmp_path, name)
+    plan = resolve_plan(load_config(str(path)), None)
+    cfg, dims = plan.config, plan.parallel_dims()
+    model, layout = config_model(cfg), config_layout(cfg, dims.world_size)
+    assert model.num_params() == get_model_spec(cfg.model.kind).num_params(cfg.model)
+    exact = params_per_pipeline_rank(cfg, dims)
+    assert [dense + expert for dense, expert in rank_params(model, layout)] == exact
+    stages = dims.pp * cfg.parallelism.virtual_stages
+    assert sim_cut(cfg.model, stages) == runtime_cut(cfg.model, stages) == list(plan.stage_cut)
+
+
+def test_stage_cuts_agree_over_many_shapes() -> None:
+    for layers in (2, 3, 5, 8, 13):
+        for hidden, vocab, seq in ((32, 256, 32), (128, 8192, 128), (768, 50257, 1024)):
+            cfg = load_config(None, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",
+                                     f"model.vocab_size={vocab}", f"model.seq_len={seq}"])
+            for stages in range(1, layers + 1):
+                assert sim_cut(cfg.model, stages) == runtime_cut(cfg.model, stages)
+
+
+def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
+    """fp32, no dropout, flash attention, 1F1B on pp 2 with 4 micro-batches: the first rank holds
+    its 5 blocks (the cut leaves the head's rank one) for min(pp, 4) = 2 micro-batches, each
+    block 64 bytes per residual element (16 outside tensor parallelism: two norm inputs and the
+    attention and MLP inputs; 48 inside: Q, K, V, projection input, two 4h-wide MLP tensors),
+    plus the last rank's fp32 logits and their gradient; 4 + 4 + 8 bytes per parameter of the
+    busiest rank."""
+    path, _ = write_config(tmp_path, "pipeline2-1f1b")
+    plan = resolve_plan(load_config(str(path)), None)
+    assert [b - a for a, b in plan.stage_cut] == [5, 1]
+    b, s, h, v = 4, 128, 128, 8192
+    x = b * s * h
+    activations = 5 * 2 * 64 * x + 2 * 4 * b * s * v
+    params = max(params_per_pipeline_rank(plan.config, plan.parallel_dims()))
+    assert plan.memory.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
+                                  ("optimizer state", 8 * params),
+                                  ("activations", activations), ("other", 0),
+                                  ("total", 16 * params + activations)]
+
+
+def test_autocast_keeps_fp32_weights_and_residual_stream() -> None:
+    """mcpar's bfloat16 is autocast: 16 bytes of model state per parameter, as in fp32 (no
+    16-bit copy), and the norms keep an fp32 residual stream, the matmul inputs bf16."""
+    fp32 = load_config(None, [])
+    bf16 = load_config(None, ["training.dtype=bfloat16"])
+    m32, m16 = (memory_per_gpu(config_model(c), config_layout(c, 1), reserved=0)
+                for c in (fp32, bf16))
+    assert (m16.weights, m16.gradients, m16.optimizer) == (m32.weights, m32.gradients,
+                                                           m32.optimizer)
+    x = 16 * 128 * 128  # micro-batch x seq x hidden
+    logits = 2 * 4 * 16 * 128 * 256
+    assert m32.activations == 4 * 64 * x + logits
+    assert m16.activations == 4 * (2 * 4 + 2 * 2 + 2 * (1 + 2 + 1) + 2 * 2 * 4) * x + logits
+
+
+def test_default_simulate_on_this_machine_matches_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mcpar simulate CONFIG`` without --cluster (the 'local' profile, a CPU: no reserve)."""
+    profile = LocalProfile(
+        cores=2, flops_per_thread=80e9, attention_flops_per_thread=25e9,
+        mem_bw_per_thread=12e9, mem_bw_total=20e9, op_overhead_s=8e-5, layer_overhead_s=7e-4,
+        collectives={"ar": [2.5e-3, 1e-9], "ag": [2e-3, 8e-10], "rs": [3e-3, 1e-9],
+                     "p2p": [1.5e-3, 1e-10]},
+        notes={"flops_all_cores": 140e9})
+    saved = tmp_path / "profile.json"
+    saved.write_text(json.dumps(asdict(profile)))
+    monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(saved))
+    path, _ = write_config(tmp_path, "tensor2-sp-pipeline2")
+    check = run_cli_in_process(capsys, "check", str(path))
+    sim = run_cli_in_process(capsys, "simulate", str(path))
+    assert sim.returncode == 0, sim.stderr
+    assert memory_block(check.stdout) == memory_block(sim.stdout)
+    assert "+ 0.00 reserved by the device" in sim.stdout
