@@ -8,8 +8,9 @@ broadcast.
 
 The model is three kinds of pieces, ``embed -> blocks -> head``, so that pipeline parallelism can
 cut it between any two pieces and tensor parallelism can swap each piece's linears for sharded
-ones. Nothing in this file knows about parallelism: shapes are read from the tensors (a sharded
-attention has fewer local heads; a sequence-parallel block sees a slice of the sequence).
+ones; ``GPT.pieces`` and ``GPT_TENSOR_PARALLEL`` (at the end) say where those are, for the model
+spec. Nothing else in this file knows about parallelism: shapes are read from the tensors (a
+sharded attention has fewer local heads; a sequence-parallel block sees a slice of the sequence).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.config import ModelConfig
+from mcpar.models.plan import (
+    BlockPlan,
+    ColumnParallel,
+    EmbeddingPlan,
+    ModelPieces,
+    OutputPlan,
+    TensorParallelPlan,
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,6 +134,29 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+    def pieces(self) -> ModelPieces:
+        """The pieces a pipeline cuts between, under the names they have here."""
+        return ModelPieces(self.embed, list(self.blocks), self.head, ("embed", "blocks", "head"))
+
+
+# Where tensor parallelism finds the linears, embeddings and norms (paths inside each piece).
+ATTENTION_TENSOR_PARALLEL = BlockPlan(
+    column=(ColumnParallel("attn.qkv", fused=3),),  # q|k|v: each split by heads
+    row=("attn.proj",),
+    norms=("ln_attn", "ln_mlp"),
+    heads=("attn.num_heads",),
+)
+GPT_TENSOR_PARALLEL = TensorParallelPlan(
+    embedding=EmbeddingPlan(vocab="tok", positions="pos"),
+    block=BlockPlan(
+        column=(*ATTENTION_TENSOR_PARALLEL.column, ColumnParallel("mlp.fc")),
+        row=(*ATTENTION_TENSOR_PARALLEL.row, "mlp.proj"),
+        norms=ATTENTION_TENSOR_PARALLEL.norms,
+        heads=ATTENTION_TENSOR_PARALLEL.heads,
+    ),
+    output=OutputPlan(projection="out", norms=("ln_final",)),
+)
 
 
 def gpt_num_params(cfg: ModelConfig) -> int:

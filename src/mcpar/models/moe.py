@@ -37,12 +37,21 @@ from torch import nn
 
 from mcpar.config import ModelConfig
 from mcpar.models.gpt import (
+    ATTENTION_TENSOR_PARALLEL,
     GPT,
+    GPT_TENSOR_PARALLEL,
     MLP,
     Block,
     gpt_flops_per_token,
     gpt_num_params,
     gpt_stage_num_params,
+)
+from mcpar.models.plan import (
+    BlockPlan,
+    ColumnParallel,
+    ExpertPlan,
+    ExpertWeight,
+    TensorParallelPlan,
 )
 
 
@@ -208,6 +217,22 @@ def build_moe(cfg: ModelConfig, seed: int) -> GPT:
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+# Tensor parallelism shards GPT's attention, embedding and head; a block's MoE layer is split by
+# the expert plan (each expert's width over the tensor axis, like a dense MLP's).
+MOE_TENSOR_PARALLEL = TensorParallelPlan(
+    embedding=GPT_TENSOR_PARALLEL.embedding,
+    block=ATTENTION_TENSOR_PARALLEL,
+    output=GPT_TENSOR_PARALLEL.output,
+)
+MOE_EXPERTS = ExpertPlan(
+    layers=moe_layers,
+    routed="experts",
+    weights=(ExpertWeight("fc.weight", width_dim=2), ExpertWeight("proj.weight", width_dim=1)),
+    compute=expert_mlps,
+    dense=BlockPlan(column=(ColumnParallel("shared.fc"),), row=("shared.proj",)),
+)
 
 
 def _moe_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:

@@ -2,7 +2,13 @@
 
 A spec says how to build the module from ``ModelConfig`` with a seeded init, how many parameters it
 has (without building it, for plans of models too big for this machine) and how many FLOPs one
-training token costs. ``model.kind`` picks the spec.
+training token costs; and what parallelizing needs to know about the built module
+(mcpar.models.plan): its ``pieces`` (embedding, blocks, head: where the pipeline cuts; the blocks
+are also the per-layer modules), its ``tensor_parallel`` plan (which linears are column- or
+row-parallel, which embedding and output projection are split over the vocabulary, which norms
+are sequence-parallel, which head counts to divide) and its ``expert_parallel`` plan (where
+the MoE layers and their experts are). ``mcpar.parallel`` follows those and names no model
+attribute, so a new family plugs in here alone. ``model.kind`` picks the spec.
 """
 
 from __future__ import annotations
@@ -13,8 +19,22 @@ from dataclasses import dataclass
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.models.gpt import GPT, gpt_flops_per_token, gpt_num_params, gpt_stage_num_params
-from mcpar.models.moe import build_moe, moe_flops_per_token, moe_num_params, moe_stage_num_params
+from mcpar.models.gpt import (
+    GPT,
+    GPT_TENSOR_PARALLEL,
+    gpt_flops_per_token,
+    gpt_num_params,
+    gpt_stage_num_params,
+)
+from mcpar.models.moe import (
+    MOE_EXPERTS,
+    MOE_TENSOR_PARALLEL,
+    build_moe,
+    moe_flops_per_token,
+    moe_num_params,
+    moe_stage_num_params,
+)
+from mcpar.models.plan import ExpertPlan, ModelPieces, TensorParallelPlan
 
 
 @dataclass(frozen=True)
@@ -26,6 +46,14 @@ class ModelSpec:
     # (config, blocks, holds embedding, holds head, tensor degree, expert degree) -> parameters
     # on one rank
     stage_num_params: Callable[[ModelConfig, int, bool, bool, int, int], int]
+    # built module -> its embedding, blocks and head (and their names in it)
+    pieces: Callable[[nn.Module], ModelPieces]
+    tensor_parallel: TensorParallelPlan | None = None  # None: not tensor-parallel
+    expert_parallel: ExpertPlan | None = None  # None: a dense model
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The per-layer modules of a built model, in order."""
+        return self.pieces(model).blocks
 
 
 def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
@@ -36,9 +64,11 @@ def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "gpt": ModelSpec("gpt", _build_gpt, gpt_num_params, gpt_flops_per_token,
-                     gpt_stage_num_params),
+                     gpt_stage_num_params, pieces=GPT.pieces,
+                     tensor_parallel=GPT_TENSOR_PARALLEL),
     "moe": ModelSpec("moe", build_moe, moe_num_params, moe_flops_per_token,
-                     moe_stage_num_params),
+                     moe_stage_num_params, pieces=GPT.pieces,
+                     tensor_parallel=MOE_TENSOR_PARALLEL, expert_parallel=MOE_EXPERTS),
 }
 
 

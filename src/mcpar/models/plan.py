@@ -1,0 +1,124 @@
+"""What parallelizing needs to know about a model family, as data the family writes down.
+
+A model is three kinds of pieces, ``embedding -> blocks -> head``: pipeline parallelism cuts it
+between any two pieces, tensor parallelism swaps linears inside each piece for sharded ones and
+expert parallelism spreads the experts of the MoE layers it finds in a block. Each family says
+where those things are in its modules here, next to its classes (gpt.py, moe.py), and its
+``ModelSpec`` (spec.py) carries it; ``mcpar.parallel`` reads only these descriptions and never
+names a model's attributes.
+
+Module paths are dotted attribute paths *relative to a piece* (``"attn.qkv"`` inside a block,
+``"tok"`` inside the embedding; ``""`` is the piece itself, e.g. an embedding piece that is the
+bare table), in the spirit of TorchTitan's parallelize plans; the mechanism behind them is
+mcpar's own (parallel/tensor.py, parallel/expert.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class ModelPieces(NamedTuple):
+    """A built model as the pipeline sees it.
+
+    ``names`` are the attribute names a pipeline stage registers the pieces under (the model's
+    own, so that a stage's parameter names, and with them checkpoints, read like the model's).
+    """
+
+    embedding: nn.Module  # token ids [batch, seq] -> activations [batch, seq, hidden]
+    blocks: list[nn.Module]  # activations -> activations, one per layer
+    head: nn.Module  # activations -> logits [batch, seq, vocab]
+    names: tuple[str, str, str]  # (embedding, blocks, head) attribute names in a stage
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """A linear split by output features. ``fused`` projections stacked along its outputs (a
+    fused q|k|v linear: 3) are each split on their own, so every rank keeps the same heads of
+    each projection."""
+
+    path: str
+    fused: int = 1
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Tensor-parallel plan of one block (paths relative to the block)."""
+
+    column: tuple[ColumnParallel, ...] = ()  # first linear of each pair
+    row: tuple[str, ...] = ()  # second linear of each pair, split by input features
+    # Replicated modules on the residual stream (norms): under sequence parallelism they act on
+    # a sequence shard and their gradients are summed over the tensor axis.
+    norms: tuple[str, ...] = ()
+    # Attributes holding a head count that the tensor degree divides ("attn.num_heads").
+    heads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """Tensor-parallel plan of the embedding piece (paths relative to it)."""
+
+    vocab: str  # an nn.Embedding split over the vocabulary
+    # An nn.Embedding of positions, replicated (under sequence parallelism it looks up only the
+    # positions of this rank's shard), or None.
+    positions: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """Tensor-parallel plan of the head piece (paths relative to it)."""
+
+    projection: str  # the linear to vocabulary logits, split over the vocabulary (never gathered)
+    norms: tuple[str, ...] = ()  # replicated, sequence-parallel norms before it
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Where the tensor-parallel linears, embeddings and norms of a model are.
+
+    A head whose projection weight *is* the embedding's weight (tied) shares the embedding's
+    vocabulary slice when both are on the same stage.
+    """
+
+    embedding: EmbeddingPlan
+    block: BlockPlan  # every block alike
+    output: OutputPlan  # the head piece
+
+
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One grouped expert weight ``[experts, ...]`` of an experts module: its path and the dim
+    of the expert's inner width, which the tensor axis splits."""
+
+    path: str
+    width_dim: int
+
+
+# (rows sorted by expert, rows per expert, this rank's grouped weights in ExpertPlan order)
+# -> each row through its expert
+ExpertCompute = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where the routed experts of a model are and how they compute.
+
+    ``layers(block)`` lists a block's MoE layers. In a MoE layer, the module at ``routed`` is
+    called as ``routed(tokens, token_index, expert_index)`` (rows ``tokens[token_index[i]]``
+    through expert ``expert_index[i]``, in entry order); expert parallelism replaces it with one
+    that holds this rank's experts, split as ``weights`` says. ``compute`` runs the experts on
+    rows sorted by expert. ``dense`` is the tensor-parallel plan of the layer's dense sublayers
+    (a shared expert), relative to the MoE layer (a path whose module is None is skipped); they
+    act on every token, without sequence parallelism.
+    """
+
+    layers: Callable[[nn.Module], list[nn.Module]]
+    routed: str
+    weights: tuple[ExpertWeight, ...]
+    compute: ExpertCompute
+    dense: BlockPlan = field(default_factory=BlockPlan)
