@@ -18,6 +18,7 @@ from mcpar.metrics import read_metrics
 from mcpar.models.moe import Experts, MoELayer, build_moe, moe_num_params
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import apply_expert_parallel
+from mcpar.parallel.stage import whole_model
 from mcpar.parallel.tensor import apply_tensor_parallel
 
 
@@ -95,8 +96,11 @@ def test_parameter_counts_match_the_model_whole_and_sharded() -> None:
     assert sum(p.numel() for p in model.parameters()) == moe_num_params(cfg)
     assert spec.stage_num_params(cfg, 2, True, True, 1, 1) == moe_num_params(cfg)
     # One rank of tensor 2 x experts 2 (the shards are built without a process group).
-    apply_tensor_parallel(model, None, 0, 2, sequence_parallel=False)  # type: ignore[arg-type]
-    apply_expert_parallel(model, None, 0, 2, 0, 2)  # type: ignore[arg-type]
+    # The stage shares the model's modules: sharding it shards the model in place.
+    stage = whole_model(model, spec.pieces)
+    apply_tensor_parallel(stage, spec.tensor_parallel, None,  # type: ignore[arg-type]
+                          0, 2, sequence_parallel=False)
+    apply_expert_parallel(stage, spec.expert_parallel, None, 0, 2, 0, 2)  # type: ignore[arg-type]
     assert model.blocks[0].mlp.experts.fc.weight.shape == (2, 32, 64)
     assert sum(p.numel() for p in model.parameters()) == spec.stage_num_params(
         cfg, 2, True, True, 2, 2)

@@ -20,12 +20,15 @@ MODEL = ModelConfig(num_layers=4, hidden_size=32, num_heads=4, seq_len=16, vocab
 def real_shards(pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int
                 ) -> dict[str, torch.Tensor]:
     """What parallelize gives this coordinate: the seeded model, cut and tensor-sharded."""
-    full = get_model_spec("gpt").build(MODEL, 7)
+    spec = get_model_spec("gpt")
+    full = spec.build(MODEL, 7)
     ranges = partition_layers(MODEL, pp * virtual)
-    chunks = [cut_model(full, ranges, global_stage(c, pp_rank, pp)) for c in range(virtual)]
+    chunks = [cut_model(full, ranges, global_stage(c, pp_rank, pp), spec.pieces)
+              for c in range(virtual)]
     if tp > 1:
         for chunk in chunks:
-            apply_tensor_parallel(chunk, None, tp_rank, tp, False)  # type: ignore[arg-type]
+            apply_tensor_parallel(chunk, spec.tensor_parallel, None,  # type: ignore[arg-type]
+                                  tp_rank, tp, False)
     return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(chunks)
             for n, p in c.named_parameters()}
 

@@ -20,7 +20,7 @@ from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.launch import find_free_port
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.stage import cut_model
+from mcpar.parallel.stage import cut_model, whole_model
 from mcpar.parallel.tensor import (
     apply_tensor_parallel,
     is_tp_sharded,
@@ -32,6 +32,7 @@ from mcpar.topology import ParallelDims
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 2, 32, 4, 16, 64, 2
 FFN = 4 * HIDDEN
 SEED = 7
+SPEC = get_model_spec("gpt")
 
 # (sequence_parallel, tie_embeddings, as two pipeline stages) run by each world size, all in one
 # spawn per size. The staged case shards two StageModules (one without head, one without
@@ -52,15 +53,15 @@ def model_config(tie: bool, **overrides: int) -> ModelConfig:
 def run_case(comm: CommunicationController, rank: int, world: int, sp: bool, tie: bool,
              staged: bool) -> dict:
     cfg = model_config(tie)
-    reference = get_model_spec("gpt").build(cfg, SEED)
-    full = get_model_spec("gpt").build(cfg, SEED)
+    reference = SPEC.build(cfg, SEED)
+    full = SPEC.build(cfg, SEED)
     if staged:
         ranges = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
-        pieces = [cut_model(full, ranges, stage) for stage in range(2)]
+        pieces = [cut_model(full, ranges, stage, SPEC.pieces) for stage in range(2)]
     else:
-        pieces = [full]
+        pieces = [whole_model(full, SPEC.pieces)]
     for piece in pieces:
-        apply_tensor_parallel(piece, comm, rank, world, sequence_parallel=sp)
+        apply_tensor_parallel(piece, SPEC.tensor_parallel, comm, rank, world, sequence_parallel=sp)
     sharded = torch.nn.Sequential(*pieces)
     params = {full_name(name, pieces): p for name, p in sharded.named_parameters()}
 
@@ -93,8 +94,8 @@ def run_case(comm: CommunicationController, rank: int, world: int, sp: bool, tie
 def run_dropout(comm: CommunicationController, rank: int, world: int, sp: bool) -> dict:
     """Training mode with dropout: no parity promise, but the replicas must stay consistent."""
     torch.manual_seed(SEED)  # the same RNG stream on every tp rank, as the trainer gives them
-    model = get_model_spec("gpt").build(model_config(False, dropout=0.1), SEED)
-    apply_tensor_parallel(model, comm, rank, world, sequence_parallel=sp)
+    model = whole_model(SPEC.build(model_config(False, dropout=0.1), SEED), SPEC.pieces)
+    apply_tensor_parallel(model, SPEC.tensor_parallel, comm, rank, world, sequence_parallel=sp)
     model.train()
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     loss = vocab_parallel_cross_entropy(model(tokens), tokens, comm, rank, world)
@@ -201,7 +202,7 @@ def test_per_rank_parameter_count_under_tp2(results: dict[int, list[dict]]) -> N
     # Replicated: position embedding, 2 LayerNorms and 2 row-parallel biases per block, ln_final.
     replicated = s * h + LAYERS * (2 * 2 * h + 2 * h) + 2 * h
     sharded = VOCAB * h + LAYERS * (3 * h * h + 3 * h + h * h + h * f + f + f * h) + VOCAB * h
-    assert sharded + replicated == get_model_spec("gpt").num_params(model_config(tie=False))
+    assert sharded + replicated == SPEC.num_params(model_config(tie=False))
     assert sum(r["numel"].values()) == sharded // 2 + replicated == 15_520
 
 
@@ -245,9 +246,9 @@ def test_tp1_is_plain_cross_entropy() -> None:
     # Without a process group every axis has size 1: the sharded model is the model itself.
     cfg = model_config(tie=False)
     comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
-    reference = get_model_spec("gpt").build(cfg, SEED)
-    model = get_model_spec("gpt").build(cfg, SEED)
-    apply_tensor_parallel(model, comm, 0, 1, sequence_parallel=True)
+    reference = SPEC.build(cfg, SEED)
+    model = whole_model(SPEC.build(cfg, SEED), SPEC.pieces)
+    apply_tensor_parallel(model, SPEC.tensor_parallel, comm, 0, 1, sequence_parallel=True)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, dims=1)
     loss = vocab_parallel_cross_entropy(model(tokens), targets, comm, 0, 1)
@@ -261,14 +262,14 @@ def test_tp1_is_plain_cross_entropy() -> None:
 
 
 @pytest.mark.parametrize("overrides,tp,sp,message", [
-    ({}, 3, False, "attention heads are not divisible"),
-    ({"ffn_hidden_size": 66}, 4, False, "MLP width 66"),
+    ({}, 3, False, r"4 attention heads \(attn.num_heads\) are not divisible"),
+    ({"ffn_hidden_size": 66}, 4, False, "mlp.fc width 66"),
     ({"vocab_size": 66}, 4, False, "vocabulary size 66"),
     ({"seq_len": 18}, 4, True, "seq_len 18"),
 ])
 def test_indivisible_shapes_are_rejected(overrides: dict[str, int], tp: int, sp: bool,
                                          message: str) -> None:
-    model = get_model_spec("gpt").build(model_config(tie=False, **overrides), SEED)
+    model = whole_model(SPEC.build(model_config(tie=False, **overrides), SEED), SPEC.pieces)
     comm = CommunicationController(ParallelDims(dp=1, tp=tp, pp=1, ep=1, world_size=tp))
     with pytest.raises(ValueError, match=message):
-        apply_tensor_parallel(model, comm, 0, tp, sequence_parallel=sp)
+        apply_tensor_parallel(model, SPEC.tensor_parallel, comm, 0, tp, sequence_parallel=sp)

@@ -63,13 +63,15 @@ _MAPS_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 def _shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int, tp: int,
                 tp_rank: int) -> dict[str, torch.Tensor]:
     full, _ = _index_model(model_cfg, kind)
+    spec = get_model_spec(kind)
     layer_ranges = partition_layers(model_cfg, pp * virtual)
-    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, pp))  # type: ignore[arg-type]
+    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, pp), spec.pieces)
               for c in range(virtual)]
     if tp > 1:
         for chunk in chunks:
             # Sharding only slices tensors; no collective runs, so no controller is needed.
-            apply_tensor_parallel(chunk, None, tp_rank, tp, False)  # type: ignore[arg-type]
+            apply_tensor_parallel(chunk, spec.tensor_parallel, None,  # type: ignore[arg-type]
+                                  tp_rank, tp, False)
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for index, chunk in enumerate(chunks):

@@ -7,6 +7,10 @@ consecutive data ranks, 'edp' the replicas of one expert group). A layer's E exp
 the model) says which expert each slot holds. It starts as the identity and changes only when the
 load balancer swaps two slots' contents (``swap_expert_slots``).
 
+Which modules are MoE layers, where their experts are and how an expert computes is the model's
+business: its spec's ``ExpertPlan`` (mcpar.models.plan) says, and nothing here names a model's
+attributes.
+
 Forward of ``ShardedExperts`` (rows = (token, chosen expert) entries of this rank's tokens):
 1. sort the rows by destination slot, so they are grouped by destination rank;
 2. all-to-all of the per-slot row counts (E integers), then of the rows themselves (uneven splits);
@@ -39,12 +43,13 @@ import torch
 from torch import nn
 
 from mcpar.comm.communicator import Communicator
-from mcpar.models.moe import Experts, GroupedWeight, MoELayer, expert_mlps
 from mcpar.parallel.tensor import (
     TP_SHARDED_ATTR,
     enter_tensor_parallel,
     leave_tensor_parallel,
-    shard_dense_mlp,
+    replace,
+    resolve,
+    shard_block,
 )
 
 EXPERT_SHARDED_ATTR = "_mcpar_expert_sharded"
@@ -71,33 +76,46 @@ class _AllToAllRows(torch.autograd.Function):
 
 
 class ShardedExperts(nn.Module):
-    """This rank's experts of one MoE layer (E/ep slots, each expert's width split over tp)."""
+    """This rank's experts of one MoE layer (E/ep slots, each expert's width split over tp).
 
-    def __init__(self, full: Experts, comm: Communicator, ep_rank: int, ep: int,
+    Built from the layer's full experts module and the model's ``ExpertPlan``: each grouped
+    weight the plan lists (``[experts, ...]``) keeps this rank's experts and, along the plan's
+    width dim, this tp rank's slice; it is registered at the same path as in the full module, so
+    parameter names do not change. The plan's ``compute`` runs the experts."""
+
+    def __init__(self, full: nn.Module, plan: Any, comm: Communicator, ep_rank: int, ep: int,
                  tp_rank: int, tp: int):
         super().__init__()
-        num_experts = full.num_experts
-        if num_experts % ep:
-            raise ValueError(f"{num_experts} experts are not divisible by expert degree {ep}")
-        ffn = full.fc.weight.shape[-1]
-        if ffn % tp:
-            raise ValueError(f"expert width {ffn} is not divisible by tensor degree {tp}")
+        weights = [resolve(full, w.path) for w in plan.weights]
+        num_slots = weights[0].shape[0]
+        if num_slots % ep:
+            raise ValueError(f"{num_slots} experts are not divisible by expert degree {ep}")
+        for spec, weight in zip(plan.weights, weights, strict=True):
+            if weight.shape[spec.width_dim] % tp:
+                raise ValueError(f"expert width {weight.shape[spec.width_dim]} is not divisible "
+                                 f"by tensor degree {tp}")
         self.comm, self.ep, self.ep_rank, self.tp = comm, ep, ep_rank, tp
-        self.num_experts = num_experts
-        self.per_rank = num_experts // ep
-        mine = slice(ep_rank * self.per_rank, (ep_rank + 1) * self.per_rank)
-        width = slice(tp_rank * ffn // tp, (tp_rank + 1) * ffn // tp)
-        self.fc = GroupedWeight(self.per_rank, full.fc.weight.shape[1], ffn // tp)
-        self.proj = GroupedWeight(self.per_rank, ffn // tp, full.proj.weight.shape[2])
-        with torch.no_grad():  # copies, so that the full model can be freed
-            self.fc.weight.copy_(full.fc.weight[mine, :, width])
-            self.proj.weight.copy_(full.proj.weight[mine, width, :])
-        for p in (self.fc.weight, self.proj.weight):
+        self.num_slots = num_slots
+        self.per_rank = num_slots // ep
+        self.compute = plan.compute
+        self.weight_paths = tuple(w.path for w in plan.weights)
+        for spec, weight in zip(plan.weights, weights, strict=True):
+            width = weight.shape[spec.width_dim] // tp
+            # A copy, so that the full model can be freed.
+            piece = (weight.detach().narrow(0, ep_rank * self.per_rank, self.per_rank)
+                     .narrow(spec.width_dim, tp_rank * width, width)
+                     .clone(memory_format=torch.contiguous_format))
+            p = nn.Parameter(piece)
             if ep > 1:
                 setattr(p, EXPERT_SHARDED_ATTR, True)
             if tp > 1:
                 setattr(p, TP_SHARDED_ATTR, True)
-        self.register_buffer("expert_of_slot", torch.arange(num_experts))
+            _register(self, spec.path, p)
+        self.register_buffer("expert_of_slot", torch.arange(num_slots))
+
+    def grouped_weights(self) -> list[nn.Parameter]:
+        """This rank's grouped weights ``[E/ep, ...]``, in the plan's order."""
+        return [resolve(self, path) for path in self.weight_paths]
 
     def forward(self, tokens: torch.Tensor, token_index: torch.Tensor,
                 expert_index: torch.Tensor) -> torch.Tensor:
@@ -106,7 +124,8 @@ class ShardedExperts(nn.Module):
         slot = slot_of_expert.to(expert_index.device)[expert_index]
         order = torch.argsort(slot, stable=True)
         rows = tokens[token_index[order]]
-        slot_counts = torch.bincount(slot, minlength=self.num_experts)
+        slot_counts = torch.bincount(slot, minlength=self.num_slots)
+        weights = self.grouped_weights()
         if self.ep > 1:
             # recv[s, j]: rows source rank s sends to my local slot j.
             recv = torch.empty_like(slot_counts)
@@ -118,33 +137,47 @@ class ShardedExperts(nn.Module):
             local_slot = torch.arange(self.per_rank).repeat(self.ep).repeat_interleave(
                 recv.flatten())
             regroup = torch.argsort(local_slot, stable=True).to(rows.device)
-            out = expert_mlps(received[regroup], recv.sum(0).tolist(), self.fc.weight,
-                              self.proj.weight)
+            out = self.compute(received[regroup], recv.sum(0).tolist(), *weights)
             out = _AllToAllRows.apply(out[torch.argsort(regroup)], self.comm, recv_counts,
                                       send_counts)
         else:
-            out = expert_mlps(rows, slot_counts.cpu().tolist(), self.fc.weight,
-                              self.proj.weight)
+            out = self.compute(rows, slot_counts.cpu().tolist(), *weights)
         out = leave_tensor_parallel(out, self.comm)
         return out[torch.argsort(order)]
 
 
-def apply_expert_parallel(module: nn.Module, comm: Communicator, ep_rank: int,
+def _register(root: nn.Module, path: str, p: nn.Parameter) -> None:
+    """Register ``p`` at dotted ``path`` below ``root``, creating plain holder modules on the
+    way (so ``fc.weight`` of the full experts stays ``fc.weight`` here)."""
+    *owners, name = path.split(".")
+    module = root
+    for owner in owners:
+        if not hasattr(module, owner):
+            module.add_module(owner, nn.Module())
+        module = getattr(module, owner)
+    module.register_parameter(name, p)
+
+
+def apply_expert_parallel(stage: nn.Module, plan: Any, comm: Communicator, ep_rank: int,
                           ep: int, tp_rank: int, tp: int) -> None:
-    """Replace, in place, every MoE layer's experts with this rank's ``ShardedExperts`` and
-    shard its shared expert over tp. The module must hold the full, initialized model."""
-    for layer in module.modules():
-        if isinstance(layer, MoELayer):
-            layer.experts = ShardedExperts(layer.experts, comm, ep_rank, ep, tp_rank, tp)
-            if layer.shared is not None and tp > 1:
-                shard_dense_mlp(layer.shared, comm, tp_rank, tp, sequence_parallel=False)
+    """Replace, in place, the experts of every MoE layer that ``plan`` (the model spec's
+    ``ExpertPlan``) finds in the blocks of ``stage`` (a ``StageModule``) with this rank's
+    ``ShardedExperts``, and shard the layer's shared expert over tp. The stage must hold the
+    full, initialized model's pieces."""
+    for block in stage.pieces()[1]:
+        for layer in plan.layers(block):
+            full = resolve(layer, plan.routed)
+            replace(layer, plan.routed,
+                    ShardedExperts(full, plan, comm, ep_rank, ep, tp_rank, tp))
+            if tp > 1:
+                shard_block(layer, plan.dense, comm, tp_rank, tp, sequence_parallel=False)
 
 
 def _slot_tensors(experts: ShardedExperts, local_slot: int,
                   optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Views of everything that belongs to one slot: weights and per-element optimizer state."""
     views = []
-    for p in (experts.fc.weight, experts.proj.weight):
+    for p in experts.grouped_weights():
         views.append(p.data[local_slot])
         for value in optimizer.state.get(p, {}).values():
             if torch.is_tensor(value) and value.shape == p.shape:

@@ -10,6 +10,11 @@
    width over the tensor axis) and exchanges tokens by all-to-all.
 5. Move to the device.
 
+This is where the model spec (``model.kind``) meets the parallel mechanisms: the spec's
+``pieces`` tell the pipeline cut where the embedding, blocks and head are, its
+``tensor_parallel`` plan which modules to shard and its ``experts`` plan where the MoE layers
+are; the mechanisms under parallel/ take those as arguments and name no model attribute.
+
 Data parallelism is not applied here: the CommunicationController's gradient exchange takes the
 parameters this returns (``ParallelModel.params``) and synchronizes them (see
 ``mcpar.controllers.communication``).
@@ -72,21 +77,23 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: 
         raise ValueError(f"{len(layer_ranges)} stage ranges for pipeline {dims.pp} x "
                          f"virtual_stages {virtual}")
     pp_rank = dims.axis_rank("pp")
-    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, dims.pp))
+    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, dims.pp), spec.pieces)
               for c in range(virtual)]
     del full
 
     # 3. tensor / sequence parallelism
     if dims.tp > 1:
+        if spec.tensor_parallel is None:
+            raise ValueError(f"model kind '{spec.name}' has no tensor-parallel plan")
         tp_rank = dims.axis_rank("tp")
         for chunk in chunks:
-            apply_tensor_parallel(chunk, comm, tp_rank, dims.tp,
+            apply_tensor_parallel(chunk, spec.tensor_parallel, comm, tp_rank, dims.tp,
                                   cfg.parallelism.sequence_parallel)
 
     # 4. expert parallelism (and the tensor split of the experts)
-    if cfg.model.kind == "moe" and (dims.ep > 1 or dims.tp > 1):
+    if spec.expert_parallel is not None and (dims.ep > 1 or dims.tp > 1):
         for chunk in chunks:
-            apply_expert_parallel(chunk, comm, dims.axis_rank("ep"), dims.ep,
+            apply_expert_parallel(chunk, spec.expert_parallel, comm, dims.axis_rank("ep"), dims.ep,
                                   dims.axis_rank("tp"), dims.tp)
 
     # 5. device

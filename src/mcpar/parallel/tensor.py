@@ -4,14 +4,22 @@ Mechanism. Within a block, the first linear of each pair is split by output feat
 (column-parallel) and the second by input features (row-parallel), so the activation between them
 stays local and the pair costs one reduction of its output:
 
-- attention: ``qkv`` keeps, for each of q, k and v, the rows of heads
-  [r*H/tp, (r+1)*H/tp); attention then runs on H/tp local heads; ``proj`` takes their columns;
-- MLP: ``fc`` keeps a slice of the inner features, ``proj`` the matching input columns;
+- attention: a fused q|k|v projection keeps, for each of q, k and v, the rows of heads
+  [r*H/tp, (r+1)*H/tp); attention then runs on H/tp local heads; the output projection takes
+  their columns;
+- MLP: the first linear keeps a slice of the inner features, the second the matching input
+  columns;
 - token embedding: each rank holds a vocabulary slice, looks up only the ids it owns (zeros
-  elsewhere) and the partial sums are reduced; the position embedding is added after the reduction;
+  elsewhere) and the partial sums are reduced; a learned position embedding stays replicated and
+  is added after the reduction;
 - output head: split over the vocabulary and never gathered: it returns local logits
   [batch, seq, V/tp], which ``vocab_parallel_cross_entropy`` turns into the exact loss with three
   small reductions over [batch, seq] instead of gathering [batch, seq, V].
+
+Which modules those are is the model's business: its spec carries a ``TensorParallelPlan``
+(mcpar.models.plan) of dotted paths inside each piece (a block's fused q|k|v linear, fused 3;
+the embedding's table; the head's output linear), and ``apply_tensor_parallel`` only follows
+the plan. Nothing here names a model's attributes.
 
 Two conjugate operators carry the communication. Without sequence parallelism the residual
 stream is replicated: ``f`` (before a column-parallel linear) is identity forward / all-reduce
@@ -26,7 +34,7 @@ Why hand-written rather than DTensor / ``parallelize_module``: every collective 
 mcpar's Communicator, on the "tp" axis, so that bytes and time are counted per axis and
 the collectives can later be compressed or run hierarchically. DTensor issues its collectives from
 inside its dispatch, where the controller cannot see, count or replace them. The pieces are few
-(four autograd Functions, three modules, one loss), and the shapes stay plain tensors.
+(four autograd Functions, four modules, one loss), and the shapes stay plain tensors.
 
 Contracts for the rest of the job:
 - ``is_tp_sharded(p)``: p holds this rank's slice (gradient norms must sum its squares over tp;
@@ -50,7 +58,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.comm.communicator import Communicator
-from mcpar.models.gpt import MLP, TokenEmbedding
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 TP_SHARDED_ATTR = "_mcpar_tp_sharded"
@@ -192,42 +199,81 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelTokenEmbedding(nn.Module):
-    """Token embedding split over the vocabulary, then the replicated position embedding.
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split over the vocabulary: this rank holds rows
+    ``[tp_rank*V/tp, (tp_rank+1)*V/tp)``, looks up only the ids it owns (zeros elsewhere) and the
+    partial lookups are summed over tp (reduce-scattered along the sequence under SP)."""
 
-    Keeps the attribute names of TokenEmbedding (``tok``, ``pos``, ``dropout``) so parameter
-    names, and with them checkpoints and optimizer groups, stay those of the full model.
-    """
-
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding, dropout: nn.Module,
-                 comm: Communicator, tp_rank: int, tp: int, sequence_parallel: bool):
+    def __init__(self, weight: nn.Parameter, comm: Communicator, tp_rank: int,
+                 sequence_parallel: bool):
         super().__init__()
-        self.tok = tok
-        self.pos = pos
-        self.dropout = dropout
+        self.weight = weight
         self.comm = comm
         self.tp_rank = tp_rank
-        self.tp = tp
         self.sequence_parallel = sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        local_vocab = self.tok.num_embeddings
+        local_vocab = self.weight.shape[0]
         local_ids = tokens - self.tp_rank * local_vocab
         foreign = (local_ids < 0) | (local_ids >= local_vocab)
         # Another rank owns these ids: look up a valid row, then zero it, so the sum over tp
         # holds exactly one embedding per token.
-        x = self.tok(local_ids.masked_fill(foreign, 0)).masked_fill(foreign.unsqueeze(-1), 0.0)
-        x = _leave_parallel_region(x, self.comm, self.sequence_parallel)
-        seq = tokens.shape[1]
-        start, stop = 0, seq
-        if self.sequence_parallel:
-            # This rank now holds positions [r*seq/tp, (r+1)*seq/tp) of the sequence.
-            start, stop = self.tp_rank * seq // self.tp, (self.tp_rank + 1) * seq // self.tp
-        positions = torch.arange(start, stop, device=tokens.device)
-        return self.dropout(x + self.pos(positions))
+        x = F.embedding(local_ids.masked_fill(foreign, 0), self.weight)
+        x = x.masked_fill(foreign.unsqueeze(-1), 0.0)
+        return _leave_parallel_region(x, self.comm, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        rows, dim = self.weight.shape
+        return f"local_vocab={rows}, dim={dim}, sequence_parallel={self.sequence_parallel}"
+
+
+class SequenceShardPositions(nn.Module):
+    """A replicated position embedding under sequence parallelism: of the position ids of the
+    whole sequence it is given, it looks up only those of this rank's shard
+    ``[tp_rank*seq/tp, (tp_rank+1)*seq/tp)`` (the rows the sharded activations hold). It keeps
+    the table's Parameter, so parameter names stay those of the full model."""
+
+    def __init__(self, table: nn.Embedding, tp_rank: int, tp: int):
+        super().__init__()
+        self.weight = table.weight
+        self.tp_rank, self.tp = tp_rank, tp
+        self.lookup_options = dict(padding_idx=table.padding_idx, max_norm=table.max_norm,
+                                   norm_type=table.norm_type,
+                                   scale_grad_by_freq=table.scale_grad_by_freq,
+                                   sparse=table.sparse)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        seq = positions.shape[-1]
+        local = positions.narrow(-1, self.tp_rank * seq // self.tp, seq // self.tp)
+        return F.embedding(local, self.weight, **self.lookup_options)
 
 
 # --- applying it ----------------------------------------------------------------------------
+# A plan (mcpar.models.plan, carried by the model's spec) names the modules by dotted paths
+# relative to a piece of the model; these helpers are the only way this file reaches into it.
+
+def resolve(root: nn.Module, path: str) -> Any:
+    """The attribute at dotted ``path`` below ``root`` (``""``: root itself); None if a module
+    on the way is None (an optional submodule the model does not have). A name that does not
+    exist is an error: the plan does not describe this model."""
+    if not path:
+        return root
+    target: Any = root
+    for name in path.split("."):
+        if not hasattr(target, name):
+            raise ValueError(f"{type(root).__name__} has no '{path}' ('{name}' is missing): "
+                             "the model's parallel plan does not match its modules")
+        target = getattr(target, name)
+        if target is None:
+            return None
+    return target
+
+
+def replace(root: nn.Module, path: str, value: Any) -> None:
+    """Set the attribute at dotted ``path`` below ``root`` (a module or a plain value)."""
+    owner, _, name = path.rpartition(".")
+    setattr(resolve(root, owner) if owner else root, name, value)
+
 
 def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp: int) -> nn.Parameter:
     # A copy, not a view: the full tensor can then be freed.
@@ -237,10 +283,14 @@ def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp: int) -> nn.Paramete
     return p
 
 
-def _shard_per_projection(tensor: torch.Tensor, tp_rank: int, tp: int) -> nn.Parameter:
-    """Rows q|k|v of a fused QKV weight or bias: the same head slice of each of q, k and v."""
-    fused = tensor.detach().view(3, tensor.shape[0] // 3, *tensor.shape[1:])
-    piece = fused.chunk(tp, dim=1)[tp_rank].reshape(-1, *tensor.shape[1:]).clone()
+def _shard_per_projection(tensor: torch.Tensor, fused: int, tp_rank: int,
+                          tp: int) -> nn.Parameter:
+    """Rows of ``fused`` projections stacked in one weight or bias (q|k|v): the same slice of
+    each projection."""
+    if fused == 1:
+        return _shard(tensor, 0, tp_rank, tp)
+    stacked = tensor.detach().view(fused, tensor.shape[0] // fused, *tensor.shape[1:])
+    piece = stacked.chunk(tp, dim=1)[tp_rank].reshape(-1, *tensor.shape[1:]).clone()
     p = nn.Parameter(piece, requires_grad=tensor.requires_grad)
     setattr(p, TP_SHARDED_ATTR, True)
     return p
@@ -251,92 +301,133 @@ def _mark_sequence_parallel(params: Iterable[nn.Parameter]) -> None:
         setattr(p, SEQUENCE_PARALLEL_ATTR, True)
 
 
-def _validate(module: nn.Module, comm: Communicator, tp_rank: int, tp: int,
+def _check_block(index: int, block: nn.Module, plan: Any, tp: int) -> None:
+    for path in plan.heads:
+        heads = resolve(block, path)
+        if heads % tp:
+            raise ValueError(f"block {index}: {heads} attention heads ({path}) are not divisible "
+                             f"by tensor-parallel degree {tp}")
+    for column in plan.column:
+        linear = resolve(block, column.path)
+        if linear is None:
+            continue
+        if isinstance(linear, ColumnParallelLinear):
+            raise ValueError("the module is already tensor-parallel")
+        width = linear.weight.shape[0] // column.fused
+        if width % tp:
+            raise ValueError(f"block {index}: {column.path} width {width} is not divisible by "
+                             f"tensor-parallel degree {tp}")
+    for path in plan.row:
+        linear = resolve(block, path)
+        width = 0 if linear is None else linear.weight.shape[1]
+        if width % tp:
+            raise ValueError(f"block {index}: {path} input width {width} is not divisible by "
+                             f"tensor-parallel degree {tp}")
+
+
+def _validate(pieces: tuple, plan: Any, comm: Communicator, tp_rank: int, tp: int,
               sequence_parallel: bool) -> None:
+    embedding, blocks, head = pieces[:3]
     if tp < 1 or not 0 <= tp_rank < tp:
         raise ValueError(f"tensor-parallel rank {tp_rank} is not in [0, {tp})")
-    for i, block in enumerate(module.blocks):
-        if isinstance(block.attn.qkv, ColumnParallelLinear):
-            raise ValueError("the module is already tensor-parallel")
-        if block.attn.num_heads % tp:
-            raise ValueError(f"block {i}: {block.attn.num_heads} attention heads are not "
-                             f"divisible by tensor-parallel degree {tp}")
-        if isinstance(block.mlp, MLP) and block.mlp.fc.out_features % tp:
-            raise ValueError(f"block {i}: MLP width {block.mlp.fc.out_features} is not "
-                             f"divisible by tensor-parallel degree {tp}")
-    vocab = (module.embed.tok.num_embeddings if module.embed is not None
-             else module.head.out.out_features if module.head is not None else 0)
+    for i, block in enumerate(blocks):
+        _check_block(i, block, plan.block, tp)
+    table = resolve(embedding, plan.embedding.vocab) if embedding is not None else None
+    if embedding is not None and not isinstance(table, nn.Embedding):
+        raise ValueError(f"cannot shard embedding {type(table).__name__} "
+                         f"({plan.embedding.vocab}) over the vocabulary")
+    vocab = (table.num_embeddings if table is not None
+             else resolve(head, plan.output.projection).weight.shape[0] if head is not None else 0)
     if vocab % tp:
         raise ValueError(f"vocabulary size {vocab} is not divisible by tensor-parallel degree {tp}")
-    if module.embed is not None and not isinstance(module.embed, TokenEmbedding):
-        raise ValueError(f"cannot shard embedding {type(module.embed).__name__}")
     # A stage without the embedding cannot see seq_len; reduce_scatter_along checks it at run time.
-    if sequence_parallel and module.embed is not None and module.embed.pos.num_embeddings % tp:
-        raise ValueError(f"sequence parallelism: seq_len {module.embed.pos.num_embeddings} is "
-                         f"not divisible by tensor-parallel degree {tp}")
+    if sequence_parallel and embedding is not None and plan.embedding.positions is not None:
+        seq_len = resolve(embedding, plan.embedding.positions).num_embeddings
+        if seq_len % tp:
+            raise ValueError(f"sequence parallelism: seq_len {seq_len} is not divisible by "
+                             f"tensor-parallel degree {tp}")
     if comm is not None and dist.is_initialized() and (comm.axis_size("tp") != tp
                                   or comm.dims.axis_rank("tp") != tp_rank):
         raise ValueError(f"tp rank {tp_rank} of {tp} does not match the mesh: rank "
                          f"{comm.dims.axis_rank('tp')} of {comm.axis_size('tp')}")
 
 
-def shard_dense_mlp(mlp: nn.Module, comm: Communicator, tp_rank: int, tp: int,
-                    sequence_parallel: bool) -> None:
-    """An MLP's ``fc`` column-parallel and ``proj`` row-parallel, in place."""
-    mlp.fc = ColumnParallelLinear(_shard(mlp.fc.weight, 0, tp_rank, tp),
-                                  _shard(mlp.fc.bias, 0, tp_rank, tp), comm, sequence_parallel)
-    mlp.proj = RowParallelLinear(_shard(mlp.proj.weight, 1, tp_rank, tp), mlp.proj.bias,
-                                 comm, sequence_parallel)
-    if sequence_parallel and mlp.proj.bias is not None:
-        _mark_sequence_parallel([mlp.proj.bias])
+def shard_block(block: nn.Module, plan: Any, comm: Communicator, tp_rank: int, tp: int,
+                sequence_parallel: bool) -> None:
+    """Shard, in place, the linears a ``BlockPlan`` names below ``block``: column-parallel ones
+    by output features (fused projections each on their own), row-parallel ones by input
+    features; divide its head counts by tp; under SP, mark its norms and row-parallel biases
+    (replicated, acting on a sequence shard). A path through a None module is skipped."""
+    sp = sequence_parallel
+    for column in plan.column:
+        linear = resolve(block, column.path)
+        if linear is None:
+            continue
+        bias = (None if linear.bias is None
+                else _shard_per_projection(linear.bias, column.fused, tp_rank, tp))
+        replace(block, column.path, ColumnParallelLinear(
+            _shard_per_projection(linear.weight, column.fused, tp_rank, tp), bias, comm, sp))
+    for path in plan.row:
+        linear = resolve(block, path)
+        if linear is None:
+            continue
+        replace(block, path, RowParallelLinear(_shard(linear.weight, 1, tp_rank, tp),
+                                               linear.bias, comm, sp))
+        if sp and linear.bias is not None:
+            _mark_sequence_parallel([linear.bias])
+    for path in plan.heads:
+        replace(block, path, resolve(block, path) // tp)
+    if sp:
+        for path in plan.norms:
+            _mark_sequence_parallel(resolve(block, path).parameters())
 
 
-def apply_tensor_parallel(module: nn.Module, comm: Communicator, tp_rank: int, tp: int,
-                          sequence_parallel: bool) -> None:
-    """Replace, in place, the pieces of a GPT or StageModule with this rank's tp shards.
+def apply_tensor_parallel(stage: nn.Module, plan: Any, comm: Communicator, tp_rank: int,
+                          tp: int, sequence_parallel: bool) -> None:
+    """Replace, in place, the modules that ``plan`` (a ``TensorParallelPlan`` of the model's
+    spec) names in the pieces of ``stage`` (a ``StageModule``; a whole model is the one stage
+    of ``cut_model(model, [(0, layers)], 0)``) with this rank's tp shards.
 
-    The module must hold the full, initialized model (the same on every rank). Afterwards it
-    computes the same function as the full model, except that the head (if any) returns local
-    logits [batch, seq, vocab/tp] for ``vocab_parallel_cross_entropy``, and under sequence
+    The stage must hold the full, initialized model's pieces (the same on every rank).
+    Afterwards it computes the same function as before, except that the head (if any) returns
+    local logits [batch, seq, vocab/tp] for ``vocab_parallel_cross_entropy``, and under sequence
     parallelism activations between pieces are [batch, seq/tp, hidden].
     """
-    _validate(module, comm, tp_rank, tp, sequence_parallel)
+    pieces = stage.pieces()
+    _validate(pieces, plan, comm, tp_rank, tp, sequence_parallel)
+    embedding, blocks, head, names = pieces
     sp = sequence_parallel
-    tied = (module.embed is not None and module.head is not None
-            and module.head.out.weight is module.embed.tok.weight)
 
-    if module.embed is not None:
-        old = module.embed
-        tok = nn.Embedding.from_pretrained(_shard(old.tok.weight, 0, tp_rank, tp), freeze=False)
-        setattr(tok.weight, TP_SHARDED_ATTR, True)  # from_pretrained wraps it in a new Parameter
-        module.embed = VocabParallelTokenEmbedding(tok, old.pos, old.dropout, comm, tp_rank, tp,
-                                                   sp)
-        if sp:
-            _mark_sequence_parallel(old.pos.parameters())
+    def swap(piece: int, path: str, module: nn.Module) -> None:
+        # An empty path is the piece itself (an embedding piece that is the bare table).
+        if path:
+            replace(pieces[piece], path, module)
+        else:
+            setattr(stage, names[piece], module)
 
-    for block in module.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(
-            _shard_per_projection(attn.qkv.weight, tp_rank, tp),
-            _shard_per_projection(attn.qkv.bias, tp_rank, tp), comm, sp)
-        attn.proj = RowParallelLinear(_shard(attn.proj.weight, 1, tp_rank, tp), attn.proj.bias,
-                                      comm, sp)
-        attn.num_heads //= tp
-        # A MoE layer's experts and shared expert are sharded by parallel/expert.py.
-        if isinstance(mlp, MLP):
-            shard_dense_mlp(mlp, comm, tp_rank, tp, sp)
-        if sp:
-            _mark_sequence_parallel([*block.ln_attn.parameters(), *block.ln_mlp.parameters()])
-            _mark_sequence_parallel(p for p in (attn.proj.bias,) if p is not None)
+    table = resolve(embedding, plan.embedding.vocab) if embedding is not None else None
+    output = resolve(head, plan.output.projection) if head is not None else None
+    tied = table is not None and output is not None and output.weight is table.weight
 
-    if module.head is not None:
-        head = module.head
+    if embedding is not None:
+        table_shard = _shard(table.weight, 0, tp_rank, tp)
+        swap(0, plan.embedding.vocab, VocabParallelEmbedding(table_shard, comm, tp_rank, sp))
+        if sp and plan.embedding.positions is not None:
+            positions = resolve(embedding, plan.embedding.positions)
+            _mark_sequence_parallel(positions.parameters())
+            swap(0, plan.embedding.positions, SequenceShardPositions(positions, tp_rank, tp))
+
+    for block in blocks:
+        shard_block(block, plan.block, comm, tp_rank, tp, sp)
+
+    if head is not None:
         # Tied: the embedding's vocabulary slice is exactly the head's, so one Parameter serves.
-        weight = (module.embed.tok.weight if tied
-                  else _shard(head.out.weight, 0, tp_rank, tp))
-        head.out = ColumnParallelLinear(weight, None, comm, sp)
+        weight = table_shard if tied else _shard(output.weight, 0, tp_rank, tp)
+        bias = None if output.bias is None else _shard(output.bias, 0, tp_rank, tp)
+        swap(2, plan.output.projection, ColumnParallelLinear(weight, bias, comm, sp))
         if sp:
-            _mark_sequence_parallel(head.ln_final.parameters())
+            for path in plan.output.norms:
+                _mark_sequence_parallel(resolve(head, path).parameters())
     # Without SP nothing needs a gradient sync over tp: every replicated parameter sees the full,
     # identical activations and, thanks to f's all-reduce, the full, identical upstream gradient.
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.load_balance import ExpertLoadBalancer, imbalance
 from mcpar.models.moe import MoELayer
+from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
 from mcpar.topology import ParallelDims
 
@@ -33,21 +34,25 @@ BALANCER_PREFIX = "balancer/"
 
 
 class MoERoutingController:
-    def __init__(self, cfg: JobConfig, dims: ParallelDims, comm: CommunicationController,
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
                  chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  run_dir: Path | None, is_main: bool):
         model, compute = cfg.model, cfg.controllers.compute
         self.comm, self.optimizer, self.dims = comm, optimizer, dims
         self.num_layers, self.num_experts = model.num_layers, model.num_experts
         self.bias_rate = model.router_bias_update_rate
-        # Global layer index -> this rank's MoE layer (a pipeline stage holds some of them).
+        # Global layer index -> this rank's MoE layer (a pipeline stage holds some of them); the
+        # model's spec says where a block's MoE layer is.
         self.layers: dict[int, MoELayer] = {}
+        expert_plan = get_model_spec(model.kind).expert_parallel
         for chunk in chunks:
-            blocks = getattr(chunk, "blocks", [])
-            first = getattr(chunk, "first_layer", 0)
-            for i, block in enumerate(blocks):
-                if isinstance(block.mlp, MoELayer):
-                    self.layers[first + i] = block.mlp
+            for i, block in enumerate(chunk.pieces()[1] if expert_plan is not None else []):
+                found = expert_plan.layers(block)
+                if len(found) > 1:
+                    raise ValueError(f"block {chunk.first_layer + i} has {len(found)} MoE "
+                                     "layers; the routing table holds one per block")
+                if found:
+                    self.layers[chunk.first_layer + i] = found[0]
         num_micro = cfg.optimization.gradient_accumulation or 1
         for layer in self.layers.values():
             # The language-model loss of a micro-batch is divided by the number of
