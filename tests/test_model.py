@@ -1,4 +1,5 @@
-"""GPT model spec: exact parameter count, seeded init, FLOPs, and gradient buckets as views."""
+"""GPT model spec: exact parameter count, seeded init, FLOPs, gradient buckets as views, and what
+the spec tells parallelizing (pieces, per-layer modules, tensor-parallel and expert plans)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from mcpar.config import ModelConfig
-from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.models.spec import get_model_spec
-from mcpar.topology import ParallelDims
+from mcpar.parallel.stage import cut_model
+from mcpar.parallel.tensor import resolve
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=256)
 
@@ -53,9 +54,8 @@ def test_flops_per_token_matches_six_n_for_matmuls() -> None:
 
 def test_gradients_accumulate_into_bucket_views() -> None:
     model = get_model_spec("gpt").build(CFG, 0)
-    comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
     # Tiny buckets, so the model spans several of them.
-    sync = DataParallelGradSync(list(model.parameters()), comm, bucket_size_mb=0.01)
+    sync = DataParallelGradSync(list(model.parameters()), bucket_size_mb=0.01)
     assert len(sync.buckets) > 2
     reference = get_model_spec("gpt").build(CFG, 0)
     tokens = torch.randint(0, 256, (2, 16))
@@ -72,3 +72,37 @@ def test_gradients_accumulate_into_bucket_views() -> None:
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
     sync.zero_grad()
     assert all(float(b.buffer.abs().sum()) == 0.0 for b in sync.buckets)
+
+
+def test_spec_pieces_and_plans_describe_the_built_model() -> None:
+    moe_cfg = CFG.model_copy(update={"kind": "moe", "num_experts": 2, "top_k": 1,
+                                     "shared_expert": True})
+    for kind, cfg in (("gpt", CFG), ("moe", moe_cfg)):
+        spec = get_model_spec(kind)
+        model = spec.build(cfg, 0)
+        embedding, blocks, head, names = spec.pieces(model)
+        assert [getattr(model, n) for n in (names[0], names[2])] == [embedding, head]
+        assert spec.blocks(model) == blocks == list(getattr(model, names[1]))
+        assert len(blocks) == cfg.num_layers
+        # A stage keeps the model's names: its parameters are named as in the model.
+        stage = cut_model(model, [(0, cfg.num_layers)], 0, spec.pieces)
+        assert [n for n, _ in stage.named_parameters()] == [
+            n for n, _ in model.named_parameters()]
+        # Every path of the plans leads to a module of the model.
+        plan = spec.tensor_parallel
+        assert isinstance(resolve(embedding, plan.embedding.vocab), torch.nn.Embedding)
+        assert isinstance(resolve(head, plan.output.projection), torch.nn.Linear)
+        for block in blocks:
+            for path in (*(c.path for c in plan.block.column), *plan.block.row):
+                assert isinstance(resolve(block, path), torch.nn.Linear), path
+            assert all(isinstance(resolve(block, p), int) for p in plan.block.heads)
+        experts = spec.expert_parallel
+        if kind == "gpt":
+            assert experts is None
+            continue
+        for block in blocks:
+            (layer,) = experts.layers(block)
+            routed = resolve(layer, experts.routed)
+            assert [resolve(routed, w.path).shape[0] for w in experts.weights] == [2, 2]
+            for path in (*(c.path for c in experts.dense.column), *experts.dense.row):
+                assert isinstance(resolve(layer, path), torch.nn.Linear), path
