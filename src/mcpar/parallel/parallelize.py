@@ -12,8 +12,9 @@
 
 This is where the model spec (``model.kind``) meets the parallel mechanisms: the spec's
 ``pieces`` tell the pipeline cut where the embedding, blocks and head are, its
-``tensor_parallel`` plan which modules to shard and its ``experts`` plan where the MoE layers
-are; the mechanisms under parallel/ take those as arguments and name no model attribute.
+``tensor_parallel`` plan which modules to shard and its ``expert_parallel`` plan where the MoE
+layers and their experts are; the mechanisms under parallel/ take those as arguments and name no
+model attribute.
 
 Data parallelism is not applied here: the CommunicationController's gradient exchange takes the
 parameters this returns (``ParallelModel.params``) and synchronizes them (see
