@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mcpar.checkpoint.files import load_tensors
 from mcpar.config import ModelConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
@@ -140,7 +141,6 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
     zero; RNG states stay as the config's seed set them. The data stream position is
     layout-independent and is restored by the caller.
     """
-    from mcpar.checkpoint.manager import load_tensors  # the checkpoint module imports this one
 
     cfg, dims = manager.cfg, manager.dims
     old = meta["layout"]
