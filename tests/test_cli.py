@@ -145,3 +145,24 @@ def test_layout_errors_name_the_key(tmp_path: Path,
                                   str(workers), "--run-dir", str(tmp_path / "never"))
         assert_user_error(proc, key)
         assert not (tmp_path / "never").exists()
+
+
+def test_check_train_and_simulate_refuse_the_same_plan(capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
+    # One plan resolution: a combination the trainer cannot run is neither checked as valid
+    # nor priced by the cost model.
+    bad = sets("controllers.communication.compression=powersgd",
+               "controllers.communication.topology=hierarchical")
+    key = "controllers.communication.topology: 'hierarchical' cannot be combined"
+    for command in (["check", "configs/moe.yaml", *bad],
+                    ["simulate", "configs/moe.yaml", *bad],
+                    ["train", "configs/moe.yaml", *bad, "--run-dir", str(tmp_path / "never")]):
+        assert_user_error(run_cli_in_process(capsys, *command), key)
+    # The cost model alone refuses to price it too (the planner skips it the same way).
+    from mcpar.sim.workload import Layout, ModelShape, layout_problems
+
+    model = ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, ffn_kind="gelu",
+                       vocab=256, seq_len=32)
+    layout = Layout(tp=1, pp=1, dp=8, global_batch=8, micro_batch=1, compression="powersgd",
+                    topology="hierarchical")
+    assert any("'powersgd'" in p for p in layout_problems(model, layout, 8, 4, "layout"))

@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return cmd_train(args)
         if args.command in ("simulate", "plan"):
-            return run_sim_command(args)
+            # A config's layout is resolved by the plan, as for check and train.
+            return run_sim_command(args, lambda cfg, world: resolve_plan(cfg, world).config)
         return cmd_check(args)
     except UserError as err:
         for line in err.problems:

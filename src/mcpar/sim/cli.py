@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 from mcpar.config import JobConfig, load_config
@@ -68,9 +69,17 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _common(pl)
 
 
-def run(args: argparse.Namespace) -> int:
+# mcpar's plan resolution (config + world size -> the resolved config, every cross-field check),
+# handed in by the top-level CLI: the cost model sits below the plan and may not import it.
+ConfigResolver = Callable[[JobConfig, int], JobConfig]
+
+
+def run(args: argparse.Namespace, resolve_config: ConfigResolver | None = None) -> int:
+    """Run ``simulate`` or ``plan``. With ``resolve_config`` (``mcpar simulate``), a config's
+    own model and layout are resolved as ``mcpar check`` and ``mcpar train`` resolve them, so
+    the three accept and refuse the same configs."""
     if args.command == "simulate":
-        return _simulate(args)
+        return _simulate(args, resolve_config)
     return _plan(args)
 
 
@@ -105,7 +114,7 @@ def _local_world(cfg: JobConfig, cluster: Cluster) -> Cluster:
 
 # --- simulate -----------------------------------------------------------------------------------
 
-def _simulate(args: argparse.Namespace) -> int:
+def _simulate(args: argparse.Namespace, resolve_config: ConfigResolver | None = None) -> int:
     if args.runs:
         if args.config:
             raise UserError(problem("simulate", "give either a CONFIG or --runs FILE.csv"))
@@ -121,6 +130,8 @@ def _simulate(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     cfg, model, preset, precision = _workload(args, cluster)
     cluster = _local_world(cfg, cluster)
+    if resolve_config is not None and preset is None:
+        cfg = resolve_config(cfg, cluster.num_gpus)
     layout = config_layout(cfg, cluster.num_gpus, preset, precision)
     pred = simulate(model, layout, cluster, where="config", names=CONFIG_KEYS)
     notes = unpriced_settings(cfg)

@@ -255,6 +255,12 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
                          ("attention", ATTENTION), ("schedule", ("gpipe", "1f1b"))):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
+    if lay.compression == "powersgd" and lay.topology != "flat":
+        # PowerSGD's factors are all-reduced over the whole data axis in one group (mcpar
+        # refuses a hierarchical PowerSGD run): pricing them hierarchically would price a run
+        # that does not exist.
+        bad("topology", f"{lay.topology!r} cannot be combined with compression 'powersgd', "
+                        "whose factors are all-reduced flat over the data axis; use 'flat'")
     if lay.compression in ("1bit", "powersgd") and lay.zero_stage > 0:
         bad("compression", f"{lay.compression} compresses whole replicated gradients (1-bit "
                            "Adam, PowerSGD); it needs zero_stage 0")
