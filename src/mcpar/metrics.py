@@ -66,12 +66,3 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl, in order."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
-
-
-def format_bytes(n: float) -> str:
-    """A byte count for people: '512 B', '1.5 MiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

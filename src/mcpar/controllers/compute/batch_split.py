@@ -22,7 +22,7 @@ from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.schedules import schedule_problem
 from mcpar.device import autocast, memory_budget_bytes, synchronize
-from mcpar.metrics import format_bytes
+from mcpar.sim.memory import format_bytes
 from mcpar.topology import ParallelDims
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
