@@ -176,7 +176,7 @@ class Trainer:
             self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
             self.grad_sync, self._update)
         self.moe: MoERoutingController | None = None
-        if cfg.model.kind == "moe":
+        if self.spec.expert_parallel is not None:  # a model with experts (its spec says)
             # The planned split's config: its aux loss is scaled by the micro-batch count.
             self.moe = MoERoutingController(plan.config, self.dims, self.comm, self.pm.chunks,
                                             self.optimizer, run_dir, is_main=self.rank == 0)
