@@ -20,6 +20,7 @@ optimizer it runs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -167,7 +168,28 @@ class OneBitExchange(AllReduceExchange):
             self.optimizer.discard_exchanges()  # its error feedback stays as it was
 
 
-GradExchange = AllReduceExchange  # the interface every strategy implements
+class GradExchange(Protocol):
+    """The one interface through which a strategy drives the gradient sync and the update."""
+
+    name: str
+    compressor: PowerSGDCompressor | None  # per-rank codec state a checkpoint keeps
+
+    @property
+    def active(self) -> bool:
+        """Whether the sync launches buckets this step."""
+        ...
+
+    def launch(self, bucket: GradBucket) -> CommHandle | None:
+        """Start reducing a full bucket."""
+        ...
+
+    def after_clip(self) -> None:
+        """The gradients are final and clipped; the update follows."""
+        ...
+
+    def discard_step(self) -> None:
+        """The step is skipped (non-finite values somewhere)."""
+        ...
 
 
 def build_grad_exchange(plan: GradExchangePlan, cfg: JobConfig, comm: CommunicationController,
