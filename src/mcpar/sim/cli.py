@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
@@ -27,14 +28,17 @@ from mcpar.sim.fromconfig import (
     unpriced_settings,
     with_preset,
 )
-from mcpar.sim.hardware import GIB, Cluster, load_accelerators
+from mcpar.sim.hardware import GIB, Accelerator, Cluster, load_accelerators
 from mcpar.sim.localprofile import named_cluster
 from mcpar.sim.memory import format_memory_rows, memory_header
 from mcpar.sim.planner import SearchSpace, best_or_error, format_table, plan
-from mcpar.sim.runs import predict_run, read_runs, write_predictions
+from mcpar.sim.runs import predict_runs, read_runs_partial, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
 
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
+# `simulate --runs` with some rows refused and the others written: a user error all the same,
+# so that a script notices (0 here would let a run file lose rows silently).
+RUNS_PARTIAL_EXIT = 2
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -56,7 +60,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="predict step time and memory of a config or of "
                                           "published runs (cost model)")
     sim.add_argument("config", nargs="?", help="YAML config (omit with --runs)")
-    sim.add_argument("--runs", help="CSV with the columns of calibration/published_runs.csv")
+    sim.add_argument("--runs", help="CSV with the columns of calibration/published_runs.csv; "
+                                    "each bad row is named on stderr by id and column and "
+                                    "left out, the others are predicted into --out (exit 2 "
+                                    "when any row is refused, nothing written when none is "
+                                    "valid)")
     sim.add_argument("--out", help="where --runs writes the rows with predictions added")
     sim.add_argument("--json", action="store_true", help="print the prediction as JSON")
     _common(sim)
@@ -120,11 +128,7 @@ def _simulate(args: argparse.Namespace, resolve_config: ConfigResolver | None = 
             raise UserError(problem("simulate", "give either a CONFIG or --runs FILE.csv"))
         if not args.out:
             raise UserError(problem("--out", "--runs needs --out OUT.csv for the predictions"))
-        runs = read_runs(args.runs, load_accelerators(args.hardware))
-        preds = [predict_run(run) for run in runs]
-        write_predictions(runs, preds, args.out)
-        print(f"mcpar simulate: {len(runs)} rows -> {args.out}")
-        return 0
+        return _simulate_runs(args.runs, args.out, load_accelerators(args.hardware))
     if not args.config:
         raise UserError(problem("simulate", "give a CONFIG (YAML) or --runs FILE.csv"))
     cluster = _cluster(args)
@@ -140,6 +144,30 @@ def _simulate(args: argparse.Namespace, resolve_config: ConfigResolver | None = 
     else:
         print(_describe(model, layout, cluster, pred, notes))
     return 0
+
+
+def _simulate_runs(runs_path: str, out: str, accelerators: dict[str, Accelerator]) -> int:
+    """Predict every good row of a runs file; name each bad row's id and column on stderr.
+
+    The good rows are written to `out` whatever the others hold. Exit status: 0 when every row
+    was predicted; 2 when any row was refused (after writing the good ones, so a script notices
+    a refused row), and 2 without writing anything when no row is valid."""
+    runs, problems = read_runs_partial(runs_path, accelerators)
+    runs, preds, unpriced = predict_runs(runs)
+    problems += unpriced
+    lines = [line for row in problems for line in row]
+    if not runs:
+        raise UserError([*lines, problem(runs_path, "no row could be predicted; nothing "
+                                                    f"written to {out}")])
+    write_predictions(runs, preds, out)
+    print(f"mcpar simulate: {len(runs)} rows -> {out}")
+    if not problems:
+        return 0
+    for line in lines:
+        print(f"mcpar: error: {line}", file=sys.stderr)
+    print(f"mcpar: error: {runs_path}: {len(problems)} row(s) refused (listed above) and left "
+          f"out of {out}; the other {len(runs)} were predicted", file=sys.stderr)
+    return RUNS_PARTIAL_EXIT
 
 
 def _as_json(model: ModelShape, layout: Layout, cluster: Cluster, pred: Prediction,
@@ -224,8 +252,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mcpar.sim.cli simulate|plan ...``: the same commands outside ``mcpar``."""
-    import sys
-
     parser = argparse.ArgumentParser(prog="mcpar")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from mcpar.errors import UserError, problem
-from mcpar.sim.costmodel import Prediction, simulate
+from mcpar.sim.costmodel import Prediction, check, simulate
 from mcpar.sim.hardware import GIB, Accelerator, Cluster, Efficiency, find_accelerator, make_cluster
 from mcpar.sim.workload import Layout, ModelShape
 
@@ -70,26 +71,62 @@ def _parse_bool(text: str) -> bool | None:
         text.strip().lower())
 
 
+# Integer columns that may be 0 (0 means: the default, or a dense model); the others must be >= 1.
+ZERO_ALLOWED = ("kv_heads", "experts", "top_k", "vp", "cp", "ep", "zero_stage")
+# The largest value an integer column may hold: far above any real run, low enough that the
+# model's arithmetic stays finite in floating point.
+MAX_INT = 10**12
+
+
+def _parse_int(text: str | None, col: str, rid: str, problems: list[str]) -> int:
+    least = 0 if col in ZERO_ALLOWED else 1
+    fix = f"give a whole number from {least} to {MAX_INT:.0e}"
+    try:
+        value = float((text or "").strip())
+    except ValueError:
+        problems.append(problem(f"{rid}.{col}", f"expected an integer, got {text!r}; {fix}"))
+        return least
+    if not math.isfinite(value) or value != int(value) or not least <= value <= MAX_INT:
+        problems.append(problem(f"{rid}.{col}", f"got {text!r}; {fix}"))
+        return least
+    return int(value)
+
+
+def _parse_float(text: str | None, col: str, rid: str, problems: list[str],
+                 optional: bool, zero_ok: bool = False) -> float | None:
+    text = (text or "").strip()
+    if not text and optional:
+        return None
+    fix = ("give a finite number" + (" >= 0" if zero_ok else " > 0")
+           + (" or leave it empty" if optional else ""))
+    try:
+        value = float(text)
+    except ValueError:
+        problems.append(problem(f"{rid}.{col}", f"expected a number, got {text!r}; {fix}"))
+        return None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        problems.append(problem(f"{rid}.{col}", f"got {text!r}; {fix}"))
+        return None
+    return value
+
+
 def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
-    """A Run from a CSV row, or a UserError listing every problem as ``<id>.<column>: ...``."""
-    rid = row.get("id") or "<row without id>"
+    """A Run from a CSV row, or a UserError listing every problem as ``<id>.<column>: ...`` (the
+    row's numbers, names and layout: a Run that parses is one ``predict_run`` can price)."""
+    rid = (row.get("id") or "").strip() or "<row without id>"
+    if None in row or any(v is None for v in row.values()):
+        extra: list[str] = row.get(None) or []  # type: ignore[call-overload, assignment]
+        fields = sum(v is not None for k, v in row.items() if k is not None) + len(extra)
+        raise UserError(problem(rid, f"{fields} fields where the header has {len(RUN_COLUMNS)}; "
+                                     "give one value per column (quote values with commas)"))
     problems: list[str] = []
-    ints: dict[str, int] = {}
-    for col in INT_COLUMNS:
-        try:
-            ints[col] = int(float(row[col]))
-        except (KeyError, ValueError, TypeError):
-            problems.append(problem(f"{rid}.{col}", f"expected an integer, got {row.get(col)!r}"))
-    floats: dict[str, float | None] = {}
-    for col in ("inter_node_gbps_per_gpu", "measured_step_s", "measured_tflops_per_gpu"):
-        text = (row.get(col) or "").strip()
-        if not text and col.startswith("measured"):
-            floats[col] = None
-            continue
-        try:
-            floats[col] = float(text)
-        except ValueError:
-            problems.append(problem(f"{rid}.{col}", f"expected a number, got {text!r}"))
+    ints = {col: _parse_int(row.get(col), col, rid, problems) for col in INT_COLUMNS}
+    multi_node = ints["num_gpus"] > ints["gpus_per_node"]
+    inter = _parse_float(row.get("inter_node_gbps_per_gpu"), "inter_node_gbps_per_gpu", rid,
+                         problems, optional=False, zero_ok=not multi_node)
+    step = _parse_float(row.get("measured_step_s"), "measured_step_s", rid, problems, True)
+    tflops = _parse_float(row.get("measured_tflops_per_gpu"), "measured_tflops_per_gpu", rid,
+                          problems, True)
     sp = _parse_bool(row.get("seq_parallel", ""))
     if sp is None:
         problems.append(problem(f"{rid}.seq_parallel",
@@ -103,13 +140,18 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     if precision is None:
         problems.append(problem(f"{rid}.precision", f"unknown precision {row.get('precision')!r};"
                                                     " use bf16, fp16, fp8 or fp32"))
+    elif accel is not None:
+        try:
+            accel.peak(precision, f"{rid}.precision")
+        except UserError as err:
+            problems += err.problems
     recompute = RECOMPUTE_NAMES.get(row.get("recompute", "").strip().lower())
     if recompute is None:
         problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
                                                     " use none, selective or full"))
     if problems:
         raise UserError(problems)
-    assert accel is not None and floats["inter_node_gbps_per_gpu"] is not None
+    assert accel is not None and inter is not None
     assert precision is not None and recompute is not None
     dp = ints["dp"]
     placed = ints["tp"] * ints["pp"] * ints["cp"]
@@ -129,13 +171,16 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
         recompute=recompute, precision=precision,
     )
-    cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"],
-                           floats["inter_node_gbps_per_gpu"], name=rid)
-    return Run(row, model, layout, cluster, floats["measured_step_s"],
-               floats["measured_tflops_per_gpu"])
+    cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
+    check(model, layout, cluster, rid)  # an impossible model or layout, named by column
+    return Run(row, model, layout, cluster, step, tflops)
 
 
-def read_runs_text(text: str, where: str, accelerators: dict[str, Accelerator]) -> list[Run]:
+def parse_runs_text(text: str, where: str, accelerators: dict[str, Accelerator],
+                    ) -> tuple[list[Run], list[list[str]]]:
+    """The rows of a runs CSV that parse, and the problem lines of each one that does not (every
+    column at fault, named ``<id>.<column>``). A wrong header is a UserError: no row can be
+    read against it."""
     reader = csv.DictReader(io.StringIO(text))
     header = tuple(reader.fieldnames or ())
     if header != RUN_COLUMNS:
@@ -151,25 +196,75 @@ def read_runs_text(text: str, where: str, accelerators: dict[str, Accelerator]) 
         raise UserError(problem(where, "the columns must be exactly those of "
                                        "published_runs.csv: " + "; ".join(detail)))
     runs: list[Run] = []
-    problems: list[str] = []
+    problems: list[list[str]] = []
     for row in reader:
         try:
             runs.append(parse_run(row, accelerators))
         except UserError as err:
-            problems += err.problems
-    if problems:
-        raise UserError(problems)
-    if not runs:
+            problems.append(err.problems)
+    if not runs and not problems:
         raise UserError(problem(where, "no rows"))
+    return runs, problems
+
+
+def read_runs_text(text: str, where: str, accelerators: dict[str, Accelerator]) -> list[Run]:
+    """Every row, or a UserError listing the problems of every bad row."""
+    runs, problems = parse_runs_text(text, where, accelerators)
+    if problems:
+        raise UserError([line for row in problems for line in row])
     return runs
 
 
-def read_runs(path: str | Path, accelerators: dict[str, Accelerator]) -> list[Run]:
+def _read_text(path: str | Path) -> tuple[str, str]:
     p = Path(path)
     if not p.is_file():
         raise UserError(problem(str(p), "runs file not found; give a CSV with the columns of "
                                         "calibration/published_runs.csv"))
-    return read_runs_text(p.read_text(), str(p), accelerators)
+    try:
+        return p.read_text(), str(p)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(problem(str(p), f"cannot read it as UTF-8 text ({err}); give a CSV "
+                                        "with the columns of published_runs.csv")) from None
+
+
+def read_runs(path: str | Path, accelerators: dict[str, Accelerator]) -> list[Run]:
+    text, where = _read_text(path)
+    return read_runs_text(text, where, accelerators)
+
+
+def read_runs_partial(path: str | Path, accelerators: dict[str, Accelerator],
+                      ) -> tuple[list[Run], list[list[str]]]:
+    """The good rows of a runs file, and the problem lines of each bad one."""
+    text, where = _read_text(path)
+    return parse_runs_text(text, where, accelerators)
+
+
+def predict_runs(runs: list[Run]) -> tuple[list[Run], list[Prediction], list[list[str]]]:
+    """Predictions of the rows the model can price, and the problem lines of each row it cannot
+    (a prediction that is not a finite positive step time, e.g. numbers too large for floating
+    point)."""
+    kept: list[Run] = []
+    preds: list[Prediction] = []
+    problems: list[list[str]] = []
+    for run in runs:
+        try:
+            pred = predict_run(run)
+            values = (pred.step_s, pred.mfu, pred.memory.total, pred.comm_fraction,
+                      pred.bubble_fraction, predicted_tflops(run, pred))
+        except UserError as err:
+            problems.append(err.problems)
+            continue
+        except (ArithmeticError, ValueError) as err:
+            problems.append([problem(run.id, f"cannot be priced ({err}); check its numbers")])
+            continue
+        if not all(math.isfinite(v) for v in values) or pred.step_s <= 0:
+            problems.append([problem(run.id, "the predicted step time or memory is not a "
+                                             "finite positive number; check the row's sizes and "
+                                             "degrees")])
+            continue
+        kept.append(run)
+        preds.append(pred)
+    return kept, preds, problems
 
 
 def packaged_runs(accelerators: dict[str, Accelerator],

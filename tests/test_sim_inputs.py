@@ -1,0 +1,115 @@
+"""Inputs of `mcpar simulate` and `mcpar plan` that used to crash or price nonsense: a bad row
+of a --runs file is named by id and column while the others are still predicted; broken hardware
+tables and cluster presets are refused naming the input; the planner's search is bounded.
+
+Every command runs in this process through ``mcpar.cli.main`` (exit 2, one line per problem,
+no traceback)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli_in_process
+
+from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
+
+RUNS_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "published_runs.csv"
+HARDWARE_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "hardware.csv"
+
+
+def user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open() as fh:
+        reader = csv.DictReader(fh)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def write_rows(path: Path, header: list[str], data: list[dict[str, str]]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(data)
+
+
+# (column, bad value, what the message says) for one row of published_runs.csv.
+BAD_CELLS = [
+    ("num_gpus", "", "expected an integer"),
+    ("hidden", "lots", "expected an integer"),
+    ("layers", "1e400", "give a whole number"),
+    ("seq_len", "nan", "give a whole number"),
+    ("micro_batch", "0", "give a whole number from 1"),
+    ("tp", "-2", "give a whole number from 1"),
+    ("heads", "2.5", "give a whole number"),
+    ("gpus_per_node", "0", "give a whole number from 1"),
+    ("inter_node_gbps_per_gpu", "0", "give a finite number > 0"),
+    ("inter_node_gbps_per_gpu", "inf", "give a finite number > 0"),
+    ("measured_step_s", "-3", "give a finite number > 0 or leave it empty"),
+    ("gpu", "V100-32GB", "unknown GPU 'V100-32GB'"),
+    ("dp", "5", "num_gpus: tp 2 x pp 1 x cp 1 x dp 5 = 10, not 64"),  # the layout's GPU count
+    ("seq_parallel", "maybe", "expected true or false"),
+]
+
+
+@pytest.mark.parametrize(("column", "value", "says"), BAD_CELLS)
+def test_a_bad_row_is_named_and_the_others_are_predicted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], column: str, value: str,
+        says: str) -> None:
+    header, data = read_rows(RUNS_CSV)
+    data = data[:4]
+    data[1][column] = value
+    bad_id = data[1]["id"]
+    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
+    write_rows(runs, header, data)
+    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
+    named = "num_gpus" if column == "dp" else column
+    user_error(proc, f"{bad_id}.{named}: ", says, "1 row(s) refused")
+    header_out, rows_out = read_rows(out)
+    assert tuple(header_out) == RUN_COLUMNS + PREDICTION_COLUMNS
+    assert [r["id"] for r in rows_out] == [data[i]["id"] for i in (0, 2, 3)]
+    assert all(float(r["predicted_step_s"]) > 0 for r in rows_out)
+
+
+def test_a_short_row_and_a_long_row_are_named(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    lines = RUNS_CSV.read_text().splitlines()[:4]
+    short = lines[2].rsplit(",", 3)[0]
+    longer = lines[3] + ",extra"
+    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
+    runs.write_text("\n".join([lines[0], lines[1], short, longer]) + "\n")
+    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
+    ids = [line.split(",", 1)[0] for line in lines[2:4]]
+    user_error(proc, f"{ids[0]}: ", f"{ids[1]}: ", "where the header has 33",
+               "2 row(s) refused")
+    assert [r["id"] for r in read_rows(out)[1]] == [lines[1].split(",", 1)[0]]
+
+
+def test_no_valid_row_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header, data = read_rows(RUNS_CSV)
+    data = data[:2]
+    for row in data:
+        row["gpus_per_node"] = "0"
+    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
+    write_rows(runs, header, data)
+    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
+    user_error(proc, f"{data[0]['id']}.gpus_per_node", f"{data[1]['id']}.gpus_per_node",
+               "no row could be predicted")
+    assert not out.exists()
+
+
+def test_every_good_row_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header, data = read_rows(RUNS_CSV)
+    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
+    write_rows(runs, header, data[:3])
+    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert len(read_rows(out)[1]) == 3
