@@ -113,3 +113,86 @@ def test_every_good_row_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert len(read_rows(out)[1]) == 3
+
+
+# --- hardware tables, cluster presets, the local profile ----------------------------------------
+
+@pytest.mark.parametrize(("column", "value"), [
+    ("hbm_gbs", "0"), ("nvlink_gbs_per_gpu_bidirectional", "-600"),
+    ("typical_inter_node_gbps_per_gpu", "nan"), ("peak_tflops_bf16", "inf"), ("hbm_gb", "lots"),
+])
+def test_a_broken_hardware_table_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            column: str, value: str) -> None:
+    header, data = read_rows(HARDWARE_CSV)
+    for row in data:
+        if row["gpu"] == "H100-80GB":
+            row[column] = value
+    table = tmp_path / "hw.csv"
+    write_rows(table, header, data)
+    for command in (["plan", "--model", "gpt3-1.3b"],
+                    ["simulate", str(REPO / "configs" / "seed_mcp.yaml")]):
+        proc = run_cli_in_process(capsys, *command, "--cluster", "a100x8", "--hardware",
+                                  str(table))
+        user_error(proc, f"{table}[H100-80GB].{column}: expected a finite number > 0, "
+                         f"got '{value}'")
+
+
+def test_a_duplicate_or_unnamed_hardware_row_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header, data = read_rows(HARDWARE_CSV)
+    table = tmp_path / "hw.csv"
+    write_rows(table, header, [*data, dict(data[0]), dict(data[1], gpu=" ")])
+    proc = run_cli_in_process(capsys, "plan", "--model", "gpt3-1.3b", "--cluster", "a100x8",
+                              "--hardware", str(table))
+    user_error(proc, f"{table}[{data[0]['gpu']}]: a second row", f"{table}:{len(data) + 3}.gpu")
+
+
+@pytest.mark.parametrize("preset", ["a100x0", "a100x12", "h100x-8", "h100"])
+def test_impossible_cluster_presets_are_refused(capsys: pytest.CaptureFixture[str],
+                                                preset: str) -> None:
+    user_error(run_cli_in_process(capsys, "plan", "--model", "gpt3-1.3b", "--cluster", preset),
+               "--cluster: ")
+
+
+GOOD_PROFILE = {
+    "cores": 2, "flops_per_thread": 5e10, "attention_flops_per_thread": 2e10,
+    "mem_bw_per_thread": 1e10, "mem_bw_total": 2e10, "op_overhead_s": 1e-5,
+    "layer_overhead_s": 1e-4, "collectives": {"ar": [1e-4, 1e-9], "p2p": [5e-5, 5e-10]},
+    "notes": {},
+}
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("mem_bw_total", 0, "mem_bw_total"),
+    ("flops_per_thread", -1.0, "flops_per_thread"),
+    ("cores", 0, "cores"),
+    ("collectives", {"ar": [1e-4, 0]}, "collectives.ar"),
+    ("collectives", {"p2p": [1e-4, 1e-9]}, "collectives.ar"),
+    ("notes", {"flops_all_cores": 0}, "notes.flops_all_cores"),
+    ("unknown_field", 1, ""),
+])
+def test_a_broken_local_profile_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch, field: str,
+                                           value: object, named: str) -> None:
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**GOOD_PROFILE, field: value}))
+    monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
+    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "seed_mcp.yaml"),
+                              "--cluster", "local")
+    user_error(proc, f"{path}.{named}:" if named else f"{path}: not a local profile",
+               "python -m mcpar.sim.localprofile")
+
+
+def test_a_good_local_profile_still_simulates(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(GOOD_PROFILE))
+    monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
+    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
+                              "--cluster", "local")
+    assert proc.returncode == 0, proc.stderr
+    assert "local-cpu" in proc.stdout

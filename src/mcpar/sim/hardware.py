@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
@@ -100,12 +101,19 @@ class Cluster:
         return max(1, -(-self.num_gpus // self.gpus_per_node))
 
 
-def _num(row: dict[str, str], key: str, where: str) -> float:
+def _num(row: dict[str, str], key: str, where: str, problems: list[str]) -> float:
+    """A finite positive number of the table (a peak, a size, a bandwidth), else 1.0 and a
+    problem naming the table, the GPU and the column."""
+    text = row.get(key)
     try:
-        return float(row[key])
-    except (KeyError, ValueError):
-        raise UserError(problem(f"{where}.{key}", f"expected a number, got {row.get(key)!r}")) \
-            from None
+        value = float(text or "")
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        problems.append(problem(f"{where}.{key}", f"expected a finite number > 0, got {text!r}; "
+                                                  "fix the hardware table's row"))
+        return 1.0
+    return value
 
 
 def load_accelerators(path: str | Path | None = None) -> dict[str, Accelerator]:
@@ -118,26 +126,38 @@ def load_accelerators(path: str | Path | None = None) -> dict[str, Accelerator]:
         if not p.is_file():
             raise UserError(problem(str(p), "hardware table not found; give a CSV with columns "
                                             + ", ".join(HARDWARE_COLUMNS)))
-        text, where = p.read_text(), str(p)
+        try:
+            text, where = p.read_text(), str(p)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(problem(str(p), f"cannot read the hardware table as UTF-8 text "
+                                            f"({err})")) from None
     rows = list(csv.DictReader(text.splitlines()))
     missing = [c for c in HARDWARE_COLUMNS if rows and c not in rows[0]]
     if missing or not rows:
         raise UserError(problem(where, f"missing columns {missing or list(HARDWARE_COLUMNS)}"))
     table: dict[str, Accelerator] = {}
-    for row in rows:
-        name = row["gpu"].strip()
+    problems: list[str] = []
+    for i, row in enumerate(rows, 2):
+        name = (row.get("gpu") or "").strip()
+        if not name:
+            problems.append(problem(f"{where}:{i}.gpu", "empty GPU name; name every row"))
+            continue
         at = f"{where}[{name}]"
-        bf16 = _num(row, "peak_tflops_bf16", at) * 1e12
-        fp16 = _num(row, "peak_tflops_fp16", at) * 1e12
+        if name.lower() in table:
+            problems.append(problem(at, "a second row for this GPU; keep one"))
+        bf16 = _num(row, "peak_tflops_bf16", at, problems) * 1e12
+        fp16 = _num(row, "peak_tflops_fp16", at, problems) * 1e12
         peaks = {"bf16": bf16, "fp16": fp16, "fp32": bf16 / 2}  # fp32 matmuls run as TF32
         if name in FP8_PEAK_TFLOPS:
             peaks["fp8"] = FP8_PEAK_TFLOPS[name] * 1e12
         table[name.lower()] = Accelerator(
-            name=name, peak_flops=peaks, hbm_bytes=_num(row, "hbm_gb", at) * GIB,
-            hbm_bw=_num(row, "hbm_gbs", at) * 1e9,
-            intra_bw=_num(row, "nvlink_gbs_per_gpu_bidirectional", at) * 1e9 / 2,
-            typical_inter_gbps=_num(row, "typical_inter_node_gbps_per_gpu", at),
+            name=name, peak_flops=peaks, hbm_bytes=_num(row, "hbm_gb", at, problems) * GIB,
+            hbm_bw=_num(row, "hbm_gbs", at, problems) * 1e9,
+            intra_bw=_num(row, "nvlink_gbs_per_gpu_bidirectional", at, problems) * 1e9 / 2,
+            typical_inter_gbps=_num(row, "typical_inter_node_gbps_per_gpu", at, problems),
         )
+    if problems:
+        raise UserError(problems)
     return table
 
 

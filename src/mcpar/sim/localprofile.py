@@ -35,6 +35,7 @@ threads; with more threads than cores see ``oversubscription``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -42,6 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mcpar.errors import UserError, problem
 from mcpar.sim.hardware import (
     Accelerator,
     Cluster,
@@ -328,8 +330,52 @@ def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Clu
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(profile.to_json())
     else:
-        profile = LocalProfile.from_json(path.read_text())
+        profile = read_profile(path)
     return local_cluster(profile)
+
+
+def _finite(value: object, least: float, strict: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and (value > least if strict else value >= least)
+
+
+def read_profile(path: Path) -> LocalProfile:
+    """The saved profile, or a UserError naming the file and each bad field (a file that is not
+    a profile, a field missing, a non-finite, zero or negative rate) and the fix: measure again."""
+    fix = (f"measure this machine again (python -m mcpar.sim.localprofile --out {path}) or "
+           f"delete the file (set by {PROFILE_ENV} or the default path)")
+    try:
+        profile = LocalProfile.from_json(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as err:
+        raise UserError(problem(str(path), f"not a local profile ({err}); {fix}")) from None
+    problems: list[str] = []
+
+    def bad(key: str, expected: str, value: object) -> None:
+        problems.append(problem(f"{path}.{key}", f"expected {expected}, got {value!r}; {fix}"))
+
+    if not isinstance(profile.cores, int) or isinstance(profile.cores, bool) or profile.cores < 1:
+        bad("cores", "an integer >= 1", profile.cores)
+    for key in ("flops_per_thread", "attention_flops_per_thread", "mem_bw_per_thread",
+                "mem_bw_total"):
+        if not _finite(getattr(profile, key), 0.0, strict=True):
+            bad(key, "a finite number > 0", getattr(profile, key))
+    for key in ("op_overhead_s", "layer_overhead_s"):
+        if not _finite(getattr(profile, key), 0.0, strict=False):
+            bad(key, "a finite number >= 0", getattr(profile, key))
+    ops = profile.collectives if isinstance(profile.collectives, dict) else {}
+    if "ar" not in ops:
+        bad("collectives.ar", "[alpha, beta] of the all-reduce", None)
+    for op, cost in ops.items():
+        if not (isinstance(cost, list | tuple) and len(cost) == 2
+                and _finite(cost[0], 0.0, strict=False) and _finite(cost[1], 0.0, strict=True)):
+            bad(f"collectives.{op}", "[alpha >= 0, beta > 0]", cost)
+    notes = profile.notes if isinstance(profile.notes, dict) else {}
+    if "flops_all_cores" in notes and not _finite(notes["flops_all_cores"], 0.0, strict=True):
+        bad("notes.flops_all_cores", "a finite number > 0", notes["flops_all_cores"])
+    if problems:
+        raise UserError(problems)
+    return profile
 
 
 def named_cluster(name: str, table: dict[str, Accelerator] | None = None,
