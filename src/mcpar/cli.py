@@ -35,6 +35,7 @@ from mcpar.faults import FaultInjector
 from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import JobPlan, resolve_plan
+from mcpar.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.sim.cli import add_subcommands as add_sim_subcommands
 from mcpar.sim.cli import run as run_sim_command
 
@@ -117,30 +118,41 @@ def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
     return path
 
 
-def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> None:
+def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunDirLock:
+    """Take ``run_dir`` for this job and write its resolved config.yaml.
+
+    The returned lock is held until it is released or this process ends (the kernel drops it
+    when the owner dies). It is taken first: checked without it, two runs could both find the
+    directory free. Every refusal is a UserError raised before anything but the lock file is
+    written: an existing run is never overwritten by a plain run, nor by a resume that would
+    change its model or data order.
+    """
     cfg, dims = plan.config, plan.parallel_dims()
     ckpt_dir = checkpoint_dir(cfg, run_dir)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise UserError(problem(
-            "--run-dir", f"{run_dir} already holds a run (metrics.jsonl); give a new directory, "
-            "or pass --resume to continue it from its newest valid checkpoint"
-        ))
-    if not resume and list_checkpoints(ckpt_dir):
-        raise UserError(problem(
-            "optimization.checkpoint.dir", f"{ckpt_dir} already holds checkpoints; pass --resume "
-            "to continue from them, or choose another directory"
-        ))
-    found = find_latest_valid(ckpt_dir) if resume else None
-    if found is not None:
-        # Refuse before any worker starts: a mismatch is a user error (exit 2), not a crash.
-        problems = resume_problems(read_meta(found[1]), cfg, layout_of(dims, cfg))
-        if problems:
-            raise UserError(problems)
+    lock = RunDirLock(run_dir).acquire()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(problem("--run-dir", f"cannot create {run_dir}: {err.strerror}")) from None
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # the resolved config, written once
+        if resume:
+            check_resume_config(run_dir, cfg)
+        else:
+            check_not_a_run(run_dir)
+        if not resume and list_checkpoints(ckpt_dir):
+            raise UserError(problem(
+                "optimization.checkpoint.dir", f"{ckpt_dir} already holds checkpoints; pass "
+                "--resume to continue from them, or choose another directory"
+            ))
+        found = find_latest_valid(ckpt_dir) if resume else None
+        if found is not None:
+            # Refuse before any worker starts: a mismatch is a user error (exit 2), not a crash.
+            problems = resume_problems(read_meta(found[1]), cfg, layout_of(dims, cfg))
+            if problems:
+                raise UserError(problems)
+        if resume:
+            repair_logs(run_dir)  # a torn last line of a killed run's logs
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))  # the resolved config
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) -> None:
@@ -182,20 +194,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = _new_run_dir(args.run_dir, env)
         # A torchrun restart (--max-restarts) resumes like our own launcher's restarts do.
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        if env.rank == 0:
-            _prepare_run_dir(run_dir, plan, resume)
+        # Rank 0 owns the run directory for the job's life (run_worker ends the process).
+        lock = _prepare_run_dir(run_dir, plan, resume) if env.rank == 0 else None
         run_worker(plan.config, run_dir, env, resume=resume, stop_after=args.stop_after)
+        if lock is not None:
+            lock.release()
         return 0
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
     plan = _validate_for_training(cfg, world_size)
     _check_data(plan)
     run_dir = _new_run_dir(args.run_dir, None)
-    _prepare_run_dir(run_dir, plan, args.resume)
+    lock = _prepare_run_dir(run_dir, plan, args.resume)  # held while this process trains/launches
     if world_size == 1:
         trainer = Trainer(plan, run_dir, None, resume=args.resume, stop_after=args.stop_after,
                           faults=FaultInjector.from_env())
         trainer.train()
+        lock.release()
         return 0
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
     argv = ["-m", "mcpar.worker", str(run_dir)] + (["--resume"] if args.resume else [])
@@ -205,6 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     restarts = cfg.optimization.checkpoint.restarts
 
     def on_restart(attempt: int, failure: WorkerFailure) -> None:
+        repair_logs(run_dir)  # a worker killed mid-line leaves a torn last line
         log.log("restart", echo=True, attempt=f"{attempt}/{restarts}",
                 cause=failure.describe(), action="resuming from the newest valid checkpoint")
 
@@ -212,6 +228,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     grace = 30.0 if cfg.optimization.checkpoint.interval > 0 else 3.0
     launch_local(world_size, argv, max_restarts=restarts, on_restart=on_restart,
                  stop_grace_s=grace)
+    lock.release()
     return 0
 
 
