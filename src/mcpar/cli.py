@@ -109,13 +109,21 @@ def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
         # Every rank must agree on the directory without talking: use the job's own id.
         job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
         return Path("runs") / f"{env.launcher}-{job_id}"
+    # Claimed by creating it: two runs started in the same second get two directories (checked
+    # with exists() they could pick the same one, and the second would stop at its lock).
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / stamp
-    suffix = 1
-    while path.exists():
-        path = Path("runs") / f"{stamp}-{suffix}"
-        suffix += 1
-    return path
+    suffix = 0
+    while True:
+        path = Path("runs") / (f"{stamp}-{suffix}" if suffix else stamp)
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            suffix += 1
+        except OSError as err:
+            raise UserError(problem(
+                "--run-dir", f"cannot create {path}: {err.strerror}; give a writable --run-dir"
+            )) from None
 
 
 def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunDirLock:
