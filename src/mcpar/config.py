@@ -26,36 +26,71 @@ class _Section(BaseModel):
     # Unknown keys are errors (with a suggestion), never silently ignored. Frozen: once
     # validated a config is never written to; what a run derives from it lives in its JobPlan
     # (mcpar.plan), and a changed config is a new object (model_copy).
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are refused in every float field (they would pass `gt`/`le` bounds
+    # vacuously or poison the run), and every number has an upper bound that a run can reach.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Upper bounds of the numeric fields. Generous: each is far above any model or cluster built
+# today (GPT-3 175B is 96 layers, hidden 12288, sequence 2048; Llama 3 405B hidden 16384,
+# vocabulary 128256; the seed runs on 1024 GPUs), and far below what overflows an index, a
+# timedelta or an allocation.
+MAX_LAYERS = 4096
+MAX_HIDDEN = 1 << 17  # 131072
+MAX_FFN = 1 << 20
+MAX_SEQ_LEN = 1 << 21  # 2M tokens
+MAX_VOCAB = 1 << 24  # 16M; token ids fit a uint32 .bin source
+MAX_EXPERTS = 1 << 14
+MAX_DEGREE = 1 << 20  # a parallel degree: a million ranks
+MAX_BATCH = 1 << 20  # sequences in one micro-batch, or micro-batches in one step
+MAX_GLOBAL_BATCH = 1 << 30
+MAX_STEPS = 10**9  # steps, intervals and step counts
+MAX_COUNT = 10**6  # checkpoints kept, restarts, evaluation batches
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
+MAX_TIMEOUT_S = 30 * 86400.0  # 30 days; a datetime.timedelta overflows near 8.6e13 s
 
 
 class ModelConfig(_Section):
     kind: Literal["gpt", "moe"] = Field("gpt", description="Model family: dense GPT or MoE.")
-    num_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
-    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
-    num_heads: int = Field(8, ge=1, description="Attention heads; must divide hidden_size.")
-    ffn_hidden_size: int | None = Field(
-        None, ge=1, description="Width of the MLP's inner layer; default 4 x hidden_size."
+    num_layers: int = Field(4, ge=1, le=MAX_LAYERS, description="Number of transformer blocks.")
+    hidden_size: int = Field(128, ge=8, le=MAX_HIDDEN, description="Width of the residual stream.")
+    num_heads: int = Field(
+        8, ge=1, le=MAX_HIDDEN, description="Attention heads; must divide hidden_size."
     )
-    seq_len: int = Field(128, ge=2, description="Tokens per training sequence (context length).")
-    vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the bytes tokenizer.")
-    num_experts: int = Field(1, ge=1, description="Experts per MoE layer (model.kind: moe).")
-    top_k: int = Field(1, ge=1, description="Experts each token is routed to (model.kind: moe).")
+    ffn_hidden_size: int | None = Field(
+        None, ge=1, le=MAX_FFN,
+        description="Width of the MLP's inner layer; default 4 x hidden_size.",
+    )
+    seq_len: int = Field(
+        128, ge=2, le=MAX_SEQ_LEN, description="Tokens per training sequence (context length)."
+    )
+    vocab_size: int = Field(
+        256, ge=2, le=MAX_VOCAB, description="Vocabulary size; 256 for the bytes tokenizer."
+    )
+    num_experts: int = Field(
+        1, ge=1, le=MAX_EXPERTS, description="Experts per MoE layer (model.kind: moe)."
+    )
+    top_k: int = Field(
+        1, ge=1, le=MAX_EXPERTS, description="Experts each token is routed to (model.kind: moe)."
+    )
     router_score: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="MoE: router scores, softmax over experts (Switch) or a sigmoid "
         "per expert (DeepSeek-V3); with top_k > 1 the chosen scores are renormalized to sum 1.",
     )
     capacity_factor: float | None = Field(
-        None, gt=0.0, description="MoE: each expert takes at most capacity_factor x tokens x "
+        None, gt=0.0, le=1000.0,
+        description="MoE: each expert takes at most capacity_factor x tokens x "
         "top_k / num_experts of a rank's micro-batch, later tokens are dropped (the residual "
         "carries them); None = dropless.",
     )
     aux_loss_coef: float = Field(
-        0.0, ge=0.0, description="MoE: weight of the Switch-style load-balancing loss, computed "
+        0.0, ge=0.0, le=100.0,
+        description="MoE: weight of the Switch-style load-balancing loss, computed "
         "per sequence and averaged (so it is the same for every layout); 0 = off.",
     )
     router_bias_update_rate: float = Field(
-        3e-3, ge=0.0, description="MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each "
+        3e-3, ge=0.0, le=1.0,
+        description="MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each "
         "step every expert's selection bias moves by this much towards balance, by the sign of "
         "its load error over the global batch; the bias only selects, never weights; 0 = off.",
     )
@@ -95,14 +130,21 @@ class DataConfig(_Section):
 
 class ParallelismConfig(_Section):
     data: int | None = Field(
-        None, ge=1, description="Data-parallel degree; default: what the world size leaves."
+        None, ge=1, le=MAX_DEGREE,
+        description="Data-parallel degree; default: what the world size leaves.",
     )
-    tensor: int = Field(1, ge=1, description="Tensor-parallel degree (innermost, intra-node).")
-    pipeline: int = Field(1, ge=1, description="Pipeline-parallel degree (outermost).")
+    tensor: int = Field(
+        1, ge=1, le=MAX_DEGREE, description="Tensor-parallel degree (innermost, intra-node)."
+    )
+    pipeline: int = Field(
+        1, ge=1, le=MAX_DEGREE, description="Pipeline-parallel degree (outermost)."
+    )
     experts: int = Field(
-        1, ge=1, description="Expert-parallel degree, carved out of the data axis."
+        1, ge=1, le=MAX_DEGREE, description="Expert-parallel degree, carved out of the data axis."
     )
-    virtual_stages: int = Field(1, ge=1, description="Pipeline stages per rank (interleaving).")
+    virtual_stages: int = Field(
+        1, ge=1, le=MAX_LAYERS, description="Pipeline stages per rank (interleaving)."
+    )
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="Pipeline schedule."
@@ -116,10 +158,11 @@ class ComputeControllerConfig(_Section):
         "expert-axis ranks (parameters and optimizer state) to even out the tokens per rank.",
     )
     balance_interval: int = Field(
-        10, ge=1, description="Steps between the load balancer's decisions.",
+        10, ge=1, le=MAX_STEPS, description="Steps between the load balancer's decisions.",
     )
     migration_cost: float = Field(
-        0.02, ge=0.0, description="Load balancer: the fraction of a step that moving one "
+        0.02, ge=0.0, le=1000.0,
+        description="Load balancer: the fraction of a step that moving one "
         "expert (parameters and optimizer state) is assumed to cost, weighed against the "
         "imbalance it removes.",
     )
@@ -140,7 +183,8 @@ class MemoryControllerConfig(_Section):
         "none", description="Activation recomputation policy."
     )
     memory_budget_gb: float | None = Field(
-        None, gt=0.0, description="Memory per rank that plans may use; default 90% of a GPU, "
+        None, gt=0.0, le=float(1 << 20),
+        description="Memory per rank that plans may use; default 90% of a GPU, "
         "or the worker's share of 80% of host RAM.",
     )
 
@@ -153,7 +197,8 @@ class CommunicationControllerConfig(_Section):
         "flat", description="Collective algorithm: flat ring, hierarchical, or chosen per size."
     )
     bucket_size_mb: float = Field(
-        25.0, gt=0.0, description="Gradient bucket size (MiB) for the bucketed all-reduce; "
+        25.0, gt=0.0, le=float(1 << 16),
+        description="Gradient bucket size (MiB) for the bucketed all-reduce; "
         "under 1-bit Adam, also the unit of its compressed momentum exchange (one exchange per "
         "bucket; after the backward pass they are pipelined over the link)."
     )
@@ -163,10 +208,12 @@ class CommunicationControllerConfig(_Section):
         "optimization.grad_clip 0, no sequence parallelism, no experts; else every bucket's "
         "exchange after it, pipelined, as the log says at start).")
     powersgd_rank: int = Field(
-        8, ge=1, description="PowerSGD: rank of the low-rank gradient approximation."
+        8, ge=1, le=MAX_HIDDEN,
+        description="PowerSGD: rank of the low-rank gradient approximation.",
     )
     powersgd_start_step: int = Field(
-        10, ge=1, description="PowerSGD: steps of plain all-reduce before compression starts."
+        10, ge=1, le=MAX_STEPS,
+        description="PowerSGD: steps of plain all-reduce before compression starts.",
     )
 
 
@@ -174,23 +221,27 @@ class ClusterConfig(_Section):
     """What the CommunicationController knows of the machines (None = detected or measured)."""
 
     ranks_per_node: int | None = Field(
-        None, ge=1, description="Ranks per node; default: detected (torchrun's GROUP_RANK, "
+        None, ge=1, le=MAX_DEGREE,
+        description="Ranks per node; default: detected (torchrun's GROUP_RANK, "
         "SLURM_NODEID, else the hostname). Setting it on one host emulates nodes.",
     )
     intra_node_bandwidth_gbps: float | None = Field(
-        None, gt=0.0, description="Link model for topology 'hybrid': bandwidth inside a node "
+        None, gt=0.0, le=1e6,
+        description="Link model for topology 'hybrid': bandwidth inside a node "
         "(Gbit/s); default: measured at start.",
     )
     intra_node_latency_us: float | None = Field(
-        None, ge=0.0, description="Link model: latency inside a node (microseconds); default: "
+        None, ge=0.0, le=1e7,
+        description="Link model: latency inside a node (microseconds); default: "
         "measured at start.",
     )
     inter_node_bandwidth_gbps: float | None = Field(
-        None, gt=0.0, description="Link model: bandwidth between nodes (Gbit/s); default: "
+        None, gt=0.0, le=1e6, description="Link model: bandwidth between nodes (Gbit/s); default: "
         "measured at start.",
     )
     inter_node_latency_us: float | None = Field(
-        None, ge=0.0, description="Link model: latency between nodes (microseconds); default: "
+        None, ge=0.0, le=1e7,
+        description="Link model: latency between nodes (microseconds); default: "
         "measured at start.",
     )
 
@@ -204,20 +255,21 @@ class ControllersConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval: int = Field(0, ge=0, description="Save every N steps; 0 = off.")
+    interval: int = Field(0, ge=0, le=MAX_STEPS, description="Save every N steps; 0 = off.")
     strategy: Literal["full", "selective"] = Field(
         "full",
         description="'full': every rank writes its parameters and optimizer state; 'selective': "
         "only data-parallel rank 0 of each (pipeline, tensor) shard writes them (replicas are "
         "identical). RNG states of every rank are saved either way.",
     )
-    keep: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    keep: int = Field(3, ge=1, le=MAX_COUNT, description="How many recent checkpoints to keep.")
     dir: str | None = Field(
         None, description="Checkpoint directory (shared by all ranks); default "
         "<run_dir>/checkpoints."
     )
     max_restarts: int | None = Field(
-        None, ge=0, description="Automatic restarts of a local job after a worker dies, each "
+        None, ge=0, le=MAX_COUNT,
+        description="Automatic restarts of a local job after a worker dies, each "
         "resuming from the newest valid checkpoint; default 3 when interval > 0, else 0.",
     )
     async_save: bool = Field(
@@ -242,31 +294,45 @@ class CheckpointConfig(_Section):
 
 class OptimizationConfig(_Section):
     optimizer: Literal["adamw", "onebit_adam"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(3e-3, gt=0.0, description="Peak learning rate.")
+    lr: float = Field(
+        3e-3, gt=0.0, le=1.0, description="Peak learning rate; at most 1: Adam moves every "
+        "weight by about lr per step and weights start near 0.02, so a larger one can only "
+        "diverge (1e300 overflows the update itself).",
+    )
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final LR of the cosine decay, as a fraction of lr."
     )
-    warmup_steps: int = Field(20, ge=0, description="Linear LR warmup steps.")
-    weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="Linear LR warmup steps.")
+    weight_decay: float = Field(
+        0.1, ge=0.0, le=1e6, description="Weight decay: decoupled under adamw, where each step "
+        "multiplies the weights by 1 - lr x weight_decay, so lr x weight_decay must be below 1 "
+        "(at 1 or more the weights are zeroed or flip sign and grow until the loss is NaN); "
+        "added to the gradient under onebit_adam.",
+    )
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam beta1.")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="Adam beta2.")
-    grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clip; 0 = off.")
+    grad_clip: float = Field(
+        1.0, ge=0.0, le=1e6, description="Global gradient-norm clip; 0 = off."
+    )
     freeze_step: int = Field(
-        50, ge=1, description="onebit_adam: steps of full Adam (uncompressed gradients) before "
+        50, ge=1, le=MAX_STEPS,
+        description="onebit_adam: steps of full Adam (uncompressed gradients) before "
         "the variance is frozen and the momentum is exchanged in 1 bit per element; 15-25% of "
         "training.steps is the usual choice.",
     )
     micro_batch_size: int = Field(
-        16, ge=1, description="Sequences per micro-batch per data-parallel rank."
+        16, ge=1, le=MAX_BATCH, description="Sequences per micro-batch per data-parallel rank."
     )
     gradient_accumulation: int | None = Field(
         None,
         ge=1,
+        le=MAX_BATCH,
         description="Micro-batches per step; default 1, or derived from global_batch_size.",
     )
     global_batch_size: int | None = Field(
         None,
         ge=1,
+        le=MAX_GLOBAL_BATCH,
         description="Sequences per optimizer step; must equal micro_batch_size x "
         "gradient_accumulation x data. Lets one config keep its batch across layouts.",
     )
@@ -274,29 +340,37 @@ class OptimizationConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    steps: int = Field(300, ge=1, description="Optimizer steps to run.")
-    seed: int = Field(1234, ge=0, description="Seed of the model init and of the data order.")
+    steps: int = Field(300, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
+    seed: int = Field(
+        1234, ge=0, le=MAX_SEED, description="Seed of the model init and of the data order; "
+        "at most 2**63 - 1 (torch takes a 64-bit seed).",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' takes CUDA when present, else CPU, and logs the choice."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype; bfloat16 is autocast mixed precision."
     )
-    eval_interval: int = Field(50, ge=0, description="Validation every N steps; 0 = only at end.")
+    eval_interval: int = Field(
+        50, ge=0, le=MAX_STEPS, description="Validation every N steps; 0 = only at end."
+    )
     collective_timeout_s: float = Field(
-        300.0, gt=0.0, description="A collective that does not complete within this time fails "
+        300.0, ge=1.0, le=MAX_TIMEOUT_S, description="A collective that does not complete "
+        "within this time (1 s to 30 days) fails "
         "the job (naming the operation, the axis and the ranks that never timed out, i.e. the "
         "stalled ones), which then restarts from its last checkpoint like after a crash.",
     )
     max_nonfinite_steps: int = Field(
-        5, ge=1, description="A step whose loss or gradients are NaN/Inf on any rank is skipped "
+        5, ge=1, le=MAX_STEPS,
+        description="A step whose loss or gradients are NaN/Inf on any rank is skipped "
         "(no update, counted as 'skipped' in metrics.jsonl); this many in a row stop the run "
         "with an error.",
     )
     eval_batches: int = Field(
-        4, ge=1, description="Validation global batches per evaluation (the same ones each time)."
+        4, ge=1, le=MAX_COUNT,
+        description="Validation global batches per evaluation (the same ones each time)."
     )
-    log_interval: int = Field(1, ge=1, description="Write metrics every N steps.")
+    log_interval: int = Field(1, ge=1, le=MAX_STEPS, description="Write metrics every N steps.")
     tensorboard: bool = Field(False, description="Also log scalars to <run_dir>/tensorboard.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
 
@@ -390,8 +464,27 @@ def _valid_keys(path: tuple[str, ...]) -> list[str]:
     return keys + list(FRENCH_KEYS.get(path, {}))
 
 
+def _clip(text: str, limit: int = 80) -> str:
+    """`text` on one line and at most `limit` characters, for a problem line."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short_repr(value: Any) -> str:
+    """A short repr of a rejected value; never fails (Python refuses to print integers of more
+    than 4300 digits, and an input can be a large structure)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    try:
+        text = repr(value)
+    except ValueError:
+        return "a value too large to show"
+    return _clip(text)
+
+
 def _describe(error: dict[str, Any]) -> str:
-    loc = tuple(str(p) for p in error["loc"])
+    loc = tuple(_clip(str(p), 40) for p in error["loc"])
     key = ".".join(loc)
     if error["type"] == "extra_forbidden":
         parent, name = loc[:-1], loc[-1]
@@ -400,8 +493,8 @@ def _describe(error: dict[str, Any]) -> str:
         valid = ", ".join(_section_model(parent).model_fields) if _section_model(parent) else ""
         return problem(key, f"unknown key{hint} (valid keys here: {valid})")
     if error["type"] == "model_type":
-        return problem(key, f"expected a mapping of keys, got {error['input']!r}")
-    return problem(key, f"{error['msg']} (got {error['input']!r})")
+        return problem(key, f"expected a mapping of keys, got {_short_repr(error['input'])}")
+    return problem(key, f"{_clip(error['msg'], 300)} (got {_short_repr(error['input'])})")
 
 
 def parse_config(raw: dict[str, Any] | None) -> JobConfig:
@@ -411,20 +504,230 @@ def parse_config(raw: dict[str, Any] | None) -> JobConfig:
     if not isinstance(raw, dict):
         raise UserError(problem("<config>", "the top level must be a mapping of sections"))
     try:
-        return JobConfig.model_validate(_canonicalize(raw))
+        cfg = JobConfig.model_validate(_canonicalize(raw))
     except ValidationError as err:
         raise UserError([_describe(e) for e in err.errors()]) from None
+    problems = _cross_field_problems(cfg)
+    if problems:
+        raise UserError(problems)
+    return cfg
+
+
+def _cross_field_problems(cfg: JobConfig) -> list[str]:
+    """Numeric limits that involve two fields of one section (layout rules that need the world
+    size are in mcpar.plan)."""
+    opt = cfg.optimization
+    out = []
+    if opt.optimizer == "adamw" and opt.lr * opt.weight_decay >= 1.0:
+        out.append(problem(
+            "optimization.weight_decay",
+            f"lr x weight_decay = {opt.lr:g} x {opt.weight_decay:g} = "
+            f"{opt.lr * opt.weight_decay:g}, must be below 1: AdamW multiplies the weights by "
+            "1 - lr x weight_decay each step, so they would be zeroed or flip sign and grow until "
+            "the loss is NaN; typical weight_decay is 0.01 to 0.1",
+        ))
+    return out
+
+
+# --- bounded YAML loading -------------------------------------------------------------------
+
+# A config is a few dozen keys; these bounds are far above any real one and keep a hostile or
+# broken file (an alias bomb, a thousand nested brackets, a multi-gigabyte file) from eating the
+# machine's memory: it is refused in well under a second with a line that says what to fix.
+MAX_CONFIG_BYTES = 1 << 20  # 1 MiB
+MAX_YAML_ALIASES = 100  # alias uses (*name) in one document
+MAX_YAML_DEPTH = 32  # nested mappings/sequences, aliases expanded
+MAX_YAML_NODES = 10_000  # values once every alias is expanded
+
+
+class _YAMLBoundExceeded(Exception):
+    """A document over one of the bounds above; ``line`` is 1-based, or None when unknown."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.line = line
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts alias uses and nesting while it composes the node graph,
+    then checks the graph's size with every alias expanded (and that no alias refers to a node
+    that contains it), before any Python object is built."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise _YAMLBoundExceeded(
+                    f"more than {MAX_YAML_ALIASES} alias uses (*name); write the values out "
+                    "instead of repeating anchors", self.peek_event().start_mark.line + 1)
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise _YAMLBoundExceeded(
+                f"nested more than {MAX_YAML_DEPTH} levels deep; a config is a few levels of "
+                "sections", self.peek_event().start_mark.line + 1)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _check_expanded(root: yaml.Node) -> None:
+    """Refuse a node graph that, with aliases expanded, nests past MAX_YAML_DEPTH, holds more
+    than MAX_YAML_NODES values, or contains itself. Shared nodes are measured once."""
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (values, height)
+    open_nodes: set[int] = set()
+
+    def measure(node: yaml.Node, level: int) -> tuple[int, int]:
+        key = id(node)
+        if key in open_nodes:
+            raise _YAMLBoundExceeded("an alias refers to a node that contains it (the value "
+                                     "would be infinite)", node.start_mark.line + 1)
+        if key not in measured:
+            if level > MAX_YAML_DEPTH:
+                raise _YAMLBoundExceeded(
+                    f"nested more than {MAX_YAML_DEPTH} levels deep once aliases are expanded",
+                    node.start_mark.line + 1)
+            open_nodes.add(key)
+            children: list[yaml.Node] = []
+            if isinstance(node, yaml.SequenceNode):
+                children = list(node.value)
+            elif isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            size, height = 1, 1
+            for child in children:
+                child_size, child_height = measure(child, level + 1)
+                size += child_size
+                height = max(height, child_height + 1)
+                if size > MAX_YAML_NODES:
+                    raise _YAMLBoundExceeded(
+                        f"more than {MAX_YAML_NODES:,} values once aliases are expanded (an "
+                        "alias bomb?); a config is a few dozen keys", node.start_mark.line + 1)
+            open_nodes.discard(key)
+            measured[key] = (size, height)
+        size, height = measured[key]
+        if level + height - 1 > MAX_YAML_DEPTH:
+            raise _YAMLBoundExceeded(
+                f"nested more than {MAX_YAML_DEPTH} levels deep once aliases are expanded",
+                node.start_mark.line + 1)
+        return size, height
+
+    measure(root, 1)
+
+
+def _precheck_events(text: str) -> None:
+    """Count values, nesting and alias uses over libyaml's event stream, stopping at the first
+    excess (libyaml composes in C, out of _BoundedLoader's reach). Syntax errors are left to
+    the loader that follows, which names them."""
+    depth = aliases = events = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+            events += 1
+            if events > 2 * MAX_YAML_NODES:  # a start and an end event per collection
+                raise _YAMLBoundExceeded(
+                    f"more than {MAX_YAML_NODES:,} values; a config is a few dozen keys",
+                    event.start_mark.line + 1)
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise _YAMLBoundExceeded(
+                        f"nested more than {MAX_YAML_DEPTH} levels deep; a config is a few "
+                        "levels of sections", event.start_mark.line + 1)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+            elif isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_YAML_ALIASES:
+                    raise _YAMLBoundExceeded(
+                        f"more than {MAX_YAML_ALIASES} alias uses (*name); write the values out "
+                        "instead of repeating anchors", event.start_mark.line + 1)
+    except yaml.YAMLError as err:
+        if "nesting depth" in str(err):  # libyaml's own limit (1000 levels)
+            raise _YAMLBoundExceeded(
+                f"nested more than {MAX_YAML_DEPTH} levels deep; a config is a few levels of "
+                "sections", _yaml_line(err)) from None
+
+
+def _bounded_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` within the bounds above; raises _YAMLBoundExceeded,
+    yaml.YAMLError, or ValueError (an integer of more digits than Python converts)."""
+    if getattr(yaml, "__with_libyaml__", False):
+        # libyaml (C) scans a 1 MiB file in milliseconds where the Python scanner takes seconds;
+        # its events are checked first, its node graph after, both before anything is built.
+        _precheck_events(text)
+        loader: Any = yaml.CSafeLoader(text)
+    else:
+        loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_message(err: yaml.YAMLError) -> str:
+    """What PyYAML says is wrong, on one line, without its marks (the line is named apart)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        text = ": ".join(p for p in (err.context, err.problem) if p) or "syntax error"
+        mark = err.problem_mark or err.context_mark
+        if mark is not None:
+            text += f" (column {mark.column + 1})"
+    else:
+        text = str(err)
+    return _clip(" ".join(text.split()), 200)
+
+
+def _yaml_line(err: yaml.YAMLError) -> int | None:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return mark.line + 1 if mark is not None else None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a raw mapping, with user errors for missing or bad files."""
+    """Read a YAML config file into a raw mapping, with user errors for missing or bad files.
+
+    The file must be UTF-8 and at most MAX_CONFIG_BYTES, and its YAML within the bounds on
+    aliases, nesting and expanded size above; each refusal names the file (and the line when
+    known) and the fix.
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(problem(str(path), "config file not found; give the path to a YAML file"))
     try:
-        raw = yaml.safe_load(path.read_text())
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise UserError(problem(str(path), f"cannot read the config file: {err.strerror}")) \
+            from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UserError(problem(str(path), f"larger than {MAX_CONFIG_BYTES >> 20} MiB; a config "
+                                "is a few dozen keys: is this the right file?"))
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise UserError(problem(f"{path}:{line}", f"not UTF-8 text (byte {data[err.start]:#04x} "
+                                f"at offset {err.start}); save the file as UTF-8")) from None
+    try:
+        raw = _bounded_yaml(text)
+    except _YAMLBoundExceeded as err:
+        where = f"{path}:{err.line}" if err.line else str(path)
+        raise UserError(problem(where, f"refused: {err.message}")) from None
     except yaml.YAMLError as err:
-        raise UserError(problem(str(path), f"not valid YAML: {err}".replace("\n", " "))) from None
+        line = _yaml_line(err)
+        where = f"{path}:{line}" if line else str(path)
+        message = _yaml_message(err)
+        raise UserError(problem(where, f"not valid YAML: {message}")) from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise UserError(problem(str(path), "holds an integer too long to read (thousands of "
+                                "digits); no config value is that large")) from None
     if raw is not None and not isinstance(raw, dict):
         raise UserError(problem(str(path), "the top level must be a mapping of sections"))
     return raw or {}
@@ -440,14 +743,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 problem(item, "an override must look like KEY=VALUE, e.g. model.seq_len=64")
             )
         parts = tuple(key.strip().split("."))
+        if len(parts) > MAX_YAML_DEPTH:
+            raise UserError(problem(key[:80], f"a key path of more than {MAX_YAML_DEPTH} parts; "
+                                    "config keys are a few levels deep"))
         # Accept French key paths in overrides too, by canonicalizing part by part.
         canon: list[str] = []
         for part in parts:
             canon.append(FRENCH_KEYS.get(tuple(canon), {}).get(part, part))
+        if len(text) > MAX_CONFIG_BYTES:
+            raise UserError(problem(".".join(canon), f"the value is longer than "
+                                    f"{MAX_CONFIG_BYTES >> 20} MiB"))
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+            value = _bounded_yaml(text)
+        except _YAMLBoundExceeded as err:
+            raise UserError(problem(".".join(canon), f"--set value refused: {err.message}")) \
+                from None
+        except (yaml.YAMLError, ValueError):
+            value = text  # not YAML: the text itself, which validation then judges
         node = raw
         for i, part in enumerate(canon[:-1]):
             child = node.setdefault(part, {})
