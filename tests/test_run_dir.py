@@ -218,3 +218,16 @@ def test_default_run_dirs_started_in_the_same_second_differ(
     first, second = _new_run_dir(None, None), _new_run_dir(None, None)
     assert (first, second) == (Path("runs/20260101-000000"), Path("runs/20260101-000000-1"))
     assert first.is_dir() and second.is_dir()  # claimed at once, before either run locks it
+
+
+def test_rank_0_of_a_torchrun_job_takes_the_lock(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    held = RunDirLock(run).acquire()  # another job owns the directory
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t1"}.items():
+        monkeypatch.setenv(key, value)
+    proc = run_cli_in_process(capsys, "train", *sets(*TINY), "--run-dir", str(run))
+    assert_user_error(proc, "--run-dir", f"pid {os.getpid()}", "in use by another mcpar train")
+    assert snapshot(run) == {}
+    held.release()
