@@ -183,7 +183,7 @@ class MemoryControllerConfig(_Section):
         "none", description="Activation recomputation policy."
     )
     memory_budget_gb: float | None = Field(
-        None, gt=0.0, le=float(1 << 20),
+        None, gt=0.0, le=1e6,
         description="Memory per rank that plans may use; default 90% of a GPU, "
         "or the worker's share of 80% of host RAM.",
     )

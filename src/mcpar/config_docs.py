@@ -9,8 +9,17 @@ from __future__ import annotations
 from typing import get_args
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from mcpar.config import FRENCH_KEYS, FRENCH_VALUES, JobConfig
+from mcpar.config import (
+    FRENCH_KEYS,
+    FRENCH_VALUES,
+    MAX_CONFIG_BYTES,
+    MAX_YAML_ALIASES,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    JobConfig,
+)
 
 
 def _type_name(annotation: object) -> str:
@@ -24,6 +33,31 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", None) or str(annotation)
 
 
+def _number(value: object) -> str:
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        value = int(value)
+    if isinstance(value, int) and value >= 1 << 16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    if isinstance(value, int) and value >= 10**6 and str(value).rstrip("0") == "1":
+        return f"10^{len(str(value)) - 1}"
+    if value == 2**63 - 1:
+        return "2^63 - 1"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _range(field: FieldInfo) -> str:
+    """The numeric bounds of a field, e.g. ``1 ≤ x ≤ 4096`` or ``0 < x < 1``; '' for none."""
+    low = high = ""
+    for meta in field.metadata:
+        for attr, text in (("ge", "≤"), ("gt", "<")):
+            if getattr(meta, attr, None) is not None:
+                low = f"{_number(getattr(meta, attr))} {text} "
+        for attr, text in (("le", "≤"), ("lt", "<")):
+            if getattr(meta, attr, None) is not None:
+                high = f" {text} {_number(getattr(meta, attr))}"
+    return f"{low}x{high}" if low or high else ""
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
@@ -33,7 +67,8 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             rows += _rows(annotation, key + ".")
             continue
         default = field.get_default(call_default_factory=True)
-        rows.append(f"| `{key}` | {_type_name(annotation)} | `{default}` | {field.description} |")
+        rows.append(f"| `{key}` | {_type_name(annotation)} | `{default}` | {_range(field)} "
+                    f"| {field.description} |")
     return rows
 
 
@@ -43,9 +78,13 @@ def render() -> str:
         "",
         "Generated from the schema by `python -m mcpar.config_docs > docs/config.md`.",
         "Keys are dotted paths into the YAML file; `--set KEY=VALUE` takes the same paths.",
+        "Numbers must be finite (no NaN or infinity) and within their range; a file is at most",
+        f"{MAX_CONFIG_BYTES >> 20} MiB of UTF-8 YAML with at most {MAX_YAML_ALIASES} alias uses, "
+        f"{MAX_YAML_DEPTH} levels of nesting",
+        f"and {MAX_YAML_NODES:,} values once aliases are expanded.",
         "",
-        "| key | type | default | meaning |",
-        "|---|---|---|---|",
+        "| key | type | default | range | meaning |",
+        "|---|---|---|---|---|",
         *_rows(JobConfig, ""),
         "",
         "## The seed's French keys and values",
