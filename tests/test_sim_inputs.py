@@ -196,3 +196,61 @@ def test_a_good_local_profile_still_simulates(tmp_path: Path, capsys: pytest.Cap
                               "--cluster", "local")
     assert proc.returncode == 0, proc.stderr
     assert "local-cpu" in proc.stdout
+
+
+# --- the planner's bounds -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--cluster", "h100x1048576"], "--cluster: 1,048,576 GPUs is more than the planner"),
+    (["--cluster", "h100x512", "--top", "1000000"], "--top: must be 1..100"),
+    (["--cluster", "h100x512", "--top", "0"], "--top: must be 1..100"),
+    (["--cluster", "h100x512", "--global-batch", str(10**400)], "--global-batch: must be 1.."),
+    (["--cluster", "h100x512", "--global-batch", "0"], "--global-batch: must be 1.."),
+])
+def test_plan_refuses_unbounded_searches_at_once(capsys: pytest.CaptureFixture[str],
+                                                 args: list[str], says: str) -> None:
+    import time
+
+    import mcpar.cli  # noqa: F401  (imported before the clock starts)
+
+    start = time.perf_counter()
+    proc = run_cli_in_process(capsys, "plan", "--model", "mixtral-8x7b", *args)
+    user_error(proc, says)
+    assert time.perf_counter() - start < 2
+
+
+def test_plan_refuses_a_search_over_its_layout_budget() -> None:
+    import time
+    from dataclasses import replace
+
+    from mcpar.errors import UserError
+    from mcpar.sim.hardware import cluster_preset
+    from mcpar.sim.planner import plan
+    from mcpar.sim.workload import model_preset
+
+    # 120 layers, 24 experts, 20160 GPUs and a batch with many divisors: 151k cores to price,
+    # about a minute; refused after counting.
+    preset = model_preset("mixtral-8x7b")
+    model = replace(preset.shape, layers=120, experts=24)
+    start = time.perf_counter()
+    with pytest.raises(UserError, match="--global-batch: 3628800 sequences on 20160 GPUs leave "
+                                        "more than 20,000 layouts"):
+        plan(model, cluster_preset("h100x20160"), 20160 * 180, preset.precision, keep=10,
+             budget_key="--global-batch")
+    assert time.perf_counter() - start < 5
+
+
+def test_plan_divisors_do_not_scan_to_the_gpu_count() -> None:
+    import time
+
+    from mcpar.sim.hardware import cluster_preset
+    from mcpar.sim.planner import _divisors, plan
+    from mcpar.sim.workload import model_preset
+
+    assert _divisors(360) == [d for d in range(1, 361) if 360 % d == 0]
+    assert _divisors(49) == [1, 7, 49] and _divisors(1) == [1]
+    # A batch of 2^40 sequences per data-parallel rank used to be scanned one by one.
+    preset = model_preset("gpt3-1.3b")
+    start = time.perf_counter()
+    result = plan(preset.shape, cluster_preset("h100x8"), 2**43, preset.precision, keep=3)
+    assert result.candidates and time.perf_counter() - start < 5

@@ -31,7 +31,14 @@ from mcpar.sim.fromconfig import (
 from mcpar.sim.hardware import GIB, Accelerator, Cluster, load_accelerators
 from mcpar.sim.localprofile import named_cluster
 from mcpar.sim.memory import format_memory_rows, memory_header
-from mcpar.sim.planner import SearchSpace, best_or_error, format_table, plan
+from mcpar.sim.planner import (
+    MAX_PLAN_GPUS,
+    MAX_TOP,
+    SearchSpace,
+    best_or_error,
+    format_table,
+    plan,
+)
 from mcpar.sim.runs import predict_runs, read_runs_partial, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
 
@@ -39,6 +46,9 @@ PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # `simulate --runs` with some rows refused and the others written: a user error all the same,
 # so that a script notices (0 here would let a run file lose rows silently).
 RUNS_PARTIAL_EXIT = 2
+# Sequences per step `plan` accepts: 1000x the largest published runs' (~4k sequences of 4k
+# tokens); past it the step's token count leaves what any run trains with.
+MAX_GLOBAL_BATCH = 2**22
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -71,9 +81,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     pl = sub.add_parser("plan", help="search layouts under the memory limit, fastest first")
     pl.add_argument("config", nargs="?", help="YAML config (default: the built-in default)")
-    pl.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    pl.add_argument("--top", type=int, default=10,
+                    help=f"how many layouts to print (1..{MAX_TOP})")
     pl.add_argument("--global-batch", type=int, default=None,
-                    help="sequences per step (default: the preset's or the config's)")
+                    help="sequences per step (default: the preset's or the config's; at most "
+                         f"{MAX_GLOBAL_BATCH:,})")
     _common(pl)
 
 
@@ -220,27 +232,36 @@ def _describe(model: ModelShape, lay: Layout, cluster: Cluster, pred: Prediction
 # --- plan ---------------------------------------------------------------------------------------
 
 def _plan(args: argparse.Namespace) -> int:
-    if args.top < 1:
-        raise UserError(problem("--top", f"must be at least 1, got {args.top}"))
+    if not 1 <= args.top <= MAX_TOP:
+        raise UserError(problem("--top", f"must be 1..{MAX_TOP} (the planner's bound), got "
+                                         f"{args.top}; print fewer layouts"))
     cluster = _cluster(args)
+    if cluster.num_gpus > MAX_PLAN_GPUS:
+        raise UserError(problem("--cluster", f"{cluster.num_gpus:,} GPUs is more than the "
+                                             f"planner searches in seconds ({MAX_PLAN_GPUS:,}); "
+                                             "plan a smaller cluster"))
     cfg, model, preset, precision = _workload(args, cluster)
     if cluster.accel.is_cpu:
         cluster = _local_world(cfg, cluster)
+    batch_key = "--global-batch"
     if args.global_batch is not None:
         global_batch = args.global_batch
     elif cfg.optimization.global_batch_size is not None:
-        global_batch = cfg.optimization.global_batch_size
+        global_batch, batch_key = (cfg.optimization.global_batch_size,
+                                   "optimization.global_batch_size")
     elif preset is not None:
         global_batch = preset.global_batch
     else:
         opt = cfg.optimization
         global_batch = opt.micro_batch_size * (opt.gradient_accumulation or 1) * (
             cfg.parallelism.data or 1)
-    if global_batch < 1:
-        raise UserError(problem("--global-batch", f"must be at least 1, got {global_batch}"))
+        batch_key = "optimization.micro_batch_size"
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise UserError(problem(batch_key, f"must be 1..{MAX_GLOBAL_BATCH:,} sequences, got "
+                                           f"{global_batch:,}"))
     where = f"--model {args.model}" if args.model else "model"
     result = plan(model, cluster, global_batch, precision, SearchSpace(), where=where,
-                  keep=max(args.top, 10))
+                  keep=max(args.top, 10), budget_key=batch_key)
     best_or_error(result, cluster, where)
     print(f"mcpar plan: {model.name or 'model'} ({_params(model)} parameters), "
           f"global batch {global_batch} x {model.seq_len} tokens, {precision}, on "

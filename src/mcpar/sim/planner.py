@@ -23,6 +23,7 @@ pricing their traffic.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +37,19 @@ from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_proble
 MAX_MICRO_BATCH = 32
 MAX_VP = 8
 MIN_TOKENS_PER_CP_RANK = 2048  # ring attention pays off on long sequences only
+# Bounds that keep `mcpar plan` within seconds. Pricing a core costs ~0.4 ms; the number of
+# cores is set by the divisors of the layers, experts, GPU count and global batch, not by the
+# GPU count's size (measured: mixtral-8x7b, global batch 8n, 8148 cores from 2^11 to 2^20 GPUs,
+# 3-6 s on a loaded 2-core machine; llama3-405b 825 cores, under 1 s; a global batch of
+# n x 720720/8 on 20160-3628800 GPUs: 23-31k cores, 9-13 s; a 120-layer, 24-expert model on
+# 20160 GPUs, global batch 3628800: 151k cores, about a minute). The GPU bound is 2.6x the
+# largest clusters trained on; the core budget keeps the worst case under ~10 s on a slow machine
+# (counting the cores first takes well under a second).
+MAX_PLAN_GPUS = 262_144
+MAX_PLAN_CORES = 20_000
+# `--top`: the list of the fastest is re-sorted per core, so its cost grows with its length
+# (--top 1000: ~4x --top 10; --top 10^6 ran for minutes).
+MAX_TOP = 100
 
 
 @dataclass
@@ -53,7 +67,9 @@ class PlanResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt n) (a GPU count or a batch may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)
@@ -85,8 +101,9 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
             if n % (tp * cp) or m.seq_len % (cp * tp) or (cp > 1 and (
                     m.seq_len // cp < MIN_TOKENS_PER_CP_RANK or attention != "flash")):
                 continue
-            for pp in _divisors(n // (tp * cp)):
-                if m.layers % pp or (space.pp is not None and pp not in space.pp):
+            rest = n // (tp * cp)
+            for pp in _divisors(m.layers):  # pp splits the layers evenly and the GPUs left
+                if rest % pp or (space.pp is not None and pp not in space.pp):
                     continue
                 dp = n // (tp * cp * pp)
                 if global_batch % dp:
@@ -95,11 +112,11 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                 for vp in _divisors(m.layers // pp):
                     if vp > MAX_VP or (vp > 1 and pp == 1):
                         continue
-                    eps = [e for e in _divisors(dp * cp) if m.experts % e == 0] \
+                    eps = [e for e in _divisors(m.experts) if (dp * cp) % e == 0] \
                         if m.is_moe else [1]
                     for ep in eps:
-                        for b in _divisors(per_rank):
-                            if b > MAX_MICRO_BATCH or (
+                        for b in range(1, min(per_rank, MAX_MICRO_BATCH) + 1):
+                            if per_rank % b or (
                                     space.micro_batch is not None and b not in space.micro_batch):
                                 continue
                             if vp > 1 and (per_rank // b) % pp:
@@ -129,9 +146,10 @@ def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator
 def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
          space: SearchSpace | None = None, eff: Efficiency | None = None,
          memory_limit: float | None = None, extra: list[Layout] | None = None,
-         where: str = "model", keep: int = 50) -> PlanResult:
+         where: str = "model", keep: int = 50, budget_key: str = "global batch") -> PlanResult:
     """The `keep` fastest fitting layouts, fastest first. `extra` layouts (e.g. a published one)
-    are priced too, so the best is never worse than them when they fit.
+    are priced too, so the best is never worse than them when they fit. A search of more than
+    MAX_PLAN_CORES cores is refused (a UserError naming `budget_key`) before any is priced.
 
     Cores are visited from the lowest lower bound on their step time (the pipeline without any
     data-parallel traffic or optimizer); once `keep` layouts are known, a core whose bound is
@@ -147,9 +165,18 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
     smallest: tuple[float, Layout] | None = None
     extra = [lay for lay in extra or []
              if not layout_problems(m, lay, cluster.num_gpus, cluster.gpus_per_node, where)]
+    if not 1 <= keep <= MAX_TOP:
+        raise UserError(problem("keep", f"must be 1..{MAX_TOP}, got {keep}"))
+    cores: list[Layout] = []
+    for core_layout in core_layouts(m, cluster, global_batch, precision, space, attention):
+        cores.append(core_layout)
+        if len(cores) > MAX_PLAN_CORES:
+            raise UserError(problem(budget_key, (
+                f"{global_batch} sequences on {cluster.num_gpus} GPUs leave more than "
+                f"{MAX_PLAN_CORES:,} layouts to price (the planner's bound, a few seconds); "
+                "choose a global batch with fewer divisors (a power of two) or fewer GPUs")))
     ranked: list[tuple[float, Layout, PipelineCore]] = []
-    for core_layout in [*core_layouts(m, cluster, global_batch, precision, space, attention),
-                        *extra]:
+    for core_layout in [*cores, *extra]:
         # The leanest variant of this core (weights, gradients and optimizer state sharded).
         lean = memory_per_gpu(m, core_layout.with_(zero_stage=3), cluster.reserved_bytes).total
         if core_layout in extra:
