@@ -461,3 +461,34 @@ def test_fuzz_of_bad_configs_never_raises(
             assert _names_the_file_or_a_key(line, path, raw), (case, content, line)
     assert codes[2] > 200, codes
     assert time.perf_counter() - start < 30
+
+
+def test_fuzz_of_bad_set_overrides_never_raises(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """200 generated ``--set KEY=VALUE`` (schema keys, unknown and overlong keys, junk YAML
+    values, huge numbers) on a valid file: exit 0 or 2, never an exception, each error line
+    naming the key, the override or the file."""
+    rng = random.Random(1201)
+    path = write(tmp_path, "model:\n  num_layers: 2\n")
+    values = ["9" * 5000, "0x" + "f" * 3000, ".nan", "-.inf", "1e999", "[1, [2, [3]]]", "{a: 1}",
+              "&a [*a]", "!!binary aGk=", "!!timestamp 2001-12-14", "'unterminated", "null", "~",
+              "", ":", "- - -", "*x", "%YAML 1.1"]
+    for case in range(200):
+        key = rng.choice(LEAF_KEYS) if rng.random() < 0.8 else rng.choice(
+            ["junk", "model", "model.kind.deeper", "", ".", "a..b", "modele.junk", "x" * 300])
+        if rng.random() < 0.5:
+            value = rng.choice(values)
+        elif rng.random() < 0.5:
+            value = "".join(rng.choice(JUNK_CHARS) for _ in range(rng.randrange(1, 40)))
+        else:
+            value = str(_bad_value(rng))
+        item = f"{key}={value}" if rng.random() < 0.95 else key
+        with deadline(10.0):
+            proc = run_cli_in_process(capsys, "check", str(path), "--set", item)
+        assert proc.returncode in (0, 2), (case, item[:200], proc.stderr)
+        names = TOP_NAMES | {_clip(key.split(".")[0], 40), _clip(item, 80)[:40]}
+        for line in proc.stderr.splitlines():
+            text = line.removeprefix("mcpar: error: ")
+            assert text.startswith(str(path)) or any(
+                text.startswith(name) for name in names), (case, item[:200], line)

@@ -740,31 +740,33 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise UserError(
-                problem(item, "an override must look like KEY=VALUE, e.g. model.seq_len=64")
+                problem(_clip(item), "an override must look like KEY=VALUE, e.g. model.seq_len=64")
             )
         parts = tuple(key.strip().split("."))
         if len(parts) > MAX_YAML_DEPTH:
-            raise UserError(problem(key[:80], f"a key path of more than {MAX_YAML_DEPTH} parts; "
+            raise UserError(problem(_clip(key), f"a key path of more than {MAX_YAML_DEPTH} parts; "
                                     "config keys are a few levels deep"))
         # Accept French key paths in overrides too, by canonicalizing part by part.
         canon: list[str] = []
         for part in parts:
             canon.append(FRENCH_KEYS.get(tuple(canon), {}).get(part, part))
         if len(text) > MAX_CONFIG_BYTES:
-            raise UserError(problem(".".join(canon), f"the value is longer than "
+            raise UserError(problem(_clip(".".join(canon)), f"the value is longer than "
                                     f"{MAX_CONFIG_BYTES >> 20} MiB"))
         try:
             value = _bounded_yaml(text)
         except _YAMLBoundExceeded as err:
-            raise UserError(problem(".".join(canon), f"--set value refused: {err.message}")) \
-                from None
+            raise UserError(
+                problem(_clip(".".join(canon)), f"--set value refused: {err.message}")
+            ) from None
         except (yaml.YAMLError, ValueError):
             value = text  # not YAML: the text itself, which validation then judges
         node = raw
         for i, part in enumerate(canon[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise UserError(problem(".".join(canon[: i + 1]), "is a value, not a section"))
+                where = _clip(".".join(canon[: i + 1]))
+                raise UserError(problem(where, "is a value, not a section"))
             node = child
         node[canon[-1]] = value
     return raw
