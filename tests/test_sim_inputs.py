@@ -105,16 +105,6 @@ def test_no_valid_row_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not out.exists()
 
 
-def test_every_good_row_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    header, data = read_rows(RUNS_CSV)
-    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
-    write_rows(runs, header, data[:3])
-    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""
-    assert len(read_rows(out)[1]) == 3
-
-
 # --- hardware tables, cluster presets, the local profile ----------------------------------------
 
 @pytest.mark.parametrize(("column", "value"), [
@@ -147,13 +137,6 @@ def test_a_duplicate_or_unnamed_hardware_row_is_refused(
     user_error(proc, f"{table}[{data[0]['gpu']}]: a second row", f"{table}:{len(data) + 3}.gpu")
 
 
-@pytest.mark.parametrize("preset", ["a100x0", "a100x12", "h100x-8", "h100"])
-def test_impossible_cluster_presets_are_refused(capsys: pytest.CaptureFixture[str],
-                                                preset: str) -> None:
-    user_error(run_cli_in_process(capsys, "plan", "--model", "gpt3-1.3b", "--cluster", preset),
-               "--cluster: ")
-
-
 GOOD_PROFILE = {
     "cores": 2, "flops_per_thread": 5e10, "attention_flops_per_thread": 2e10,
     "mem_bw_per_thread": 1e10, "mem_bw_total": 2e10, "op_overhead_s": 1e-5,
@@ -177,25 +160,16 @@ def test_a_broken_local_profile_is_refused(tmp_path: Path, capsys: pytest.Captur
     import json
 
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({**GOOD_PROFILE, field: value}))
     monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
-    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "seed_mcp.yaml"),
+    path.write_text(json.dumps(GOOD_PROFILE))  # a sound profile is still accepted
+    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
+                              "--cluster", "local")
+    assert proc.returncode == 0 and "local-cpu" in proc.stdout, proc.stderr
+    path.write_text(json.dumps({**GOOD_PROFILE, field: value}))
+    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
                               "--cluster", "local")
     user_error(proc, f"{path}.{named}:" if named else f"{path}: not a local profile",
                "python -m mcpar.sim.localprofile")
-
-
-def test_a_good_local_profile_still_simulates(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
-
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(GOOD_PROFILE))
-    monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
-    proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
-                              "--cluster", "local")
-    assert proc.returncode == 0, proc.stderr
-    assert "local-cpu" in proc.stdout
 
 
 # --- the planner's bounds -----------------------------------------------------------------------
