@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 MARK = "__packed__"
 INDEX = "index"
+_ITEM_FIELDS = {"key", "pack", "dtype", "shape", "offset"}
 
 
 def group_of(key: str) -> str:
@@ -48,6 +49,10 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(found, torch.dtype):  # the index is data: never look up anything else
         raise ValueError(f"checkpoint index names an unknown dtype {name!r}")
     return found
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -130,13 +135,50 @@ class PackedCheckpoint:
         metadata = reader_factory(path).read_metadata().state_dict_metadata
         self._sizes = {k: tuple(md.size) for k, md in metadata.items()
                        if isinstance(md, TensorStorageMetadata)}
+        dtypes = {k: md.properties.dtype for k, md in metadata.items()
+                  if isinstance(md, TensorStorageMetadata)}
         index_keys = [k for k in self._sizes if k.endswith(f"/{MARK}/{INDEX}")]
+        for key in index_keys:
+            if len(self._sizes[key]) != 1 or dtypes[key] != torch.uint8:
+                raise ValueError(f"checkpoint index {key} is not a byte string")
         raw = self._load({k: torch.empty(self._sizes[k], dtype=torch.uint8) for k in index_keys})
         self.entries: dict[str, Entry] = {}
-        for tensor in raw.values():
-            for item in json.loads(bytes(tensor.numpy()).decode()):
-                self.entries[item["key"]] = Entry(item["pack"], _dtype(item["dtype"]),
-                                                  tuple(item["shape"]), int(item["offset"]))
+        for index_key, tensor in raw.items():
+            try:
+                items = json.loads(bytes(tensor.numpy()).decode())
+                if not isinstance(items, list):
+                    raise TypeError("not a list")
+                for item in items:
+                    key, entry = self._entry(item, dtypes)
+                    if key in self.entries:
+                        raise ValueError(f"{key} is listed twice")
+                    self.entries[key] = entry
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"checkpoint index {index_key} is malformed ({exc})") from None
+        # Every tensor of the checkpoint is an index or a pack that an index names: a key
+        # renamed in the metadata is damage, not a tensor to ignore.
+        named = set(index_keys) | {e.pack for e in self.entries.values()}
+        if set(metadata) != named:
+            raise ValueError(f"checkpoint holds {sorted(set(metadata) ^ named)[0]}, which its "
+                             "indexes do not account for")
+
+    def _entry(self, item: object, dtypes: dict[str, torch.dtype]) -> tuple[str, Entry]:
+        """One index item checked against the checkpoint's packs: its slot lies inside a pack
+        of its own group and dtype."""
+        if not isinstance(item, dict) or set(item) != _ITEM_FIELDS:
+            raise ValueError(f"an item is not an object of the fields {sorted(_ITEM_FIELDS)}")
+        key, pack, shape, offset = item["key"], item["pack"], item["shape"], item["offset"]
+        dtype = _dtype(item["dtype"]) if isinstance(item["dtype"], str) else None
+        if not isinstance(key, str) or pack != f"{group_of(key)}/{MARK}/{item['dtype']}":
+            raise ValueError(f"the item of {key!r} names the pack {pack!r}")
+        if pack not in self._sizes or dtypes[pack] != dtype or len(self._sizes[pack]) != 1:
+            raise ValueError(f"the pack {pack} of {key} is not in the checkpoint")
+        if not isinstance(shape, list) or not all(_count(d) for d in [*shape, offset]):
+            raise ValueError(f"the item of {key} has a malformed shape or offset")
+        entry = Entry(pack, dtype, tuple(shape), offset)
+        if offset + entry.numel > self._sizes[pack][0]:
+            raise ValueError(f"the item of {key} lies outside its pack")
+        return key, entry
 
     def keys(self) -> set[str]:
         return set(self.entries)
