@@ -45,8 +45,12 @@ compresses every tensor as it is written; ``.metadata`` records it per item, so 
 transparent. The manifest's checksums are of the compressed files, as written.
 
 Loading never runs code from the checkpoint: tensors are read by DCP with
-``torch.load(weights_only=True)``, and DCP's pickled ``.metadata`` is read here with an unpickler
-that only admits DCP's own metadata classes.
+``torch.load(weights_only=True)``, and DCP's pickled ``.metadata`` is read with an unpickler
+that admits only the exact globals of ``files.METADATA_GLOBALS``. Nor does it wander: every file
+the manifest lists and every file the metadata makes DCP open must resolve inside the step's
+own folder and be one of the manifest's checksummed files. Any damage to the manifest, the
+metadata, ``meta.json`` or the packs' indexes makes the checkpoint invalid (``verify_checkpoint``
+gives the reason), and resume falls back to the previous valid one, logged in recovery.jsonl.
 """
 
 from __future__ import annotations
