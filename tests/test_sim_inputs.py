@@ -78,6 +78,25 @@ def test_a_bad_row_is_named_and_the_others_are_predicted(
     assert all(float(r["predicted_step_s"]) > 0 for r in rows_out)
 
 
+def test_a_row_of_a_million_pipeline_stages_is_refused_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    import mcpar.cli  # noqa: F401  (imported before the clock starts)
+
+    header, data = read_rows(RUNS_CSV)
+    data = data[:3]
+    # A consistent layout (tp 2 x pp 10^6 x dp 32 GPUs), priced stage by stage: 8 s per row.
+    data[1].update(layers="1000000", pp="1000000", num_gpus=str(64 * 10**6))
+    runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
+    write_rows(runs, header, data)
+    start = time.perf_counter()
+    proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
+    user_error(proc, f"{data[1]['id']}.pp: pp 1000000 x vp 1 is more than 65536 pipeline stages")
+    assert time.perf_counter() - start < 3
+    assert len(read_rows(out)[1]) == 2
+
+
 def test_a_short_row_and_a_long_row_are_named(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     lines = RUNS_CSV.read_text().splitlines()[:4]

@@ -8,6 +8,14 @@ A CONFIG gives the layout and settings (and the model, unless ``--model`` names 
 cluster preset gives the GPUs (``a100x1024``, ``h100x512``, ... or ``local``, this machine as
 measured by ``mcpar.sim.localprofile``; default ``local``). User errors raise ``UserError`` (the
 caller prints one line per problem and exits 2).
+
+``--runs``: each bad row (a number missing, unparsable, non-finite or out of range, an unknown
+GPU or precision, an impossible layout) is named on stderr as ``<id>.<column>: <fix>`` and left
+out; the other rows are predicted and written to ``--out``. Exit 0 when every row was
+predicted, 2 when any was refused (the good rows are written all the same), and 2 with nothing
+written when no row is valid. ``plan`` refuses searches it cannot finish in seconds: more than
+``MAX_PLAN_GPUS`` GPUs (``--cluster``), ``--top`` above ``MAX_TOP``, a global batch above
+``MAX_GLOBAL_BATCH``, or more than ``MAX_PLAN_CORES`` layouts to price (``planner.py``).
 """
 
 from __future__ import annotations

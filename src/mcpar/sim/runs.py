@@ -76,6 +76,9 @@ ZERO_ALLOWED = ("kv_heads", "experts", "top_k", "vp", "cp", "ep", "zero_stage")
 # The largest value an integer column may hold: far above any real run, low enough that the
 # model's arithmetic stays finite in floating point.
 MAX_INT = 10**12
+# Pipeline stages (pp x vp) a row may have: the model prices every stage (10^6 took 8 s); real
+# runs use at most a few hundred.
+MAX_STAGES = 2**16
 
 
 def _parse_int(text: str | None, col: str, rid: str, problems: list[str]) -> int:
@@ -149,6 +152,10 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     if recompute is None:
         problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
                                                     " use none, selective or full"))
+    if ints["pp"] * max(1, ints["vp"]) > MAX_STAGES:
+        problems.append(problem(f"{rid}.pp", f"pp {ints['pp']} x vp {max(1, ints['vp'])} is "
+                                             f"more than {MAX_STAGES} pipeline stages; give "
+                                             "the run's real degrees"))
     if problems:
         raise UserError(problems)
     assert accel is not None and inter is not None
