@@ -11,9 +11,10 @@ caller prints one line per problem and exits 2).
 
 ``--runs``: each bad row (a number missing, unparsable, non-finite or out of range, an unknown
 GPU or precision, an impossible layout) is named on stderr as ``<id>.<column>: <fix>`` and left
-out; the other rows are predicted and written to ``--out``. Exit 0 when every row was
-predicted, 2 when any was refused (the good rows are written all the same), and 2 with nothing
-written when no row is valid. ``plan`` refuses searches it cannot finish in seconds: more than
+out; the other rows are predicted and written to ``--out`` (exit 0; the refused rows and a
+summary line are on stderr). Exit 2, with nothing written, only when no row is valid.
+
+``plan`` refuses searches it cannot finish in seconds: more than
 ``MAX_PLAN_GPUS`` GPUs (``--cluster``), ``--top`` above ``MAX_TOP``, a global batch above
 ``MAX_GLOBAL_BATCH``, or more than ``MAX_PLAN_CORES`` layouts to price (``planner.py``).
 """
@@ -51,9 +52,9 @@ from mcpar.sim.runs import predict_runs, read_runs_partial, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
 
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
-# `simulate --runs` with some rows refused and the others written: a user error all the same,
-# so that a script notices (0 here would let a run file lose rows silently).
-RUNS_PARTIAL_EXIT = 2
+# `simulate --runs` with some rows refused and the others predicted and written: exit 0 (each
+# refused row is named on stderr, with a summary line); 2 is kept for a file with no valid row.
+RUNS_PARTIAL_EXIT = 0
 # Sequences per step `plan` accepts: 1000x the largest published runs' (~4k sequences of 4k
 # tokens); past it the step's token count leaves what any run trains with.
 MAX_GLOBAL_BATCH = 2**22
@@ -80,9 +81,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("config", nargs="?", help="YAML config (omit with --runs)")
     sim.add_argument("--runs", help="CSV with the columns of calibration/published_runs.csv; "
                                     "each bad row is named on stderr by id and column and "
-                                    "left out, the others are predicted into --out (exit 2 "
-                                    "when any row is refused, nothing written when none is "
-                                    "valid)")
+                                    "left out, the others are predicted into --out (exit 2, "
+                                    "nothing written, only when no row is valid)")
     sim.add_argument("--out", help="where --runs writes the rows with predictions added")
     sim.add_argument("--json", action="store_true", help="print the prediction as JSON")
     _common(sim)
