@@ -1,6 +1,6 @@
 """A checkpoint's files: checksums, validity, discovery, the recovery log, and reading DCP
 checkpoints without running code from them. (The layout and commit protocol are described in
-``checkpoint.py``, which saves and restores through these.)"""
+``manager.py``, which saves and restores through these.)"""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ timed with ``time.thread_time``). An asynchronous save runs on a core that train
 so that CPU time is taken straight from training.
 
 The format: the logical keys (``model/<coord>/<name>``, ``optim/...``, ``rng/rank<r>/cpu``,
-``rank<r>/...``, see ``checkpoint.py``) are grouped by their first two components, and within a
+``rank<r>/...``, see ``manager.py``) are grouped by their first two components, and within a
 group by dtype. Each group/dtype becomes one 1-D tensor ``<group>/__packed__/<dtype>`` holding
 the tensors' elements back to back, and each group gets an index ``<group>/__packed__/index``:
 a uint8 tensor holding JSON (key, dtype, shape, offset of every tensor). The index is a tensor,
