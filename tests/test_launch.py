@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mcpar import launch
+from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 
 # Written at the top of every worker: its pid, so tests can check nothing outlives the launcher.
@@ -230,6 +231,21 @@ def test_detect_torchrun(clean_env: pytest.MonkeyPatch) -> None:
     assert detect_env() == DistEnv(5, 8, 1, 4, "node0", 1234, "torchrun")
 
 
+@pytest.mark.parametrize("values,words", [
+    # Stale exports in a shell: RANK and WORLD_SIZE only.
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+     "missing"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "inconsistent"),
+])
+def test_a_partial_torchrun_environment_is_a_user_error(clean_env: pytest.MonkeyPatch,
+                                                        values: dict[str, str],
+                                                        words: str) -> None:
+    _set(clean_env, **values)
+    with pytest.raises(UserError, match=words):
+        detect_env()
+
+
 def test_detect_mcpar(clean_env: pytest.MonkeyPatch) -> None:
     _set(clean_env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
          MASTER_ADDR="127.0.0.1", MASTER_PORT="4321", MCPAR_LAUNCHED="1")
@@ -251,3 +267,40 @@ def test_detect_slurm_uneven_nodes_and_fallback_addr(clean_env: pytest.MonkeyPat
          SLURM_LAUNCH_NODE_IPADDR="10.1.2.3")
     assert detect_env() == DistEnv(8, 9, 0, 1, "10.1.2.3", 29500, "slurm")
     assert launch._expand_tasks_per_node("4(x2),1") == [4, 4, 1]
+
+
+def test_a_user_error_found_by_a_worker_exits_2_without_a_restart(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # A config that only the workers' plan resolution can refuse: the run directory's
+    # config.yaml asks for data 3 while 2 workers are started.
+    from conftest import TINY
+
+    from mcpar.config import apply_overrides, parse_config, to_yaml
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = parse_config(apply_overrides({}, [*TINY, "parallelism.data=3"]))
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    restarts: list[int] = []
+    with pytest.raises(LaunchFailed) as info:
+        launch_local(2, ["-m", "mcpar.worker", str(run_dir)], max_restarts=3,
+                     on_restart=lambda attempt, failure: restarts.append(attempt))
+    assert restarts == []  # a restart would only find the same problem again
+    (line,) = info.value.failure.user_errors or [None]
+    assert line.startswith("parallelism:") and "has 2" in line
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "mcpar: error: parallelism:" in err
+
+
+def test_the_cli_reports_a_workers_user_error_with_exit_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from mcpar import cli
+
+    def failing(args: object) -> int:
+        raise LaunchFailed(WorkerFailure(1, 2, None, "cluster.ranks_per_node: uneven",
+                                         ["cluster.ranks_per_node: uneven; use a divisor"]))
+
+    monkeypatch.setattr(cli, "cmd_train", failing)
+    assert cli.main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err == "mcpar: error: cluster.ranks_per_node: uneven; use a divisor\n"

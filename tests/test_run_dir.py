@@ -225,7 +225,10 @@ def test_rank_0_of_a_torchrun_job_takes_the_lock(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     held = RunDirLock(run).acquire()  # another job owns the directory
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "t1"}.items():
+    # What torchrun sets for each worker (a partial set is refused as a stale environment).
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "t1"}.items():
         monkeypatch.setenv(key, value)
     proc = run_cli_in_process(capsys, "train", *sets(*TINY), "--run-dir", str(run))
     assert_user_error(proc, "--run-dir", f"pid {os.getpid()}", "in use by another mcpar train")

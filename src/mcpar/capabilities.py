@@ -12,6 +12,8 @@ value that works:
 
 from __future__ import annotations
 
+import importlib.util
+
 from mcpar.config import JobConfig
 from mcpar.errors import problem
 
@@ -32,7 +34,30 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         for key, value, works in checks
         if value != works
     ]
-    return problems + expert_problems(cfg)
+    return problems + expert_problems(cfg) + environment_problems(cfg)
+
+
+def environment_problems(cfg: JobConfig) -> list[str]:
+    """What a worker would only notice once started (and the launcher would restart the job
+    for): optional packages a setting needs, and settings the data source would ignore."""
+    problems = []
+    if cfg.training.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append(problem(
+            "training.tensorboard", "needs the tensorboard package, which is not installed; "
+            "pip install 'mcpar[tensorboard]' or set training.tensorboard=false"))
+    if (cfg.optimization.checkpoint.compression == "zstd"
+            and importlib.util.find_spec("zstandard") is None
+            and importlib.util.find_spec("pyzstd") is None):
+        problems.append(problem(
+            "optimization.checkpoint.compression", "'zstd' needs the zstandard package, which "
+            "is not installed; pip install 'mcpar[zstd]' or set it to 'none'"))
+    if cfg.data.token_dtype is not None and not cfg.data.source.endswith(".bin"):
+        # Only a .bin file is read as token ids: the setting would be silently ignored.
+        problems.append(problem(
+            "data.token_dtype", f"applies to a .bin file of token ids, but data.source "
+            f"{cfg.data.source!r} is read as text; remove data.token_dtype or point "
+            "data.source at a .bin file"))
+    return problems
 
 
 def expert_problems(cfg: JobConfig) -> list[str]:

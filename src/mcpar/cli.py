@@ -297,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mcpar: error: {line}", file=sys.stderr)
         return 2
     except LaunchFailed as err:
+        if err.failure.user_errors:
+            # A user error only a worker could see (e.g. its node's layout): exit 2, as if
+            # found here; the job was not restarted for it.
+            for line in err.failure.user_errors:
+                print(f"mcpar: error: {line}", file=sys.stderr)
+            return 2
         print(f"mcpar: training failed: {err.failure.describe()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

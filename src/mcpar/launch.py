@@ -91,12 +91,37 @@ def _first_slurm_host(nodelist: str) -> str | None:
     return out[0] if out else None
 
 
+# What torchrun sets for every worker; a shell holding only some of them (stale exports) would
+# otherwise wait the whole collective timeout for peers that never come, then trace.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
+def _check_torchrun_env(env: dict[str, str] | os._Environ[str]) -> None:
+    missing = [name for name in TORCHRUN_VARS if not env.get(name, "").strip()]
+    if missing:
+        present = [name for name in TORCHRUN_VARS if name not in missing]
+        raise UserError(
+            f"environment: {', '.join(present)} set but {', '.join(missing)} missing: this is "
+            "not a complete torchrun environment; unset the stale variables to train on this "
+            "machine, or launch with torchrun")
+    rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    local_rank, local_world = _int_env(env, "LOCAL_RANK"), _int_env(env, "LOCAL_WORLD_SIZE")
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UserError(
+            f"environment: RANK {rank} / WORLD_SIZE {world} / LOCAL_RANK {local_rank} / "
+            f"LOCAL_WORLD_SIZE {local_world} are inconsistent; unset them or launch with "
+            "torchrun")
+
+
 def detect_env() -> DistEnv | None:
     """Return the distributed environment set by a launcher, or None when not launched."""
     env = os.environ
     # torchrun and mcpar's own launcher set the same variables; torchrun also sets
     # TORCHELASTIC_RUN_ID, which marks it even when the job has a single process.
     if "RANK" in env and ("WORLD_SIZE" in env or "TORCHELASTIC_RUN_ID" in env):
+        if env.get("MCPAR_LAUNCHED") != "1":
+            _check_torchrun_env(env)
         rank = _int_env(env, "RANK")
         world = _int_env(env, "WORLD_SIZE", 1)
         return DistEnv(
@@ -144,6 +169,9 @@ class WorkerFailure:
     exitcode: int | None
     signal_name: str | None
     error: str | None  # first line of the error the rank recorded, if it recorded one
+    # The problems of a user error (bad config, path, layout) the rank found: the job stops
+    # with exit 2 and is not restarted, which could only find the same problems again.
+    user_errors: list[str] | None = None
 
     def describe(self) -> str:
         if self.signal_name is not None:
@@ -186,13 +214,18 @@ def _death_signal_preexec() -> Callable[[], None] | None:
     return preexec
 
 
-def _read_error(path: str) -> str | None:
+def _read_error(path: str) -> tuple[str | None, list[str] | None]:
+    """(first line of the recorded error, the user error's problems if it was one)."""
     try:
         with open(path, encoding="utf-8") as f:
-            error = json.load(f).get("error")
+            record = json.load(f)
+        error, problems = record.get("error"), record.get("user_errors")
     except (OSError, ValueError, AttributeError):
-        return None
-    return str(error).splitlines()[0] if error else None
+        return None, None
+    if not isinstance(problems, list):
+        problems = None
+    return (str(error).splitlines()[0] if error else None,
+            [str(p) for p in problems] if problems else None)
 
 
 def _failure(rank: int, code: int, error_file: str) -> WorkerFailure:
@@ -202,7 +235,8 @@ def _failure(rank: int, code: int, error_file: str) -> WorkerFailure:
             sig_name = signal.Signals(-code).name
         except ValueError:
             sig_name = f"signal {-code}"
-    return WorkerFailure(rank, None if code < 0 else code, sig_name, _read_error(error_file))
+    error, user_errors = _read_error(error_file)
+    return WorkerFailure(rank, None if code < 0 else code, sig_name, error, user_errors)
 
 
 def _pick_first(failures: list[WorkerFailure]) -> WorkerFailure:
@@ -278,7 +312,8 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
         except LaunchFailed as failed:
             # A diverged run would replay the same numbers from its checkpoint: no restart.
             diverged = (failed.failure.error or "").startswith("TrainingDiverged")
-            if attempt >= max_restarts or diverged:
+            # Neither would a user error a worker found: the restart would find it again.
+            if attempt >= max_restarts or diverged or failed.failure.user_errors:
                 raise
             attempt += 1
             if on_restart is not None:
@@ -362,6 +397,8 @@ def record_worker_errors() -> Iterator[None]:
             rank_raw = os.environ.get("RANK", "")
             record = {"rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
                       "traceback": traceback.format_exc()}
+            if isinstance(exc, UserError):
+                record["user_errors"] = list(exc.problems)
             with contextlib.suppress(OSError):
                 # Write then rename, so the launcher never reads a half-written file.
                 tmp = f"{path}.{os.getpid()}.tmp"

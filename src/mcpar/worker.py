@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from mcpar.config import load_config
+from mcpar.errors import UserError
 from mcpar.launch import detect_env, record_worker_errors
 
 
@@ -25,14 +27,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     run_dir = args.run_dir
     resume = args.resume or int(os.environ.get("MCPAR_RESTART_COUNT", "0") or 0) > 0
-    with record_worker_errors():
-        env = detect_env()
-        if env is None:
-            raise SystemExit("mcpar.worker is started by `mcpar train`, not by hand")
-        from mcpar.trainer import run_worker
+    try:
+        with record_worker_errors():
+            env = detect_env()
+            if env is None:
+                raise SystemExit("mcpar.worker is started by `mcpar train`, not by hand")
+            from mcpar.trainer import run_worker
 
-        cfg = load_config(Path(run_dir) / "config.yaml")
-        run_worker(cfg, Path(run_dir), env, resume=resume, stop_after=args.stop_after)
+            cfg = load_config(Path(run_dir) / "config.yaml")
+            run_worker(cfg, Path(run_dir), env, resume=resume, stop_after=args.stop_after)
+    except UserError as err:
+        # A user error a worker found (recorded for the launcher above): one line per problem
+        # and exit 2, no traceback; the launcher does not restart the job for it.
+        for line in err.problems:
+            print(f"mcpar: error: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
