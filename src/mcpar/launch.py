@@ -255,7 +255,7 @@ def _name_stalled_ranks(first: WorkerFailure, procs: list[subprocess.Popen[bytes
     timed_out: set[int] = set()
     while True:
         timed_out = {r for r, f in enumerate(err_files)
-                     if "timed out" in (_read_error(f) or "")}
+                     if "timed out" in (_read_error(f)[0] or "")}
         alive = [r for r, p in enumerate(procs) if p.poll() is None and r not in timed_out]
         if not alive or time.monotonic() >= deadline:
             break
