@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import subprocess
@@ -124,3 +125,26 @@ def data_parallel_comm(rank: int, world: int, port: int) -> Iterator[Communicati
         yield CommunicationController(dims)
     finally:
         dist.destroy_process_group()
+
+
+def expect_exit(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    """``proc`` exited with ``code``, without a traceback, its stderr holding every needle."""
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def read_csv_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """(header, rows) of a CSV file."""
+    with path.open() as fh:
+        reader = csv.DictReader(fh)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def write_csv_rows(path: Path, header: list[str], data: list[dict[str, str]]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(data)
+

@@ -5,42 +5,27 @@ The commands run through ``python -m mcpar.sim.cli`` (the same parsers ``mcpar``
 
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_mcpar
+from conftest import REPO, expect_exit, run_mcpar
+from conftest import read_csv_rows as rows
+from conftest import write_csv_rows as write_rows
 
 from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
 
 RUNS_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "published_runs.csv"
 
 
+def user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    expect_exit(proc, 2, *needles)
+
+
 def sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mcpar.sim.cli", *args], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
-
-
-def user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, proc.stderr
-
-
-def rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
-    with path.open() as fh:
-        reader = csv.DictReader(fh)
-        return list(reader.fieldnames or []), list(reader)
-
-
-def write_rows(path: Path, header: list[str], data: list[dict[str, str]]) -> None:
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=header, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(data)
 
 
 def test_runs_round_trip_keeps_rows_and_adds_exact_columns(tmp_path: Path) -> None:

@@ -7,12 +7,13 @@ no traceback)."""
 
 from __future__ import annotations
 
-import csv
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli_in_process
+from conftest import REPO, expect_exit, run_cli_in_process
+from conftest import read_csv_rows as read_rows
+from conftest import write_csv_rows as write_rows
 
 from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
 
@@ -22,30 +23,11 @@ HARDWARE_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "hardware.csv"
 
 def partly_predicted(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
     """Some rows refused, the others predicted: exit 0, every refused row named on stderr."""
-    assert proc.returncode == 0, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, proc.stderr
+    expect_exit(proc, 0, *needles)
 
 
 def user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, proc.stderr
-
-
-def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
-    with path.open() as fh:
-        reader = csv.DictReader(fh)
-        return list(reader.fieldnames or []), list(reader)
-
-
-def write_rows(path: Path, header: list[str], data: list[dict[str, str]]) -> None:
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=header, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(data)
+    expect_exit(proc, 2, *needles)
 
 
 # (column, bad value, what the message says) for one row of published_runs.csv.
