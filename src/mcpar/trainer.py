@@ -490,10 +490,11 @@ def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False
     """
     trainer = Trainer(resolve_plan(cfg, env.world_size), run_dir, env, resume=resume,
                       stop_after=stop_after, faults=FaultInjector.from_env())
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    # No closing barrier after a failure: a stalled or dead peer is often why this rank failed,
+    # and waiting for it would report the barrier, one more timeout later, instead of the
+    # collective that failed. The launcher stops the peers.
+    trainer.train()
+    trainer.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
