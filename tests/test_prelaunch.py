@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_cli_in_process, sets
+from conftest import REPO, TINY, run_cli_in_process, run_mcpar, sets
 
 from mcpar import capabilities
 from mcpar.config import apply_overrides, parse_config
@@ -37,3 +44,98 @@ def test_a_setting_whose_package_is_missing_is_refused(monkeypatch: pytest.Monke
                         lambda name, *a: None if name in missing else real(name, *a))
     (line,) = capabilities.environment_problems(cfg)
     assert line.startswith(key + ":") and "pip install" in line
+
+
+def _train(capsys: pytest.CaptureFixture[str], run_dir: Path,
+           *settings: str) -> subprocess.CompletedProcess[str]:
+    return run_cli_in_process(capsys, "train", *sets(*TINY, "training.steps=2", *settings),
+                              "--nproc", "1", "--run-dir", str(run_dir))
+
+
+@pytest.mark.parametrize("key", ["--run-dir", "optimization.checkpoint.dir", "data.cache_dir"])
+def test_a_file_in_the_way_of_a_directory_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory\n")
+    run_dir, settings = tmp_path / "run", ["data.tokenizer=bpe", "model.vocab_size=300"]
+    if key == "--run-dir":
+        run_dir = blocker / "run"
+    elif key == "optimization.checkpoint.dir":
+        settings.append(f"optimization.checkpoint.dir={blocker / 'ckpt'}")
+    else:
+        settings.append(f"data.cache_dir={blocker / 'cache'}")
+    proc = _train(capsys, run_dir, *settings)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"mcpar: error: {key}: ") and str(blocker) in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def _as_another_user(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mcpar ARGS`` as the unprivileged user 'nobody' (root passes every permission check)."""
+    if os.geteuid() != 0:
+        return run_mcpar(*args)
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop root's privileges")
+    return subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+         "mcpar.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=dict(os.environ, HOME="/nonexistent"))
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp_path is private to its owner)."""
+    path = Path(tempfile.mkdtemp(prefix="mcpar-perm-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_unwritable_and_unreadable_paths_are_refused_with_their_keys(shared_tmp: Path) -> None:
+    """As a user without the permissions: a checkpoint directory inside a read-only directory
+    and an unreadable corpus are both named, before any worker starts (no run directory)."""
+    tmp_path = shared_tmp
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text nobody may read\n" * 100)
+    corpus.chmod(0o600 if os.geteuid() == 0 else 0o000)  # root owns it: 'nobody' cannot read
+    proc = _as_another_user(
+        "train", *sets(*TINY, f"data.source={corpus}",
+                       f"optimization.checkpoint.dir={locked / 'ckpt'}"),
+        "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith(f"mcpar: error: data.source: {corpus} is not readable"), lines
+    assert lines[1].startswith(f"mcpar: error: optimization.checkpoint.dir: {locked} is not "
+                               "writable"), lines
+    assert "starting" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs filled to the last byte (needs root's mount; skipped elsewhere)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with contextlib.suppress(OSError), open(mount / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_under_the_launchers_writes_is_one_clear_line(
+        full_disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = _train(capsys, full_disk / "run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"mcpar: error: {full_disk / 'run' / '.lock'}: "), line
+    assert "No space left on device" in line and "free space" in line

@@ -34,6 +34,7 @@ from mcpar.errors import UserError, problem
 from mcpar.faults import FaultInjector
 from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
 from mcpar.models.spec import get_model_spec
+from mcpar.path_checks import path_problems, storage_error_line
 from mcpar.plan import JobPlan, resolve_plan
 from mcpar.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.sim.cli import add_subcommands as add_sim_subcommands
@@ -102,6 +103,13 @@ def _check_data(plan: JobPlan) -> None:
         BatchStream(tokens, cfg.model.seq_len, plan.global_batch_size, cfg.training.seed)
 
 
+def _check_paths(plan: JobPlan, run_dir: Path) -> None:
+    """Every path the job reads or writes is usable by this user, before any worker starts."""
+    problems = path_problems(plan.config, run_dir)
+    if problems:
+        raise UserError(problems)
+
+
 def _new_run_dir(requested: str | None, env: DistEnv | None) -> Path:
     if requested:
         return Path(requested)
@@ -156,7 +164,11 @@ def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunD
                 raise UserError(problems)
         if resume:
             repair_logs(run_dir)  # a torn last line of a killed run's logs
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))  # the resolved config
+        config_path = run_dir / "config.yaml"  # the resolved config
+        try:
+            config_path.write_text(to_yaml(cfg))
+        except OSError as err:  # e.g. a full disk: name the file (a write error carries none)
+            raise OSError(err.errno, err.strerror, str(config_path)) from None
     except BaseException:
         lock.release()
         raise
@@ -200,6 +212,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
         plan = _validate_for_training(cfg, env.world_size)
         run_dir = _new_run_dir(args.run_dir, env)
+        _check_paths(plan, run_dir)
         # A torchrun restart (--max-restarts) resumes like our own launcher's restarts do.
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         # Rank 0 owns the run directory for the job's life (run_worker ends the process).
@@ -211,6 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
     plan = _validate_for_training(cfg, world_size)
+    _check_paths(plan, Path(args.run_dir) if args.run_dir else Path("runs"))
     _check_data(plan)
     run_dir = _new_run_dir(args.run_dir, None)
     lock = _prepare_run_dir(run_dir, plan, args.resume)  # held while this process trains/launches
@@ -308,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mcpar: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:
+        # A full disk, a quota or a read-only place under the launcher's own writes (the run
+        # directory's files, the recovery log, a single-process run's metrics): the user's to
+        # fix, so one line naming the file, not a traceback. Other OS errors are faults.
+        line = storage_error_line(err, getattr(args, "run_dir", None) or "runs/")
+        if line is None:
+            raise
+        print(f"mcpar: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

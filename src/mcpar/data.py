@@ -205,6 +205,7 @@ def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
 
 def _build_bpe_cache(text: np.ndarray, vocab_size: int, val_fraction: float, entry: Path) -> None:
     """Train on the training part of the text, tokenize all of it, and save both to ``entry``."""
+    entry.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache fails before training
     # The validation split is taken from the end of the token array, so training on the leading
     # (1 - val_fraction) of the bytes keeps the tokenizer from having seen the validation text
     # (up to the small difference between the byte and token split points).
@@ -219,7 +220,6 @@ def _build_bpe_cache(text: np.ndarray, vocab_size: int, val_fraction: float, ent
             batch = []
     pieces.extend(np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch(batch))
     tokens = np.concatenate(pieces)
-    entry.mkdir(parents=True, exist_ok=True)
 
     def save_tokens(tmp: Path) -> None:
         with open(tmp, "wb") as f:  # a file object stops np.save from appending ".npy"
@@ -279,7 +279,13 @@ def load_corpus(
     complete = (entry / "tokenizer.json").is_file() and (entry / "tokens.npy").is_file()
     cached = "cached"
     if is_main and not complete:
-        _build_bpe_cache(_read_concatenated(files, sizes), vocab_size, val_fraction, entry)
+        text = _read_concatenated(files, sizes)
+        try:
+            _build_bpe_cache(text, vocab_size, val_fraction, entry)
+        except OSError as exc:
+            msg = (f"cannot write the tokenizer cache {entry}: {exc.strerror}; point "
+                   "data.cache_dir at a writable directory with free space")
+            raise UserError(problem("data.cache_dir", msg)) from exc
         cached = "trained"
     barrier()  # every rank, cache hit or not, so collective calls stay matched
     if not ((entry / "tokenizer.json").is_file() and (entry / "tokens.npy").is_file()):

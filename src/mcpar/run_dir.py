@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -102,10 +103,15 @@ class RunDirLock:
             raise UserError(problem(
                 "--run-dir", f"{self.run_dir} is in use by another mcpar train ({owner}); wait "
                 "for it to finish or stop it, or give another --run-dir")) from None
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(_owner_record()) + "\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(_owner_record()) + "\n")
+            f.flush()
+        except OSError as err:  # e.g. a full disk: name the file (a write error carries none)
+            with contextlib.suppress(OSError):  # closing flushes again; the fd closes anyway
+                f.close()
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
         self._file = f
         return self
 
