@@ -41,9 +41,13 @@ LAYOUTS = {
                  "controllers.communication.powersgd_rank=2"],
     # MoE over 2 expert ranks whose learning balancer migrates experts before and after the
     # checkpoint: placement, router biases, the agent's values and RNG must all be restored.
+    # Modeled costs: measured times differ from run to run, and so would the decisions; a
+    # cheap migration, so that the agent moves experts after the checkpoint too.
     "moe_experts2": ["model.kind=moe", "model.num_experts=4", "model.top_k=2",
                      "parallelism.data=2", "parallelism.experts=2",
                      "controllers.compute.scheduler=reinforcement",
+                     "controllers.compute.balance_costs=modeled",
+                     "controllers.compute.migration_cost=0.005",
                      "controllers.compute.balance_interval=3",
                      "optimization.checkpoint.strategy=selective"],
 }

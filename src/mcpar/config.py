@@ -174,8 +174,11 @@ class ComputeControllerConfig(_Section):
         0.02, ge=0.0, le=1000.0,
         description="Load balancer: the fraction of a step that moving one "
         "expert (parameters and optimizer state) is assumed to cost, weighed against the "
-        "imbalance it removes.",
+        "imbalance it removes (greedy's fixed price; reinforcement's until one is measured).",
     )
+    balance_costs: Literal["measured", "modeled"] = Field("measured", description="Load "
+        "balancer's costs: 'measured' times (expert compute per rank, all-to-all, migrations), "
+        "or 'modeled' from token counts and migration_cost (bitwise reproducible on resume).")
     batch_splitting: Literal["fixed", "dynamic"] = Field(
         "fixed", description="'dynamic' lets the controller choose the number of micro-batches."
     )

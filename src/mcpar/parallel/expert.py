@@ -37,6 +37,7 @@ Communicator (counted, and on the groups that ParallelDims owns).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -112,6 +113,9 @@ class ShardedExperts(nn.Module):
                 setattr(p, TP_SHARDED_ATTR, True)
             _register(self, spec.path, p)
         self.register_buffer("expert_of_slot", torch.arange(num_slots))
+        # Seconds this rank spent in its experts' forward since the load balancer last read it
+        # (the balancer's measured cost of imbalance).
+        self.compute_s = 0.0
 
     def grouped_weights(self) -> list[nn.Parameter]:
         """This rank's grouped weights ``[E/ep, ...]``, in the plan's order."""
@@ -137,7 +141,9 @@ class ShardedExperts(nn.Module):
             local_slot = torch.arange(self.per_rank).repeat(self.ep).repeat_interleave(
                 recv.flatten())
             regroup = torch.argsort(local_slot, stable=True).to(rows.device)
+            start = time.perf_counter()
             out = self.compute(received[regroup], recv.sum(0).tolist(), *weights)
+            self.compute_s += time.perf_counter() - start
             out = _AllToAllRows.apply(out[torch.argsort(regroup)], self.comm, recv_counts,
                                       send_counts)
         else:

@@ -5,5 +5,8 @@
 - ``stage_cut.py``: how the model is cut into pipeline stages (by modelled cost);
 - ``batch_split.py``: how many micro-batches a step is cut into (fixed, or measured: dynamic);
 - ``load_balance.py`` / ``expert_balance.py``: the expert load-balancing policy (static, greedy,
-  reinforcement) and the MoE side of a step (router bias, expert migration).
+  reinforcement) and the MoE side of a step (router bias, measured costs, expert migration);
+  ``placement_agent.py``: the learning policy; ``balance_math.py``: rank loads and the swap
+  planner; ``routing_traces.py``: non-stationary routing traces and the measured-cost model
+  that the bench and the tests try the policies on.
 """

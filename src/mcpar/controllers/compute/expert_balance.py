@@ -6,17 +6,26 @@ After every optimizer step (inside the step, so its cost is in the step time):
    pipeline axis (every stage's layers), so every rank holds the same [layers, experts] table;
 2. auxiliary-loss-free balancing (DeepSeek-V3): each expert's selection bias moves by
    ``router_bias_update_rate`` times the sign of (mean load - its load);
-3. the ComputeController's load balancer (controllers/load_balance.py) observes the table and may
-   swap experts between expert-axis ranks; every rank runs the same deterministic balancer on the
-   same table, so all take the same decision without a message, and the ranks involved exchange
-   the experts' weights and optimizer state through the CommunicationController;
-4. the step's routing metrics: per layer, tokens per expert (min/max/std), imbalance = max/mean
+3. what the step's expert phase cost is measured (``controllers.compute.balance_costs:
+   measured``, the default): each rank's expert compute time (its ``ShardedExperts`` time the
+   experts' forward), its expert all-to-all time (the Communicator's books, op ``all_to_all``
+   on axis 'ep') and the wall time of the previous step's migrations; one all-reduce over
+   'dp', 'pp' and 'tp' gives every rank the same per-expert-rank times, from which the wait on
+   the slowest rank (max - mean) and the seconds per routed assignment follow (``StepCosts``);
+4. the ComputeController's load balancer (controllers/load_balance.py) observes the table and
+   the costs and may swap experts between expert-axis ranks; every rank runs the same
+   deterministic balancer on the same numbers, so all take the same decision without a message,
+   and the ranks involved exchange the experts' weights and optimizer state through the
+   CommunicationController;
+5. the step's routing metrics: per layer, tokens per expert (min/max/std), imbalance = max/mean
    tokens per expert-axis rank, dropped tokens; experts migrated.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +33,12 @@ import torch
 
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.compute.load_balance import ExpertLoadBalancer, imbalance
+from mcpar.controllers.compute.load_balance import (
+    ExpertLoadBalancer,
+    StepCosts,
+    imbalance,
+    rank_loads,
+)
 from mcpar.models.moe import MoELayer
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
@@ -59,6 +73,8 @@ class MoERoutingController:
             # micro-batches before backward; the auxiliary loss must be too.
             layer.aux_grad_scale = 1.0 / num_micro
             layer.reset_step_stats()  # forward passes before training (measurements) don't count
+        self.measured = compute.balance_costs == "measured"
+        self._migration_s = 0.0  # wall time of the last step's migrations, on this rank
         self.balancer: ExpertLoadBalancer | None = None
         if dims.ep > 1 and compute.scheduler != "static":
             self.balancer = ExpertLoadBalancer(
@@ -97,20 +113,55 @@ class MoERoutingController:
                 layer.router.expert_bias += self.bias_rate * error.to(
                     layer.router.expert_bias.device)
         moved = 0
+        costs: StepCosts | None = None
         if self.balancer is not None:
-            swaps = self.balancer.observe(step, counts)
+            costs = self._measure(counts) if self.measured else None
+            swaps = self.balancer.observe(step, counts, costs)
+            costs = self.balancer.last_costs
+            start = time.perf_counter()
             for tag, swap in enumerate(swaps):
                 layer = self.layers.get(swap.layer)
                 if layer is not None:
                     assert isinstance(layer.experts, ShardedExperts)
                     swap_expert_slots(layer.experts, self.optimizer, swap.slot_a, swap.slot_b,
                                       tag=tag)
+            self._migration_s = time.perf_counter() - start
             moved = 2 * len(swaps)
             self.migrations_total += moved
             self._log_decisions()
         for layer in self.layers.values():
             layer.reset_step_stats()
-        return self._metrics(counts, dropped, moved)
+        metrics = self._metrics(counts, dropped, moved)
+        if costs is not None:
+            metrics["step_costs"] = asdict(costs)
+        return metrics
+
+    def _measure(self, counts: np.ndarray) -> StepCosts:
+        """This step's expert-phase costs, the same on every rank (see the module docstring)."""
+        dims, ep = self.dims, self.dims.ep
+        table = torch.zeros(2 * ep + 1, dtype=torch.float64)
+        me = dims.axis_rank("ep")
+        for layer in self.layers.values():
+            assert isinstance(layer.experts, ShardedExperts)
+            table[me] += layer.experts.compute_s
+            layer.experts.compute_s = 0.0
+        table[ep + me] = self._migration_s
+        table[2 * ep] = sum(c.time_s for (op, axis, _), c in self.comm.stats.step.items()
+                            if op == "all_to_all" and axis == "ep")
+        for axis in ("dp", "pp", "tp"):
+            if self.comm.axis_size(axis) > 1:
+                self.comm.all_reduce(table, axis=axis)
+        # Entry r summed the edp replicas x tp ranks of expert rank r (x the pipeline stages,
+        # whose expert times add up); the all-to-all entry summed every rank.
+        per_rank = table[:2 * ep].numpy().reshape(2, ep) / (dims.edp * dims.tp)
+        compute_s, migration_s = per_rank
+        assert self.balancer is not None
+        loads = rank_loads(counts, self.balancer.expert_of_slot, ep).sum(axis=0)
+        rate = float(compute_s.sum() / loads.sum()) if loads.sum() > 0 else 0.0
+        # Every rank waits for the slowest, in the expert phase and for the migrating pair.
+        return StepCosts(rate, float(compute_s.max() - compute_s.mean()),
+                         float(table[2 * ep]) / (dims.dp * dims.tp), float(migration_s.max()),
+                         self.balancer.experts_moved_last_step)
 
     def _metrics(self, counts: np.ndarray, dropped: np.ndarray, moved: int) -> dict[str, object]:
         per_layer = []
