@@ -7,7 +7,7 @@ Why
 
 What it runs
     ``DDPSide`` of ``bench/dp_vs_ddp.py`` (the model of ``mcpar.models.spec``, mcpar's
-    ``BatchStream``, AdamW from ``build_optimizer``, the ``lr_at`` schedule, the same gradient
+    ``BatchStream``, AdamW over ``decay_groups``, the ``lr_at`` schedule, the same gradient
     clipping) wrapped in ``DistributedDataParallel`` with mcpar's bucket size; optionally with
     torch's PowerSGD communication hook (``--powersgd``: rank ``--powersgd-rank``, plain
     all-reduce for the first ``--powersgd-start`` steps, error feedback and warm start on, as

@@ -9,7 +9,7 @@ What it measures
       ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size.
 
     Both sides see the same micro-batches (mcpar's ``BatchStream``, same steps, same rank slices),
-    use the same AdamW (``build_optimizer``), LR schedule (``lr_at``), loss and gradient clipping.
+    use the same AdamW (``decay_groups``), LR schedule (``lr_at``), loss and gradient clipping.
     After ``--warmup`` untimed steps per side, ``--rounds`` timed rounds of ``--steps`` steps are
     interleaved (mcpar then ddp, ddp then mcpar, ... so slow drift of the machine hits both sides
     alike). Each round starts after a barrier; its time is the maximum over ranks. A side's figure
@@ -62,7 +62,7 @@ from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
-from mcpar.trainer import Trainer, build_optimizer, lr_at
+from mcpar.trainer import Trainer, decay_groups, lr_at
 
 # DESIGN.md §5: fp32 loss parity, |Δ mean loss| <= 1e-4 over the first 20 steps.
 LOSS_PARITY_FP32 = 1e-4
@@ -114,7 +114,10 @@ class DDPSide:
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=cfg.controllers.communication.bucket_size_mb,
         )
-        self.optimizer = build_optimizer(list(self.module.parameters()), cfg)
+        opt = cfg.optimization
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(list(self.module.parameters()), opt.weight_decay), lr=opt.lr,
+            betas=(opt.beta1, opt.beta2))
 
     def train_step(self, step: int) -> float:
         """One optimizer step as ``Trainer.train_step`` does it; the mean micro-batch loss."""

@@ -25,7 +25,6 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         # (key, value in the config, the value that works today)
         ("controllers.memory.allocation", ctl.memory.allocation, "default"),
         ("controllers.memory.offload", ctl.memory.offload, "none"),
-        ("controllers.memory.zero_stage", ctl.memory.zero_stage, 0),
         ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
          "none"),
     ]

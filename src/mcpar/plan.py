@@ -30,6 +30,7 @@ from mcpar.controllers.communication.grad_exchange import (
 from mcpar.controllers.compute.schedules import schedule_problems
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory
+from mcpar.controllers.memory.zero import zero_problems
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
 
@@ -123,6 +124,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
         ))
     problems += model_layout_problems(cfg, dp)
     problems += communication_problems(cfg, dp)
+    problems += zero_problems(cfg, dp)
     accum = opt.gradient_accumulation
     if opt.global_batch_size is not None:
         per_micro = opt.micro_batch_size * dp

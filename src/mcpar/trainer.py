@@ -41,6 +41,8 @@ from mcpar.controllers.compute.batch_split import choose_split
 from mcpar.controllers.compute.controller import ComputeController, StepBatch
 from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
+from mcpar.controllers.memory.held import model_state_bytes
+from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
@@ -70,21 +72,32 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight decay on matrices only; biases and norms are left
+    alone (GPT-2 practice)."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
-                    exchange: GradExchangePlan,
-                    comm: CommunicationController) -> torch.optim.Optimizer:
-    """AdamW, or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
-    is exchanged in 1 bit past its freeze step, through the CommunicationController)."""
-    # Weight decay on matrices only; biases and norms are left alone (GPT-2 practice).
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+                    exchange: GradExchangePlan, comm: CommunicationController,
+                    sync: DataParallelGradSync,
+                    ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """AdamW; or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
+    is exchanged in 1 bit past its freeze step, through the CommunicationController); or, under
+    ZeRO, the MemoryController's AdamW over this rank's shards. Also the parameters whose
+    gradients the update reads (ZeRO: the shards' pieces)."""
     opt = cfg.optimization
-    groups = [{"params": decay, "weight_decay": opt.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    stage = cfg.controllers.memory.zero_stage
+    if stage > 0:
+        zero = ZeroAdamW(sync, comm, stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                         weight_decay=opt.weight_decay)
+        return zero, list(zero.pieces)
+    groups = decay_groups(params, opt.weight_decay)
     if exchange.strategy == "onebit":
         return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                          freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm)
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
+                          freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm), params
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2)), params
 
 
 @dataclass
@@ -146,8 +159,14 @@ class Trainer:
         self.spec = get_model_spec(cfg.model.kind)
         self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(plan.stage_cut))
         comm_plan = plan.grad_exchange
-        self.grad_sync = DataParallelGradSync(self.pm.params, comm_plan.bucket_size_mb,
-                                              overlap=comm_plan.overlap)
+        # ZeRO (the MemoryController's placement): buckets reduce-scattered into shards over
+        # the data axis (experts: their replicas); stage 2 keeps no full gradient.
+        self.zero_stage = cfg.controllers.memory.zero_stage
+        shards = tuple((self.comm.axis_size(a), self.comm.axis_rank(a)) for a in ("dp", "edp"))
+        self.grad_sync = DataParallelGradSync(
+            self.pm.params, comm_plan.bucket_size_mb, overlap=comm_plan.overlap,
+            shards=shards if self.zero_stage else None,  # type: ignore[arg-type]
+            release_grads=self.zero_stage == 2)
         if plan.batch_splitting == "dynamic":
             choice, report = choose_split(
                 cfg, self.dims, self.pm.chunks, self.pm.loss_fn, self.device, self.comm,
@@ -159,7 +178,8 @@ class Trainer:
         self.plan = plan
         if self.rank == 0 and not resume:
             write_json_atomic(run_dir / "plan.json", plan.to_json())
-        self.optimizer = build_optimizer(self.pm.params, cfg, comm_plan, self.comm)
+        self.optimizer, self.update_params = build_optimizer(self.pm.params, cfg, comm_plan,
+                                                             self.comm, self.grad_sync)
         self.grad_exchange, exchange_text = build_grad_exchange(
             comm_plan, cfg, self.comm, self.grad_sync, self.optimizer, tr.seed)
         if self.rank == 0 and comm_plan.strategy != "none":
@@ -172,7 +192,8 @@ class Trainer:
         )
         self.compute = ComputeController(
             step_tasks(plan.schedule or "1f1b", self.dims.axis_rank("pp"), self.dims.pp,
-                       plan.num_microbatches, plan.virtual_stages),
+                       plan.num_microbatches, plan.virtual_stages,
+                       reduce_every_backward=self.zero_stage == 2),
             self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
             self.grad_sync, self._update)
         self.moe: MoERoutingController | None = None
@@ -258,8 +279,9 @@ class Trainer:
         """The step's last task: gradients are complete (and reduced over data); clip them
         over the whole mesh, agree on skipping, and step the optimizer."""
         if self.cfg.parallelism.sequence_parallel:
-            sync_sequence_parallel_grads(self.pm.params, self.comm)
-        grad_norm = clip_grad_norm(self.pm.params, self.cfg.optimization.grad_clip, self.comm)
+            sync_sequence_parallel_grads(self.update_params, self.comm)
+        grad_norm = clip_grad_norm(self.update_params, self.cfg.optimization.grad_clip,
+                                   self.comm, data_sharded=self.zero_stage > 0)
         self.grad_exchange.after_clip()
         local_loss = sum(losses) / len(losses) if losses else None
         nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
@@ -335,6 +357,14 @@ class Trainer:
         # Only last-stage ranks hold losses; summing over the world counts each of them.
         self.comm.all_reduce(total, axis="world")
         return float(total[0] / total[1])
+
+    def _largest_model_state(self) -> dict[str, int]:
+        """The model-state bytes (counted from the tensors) of the rank holding the most."""
+        held = model_state_bytes(self.pm.params, self.grad_sync, self.optimizer)
+        rows = self.comm.all_gather(torch.tensor(list(held.values()), dtype=torch.float64),
+                                    axis="world")
+        largest = max(rows, key=lambda row: float(row.sum()))
+        return {name: int(v) for name, v in zip(held, largest.tolist(), strict=True)}
 
     def _gather_step_stats(self, local_loss: float | None, grad_norm: float,
                            nonfinite: bool) -> StepResult:
@@ -433,6 +463,7 @@ class Trainer:
             return {"final_step": self.start_step + steps_run, "stopped": True}
         summary = {
             "final_step": tr.steps, "final_loss": loss, "final_val_loss": val_loss,
+            "model_state_bytes": self._largest_model_state(),
             "mean_tokens_per_s": tokens_per_s_sum / max(1, steps_run),
             "resumed_from_step": self.start_step,
             "layout": {"data": self.dims.dp, "tensor": self.dims.tp, "pipeline": self.dims.pp,

@@ -136,7 +136,21 @@ def config_hash(cfg: JobConfig) -> str:
 
 def layout_of(dims: Any, cfg: JobConfig) -> dict[str, int]:
     return {"data": dims.dp, "tensor": dims.tp, "pipeline": dims.pp, "experts": dims.ep,
-            "virtual_stages": cfg.parallelism.virtual_stages, "world_size": dims.world_size}
+            "virtual_stages": cfg.parallelism.virtual_stages, "world_size": dims.world_size,
+            "zero_stage": cfg.controllers.memory.zero_stage}
+
+
+def saved_layout(meta: dict[str, Any]) -> dict[str, int]:
+    """A checkpoint's layout (those saved before ZeRO existed are stage 0)."""
+    return {"zero_stage": 0, **meta["layout"]}
+
+
+def _keyed_alike(old: dict[str, int], new: dict[str, int]) -> bool:
+    """Whether two layouts save the same keys: ZeRO stages 1 and 2 shard the optimizer state
+    alike (they differ in how gradients are held)."""
+    def keys(layout: dict[str, int]) -> dict[str, int]:
+        return {**layout, "zero_stage": min(layout["zero_stage"], 1)}
+    return keys(old) == keys(new)
 
 
 def checkpoint_dir(cfg: JobConfig, run_dir: Path) -> Path:
@@ -161,6 +175,19 @@ def resume_problems(meta: dict[str, Any], cfg: JobConfig, layout: dict[str, int]
             problems.append(problem(key, f"the checkpoint was trained with {saved[key]!r}, this "
                                     f"run has {now.get(key)!r}; resume with the saved value"))
     return problems
+
+
+def optim_prefix(p: torch.nn.Parameter, name_of: dict[int, str], coord: str,
+                 replica_coord: str) -> str:
+    """Where a parameter's optimizer state is saved. A ZeRO shard piece (``source``, ``start``,
+    ``end``: see ``controllers/memory/zero.py``) is saved by its replica, whatever the strategy,
+    under the coordinate with the data rank (each pack has one writer), as the elements
+    [start, end) of its parameter's flattened state: the pieces of all replicas together make
+    the whole, whatever the sharding."""
+    source = getattr(p, "source", None)
+    if source is None:
+        return f"optim/{coord}/{name_of[id(p)]}"
+    return f"optim/{replica_coord}/{name_of[id(source)]}@{p.start}:{p.end}"
 
 
 # --- the manager ---------------------------------------------------------------------------------
@@ -249,15 +276,18 @@ class FaultRecoveryManager:
         # 'edp' rank 0: the first replica of each expert group (data rank 0 without experts).
         writes_shards = (strategy == "full" or self.dims.axis_rank("edp") == 0
                          or saved_keys is not None)
-        if writes_shards:
+        # ZeRO: every replica owns a different shard of the optimizer state and saves it.
+        sharded = self.cfg.controllers.memory.zero_stage > 0
+        if writes_shards or sharded:
             coord = self._coord(strategy)
             named = self._named_tensors()
-            for name, tensor in named.items():
-                state[f"model/{coord}/{name}"] = tensor.detach()
+            if writes_shards:
+                for name, tensor in named.items():
+                    state[f"model/{coord}/{name}"] = tensor.detach()
             by_id = {id(t): n for n, t in named.items()}
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    prefix = f"optim/{coord}/{by_id[id(p)]}"
+                    prefix = optim_prefix(p, by_id, coord, self._coord("full"))
                     if saved_keys is None:
                         for key, value in self.optimizer.state.get(p, {}).items():
                             state[f"{prefix}/{key}"] = value
@@ -434,22 +464,27 @@ class FaultRecoveryManager:
         problems = resume_problems(meta, self.cfg, self.layout)
         if problems:
             raise UserError(problems)
-        if meta["layout"] != self.layout and self.cfg.model.kind == "moe":
+        old = saved_layout(meta)
+        same = _keyed_alike(old, self.layout)
+        if same:
+            saved = PackedCheckpoint(path, SafeFileSystemReader)
+            saved_keys = saved.keys()
+            state = self._state_dict(meta["strategy"], saved_keys)
+            missing = sorted(k for k in state if k not in saved_keys)
+            # ZeRO shards follow the gradient buckets: other bucket sizes cut other pieces.
+            same = not (missing and (old["zero_stage"] or self.layout["zero_stage"]))
+        if not same and self.cfg.model.kind == "moe":
             raise UserError([problem(
                 "--resume", f"this MoE checkpoint was saved with layout {meta['layout']} and "
                 f"this run has {self.layout}; MoE checkpoints resume on the layout they were "
                 "saved with (resharding experts is not supported): use the saved degrees")])
-        if meta["layout"] != self.layout:
-            # Saved under other degrees: rebuild this rank's shards from the saved ones.
+        if not same:
+            # Saved under other degrees (or ZeRO sharding): rebuild this rank's shards.
             restore_resharded(self, path, meta)
             self.stream.load_state_dict(meta["data_stream"])
             self.log.log("load", echo=True, step=step, path=str(path),
                          resharded_from=meta["layout"], resharded_to=self.layout)
             return step
-        saved = PackedCheckpoint(path, SafeFileSystemReader)
-        saved_keys = saved.keys()
-        state = self._state_dict(meta["strategy"], saved_keys)
-        missing = sorted(k for k in state if k not in saved_keys)
         if missing:
             raise UserError(problem("--resume", f"checkpoint {path} lacks {missing[0]} (and "
                                     f"{len(missing) - 1} more keys); it was not written by "

@@ -152,10 +152,21 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
                ) -> Callable[[int, int], dict[str, torch.Tensor]]:
         def read(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
             start = f"{head}/pp{pp_rank}-tp{tp_rank}{suffix}/"
-            return {key[len(start):len(key) - len(tail)]: value
-                    for key, value in prefix.items()
-                    if key.startswith(start) and key.endswith(tail)}
+            found = {key[len(start):len(key) - len(tail)]: value
+                     for key, value in prefix.items()
+                     if key.startswith(start) and key.endswith(tail)}
+            if head == "optim" and old.get("zero_stage", 0):
+                # ZeRO pieces, saved by every replica without the data rank: reassemble.
+                shapes = {k: v.shape for k, v in model_read(pp_rank, tp_rank).items()}
+                found = _assemble_pieces(prefix, f"{head}/pp{pp_rank}-tp{tp_rank}-dp", tail,
+                                         shapes)
+            return found
         return read
+
+    def model_read(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
+        start = f"model/pp{pp_rank}-tp{tp_rank}{suffix}/"
+        return {key[len(start):]: value for key, value in model_saved.items()
+                if key.startswith(start)}
 
     new_maps = shard_maps(cfg.model, cfg.model.kind, dims.pp, cfg.parallelism.virtual_stages,
                           dims.axis_rank("pp"), dims.tp, dims.axis_rank("tp"))
@@ -174,15 +185,48 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
                             new_maps)
                for key in ("exp_avg", "exp_avg_sq")}
     optimizer = manager.optimizer
-    for name, param in ((n, named[n]) for n in new_maps):
-        state = optimizer.state.get(param)
-        if state is None or "exp_avg" not in state:
-            optimizer.state[param] = state = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-        state["step"].fill_(float(steps[0]))
-        state["exp_avg"].copy_(moments["exp_avg"][name])
-        state["exp_avg_sq"].copy_(moments["exp_avg_sq"][name])
+    name_of = {id(t): n for n, t in named.items()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            # A ZeRO shard piece takes its elements of its parameter's state.
+            source = getattr(param, "source", None)
+            name = name_of[id(param if source is None else source)]
+            if name not in new_maps:
+                continue
+
+            def part(value: torch.Tensor, piece: Any = param if source is not None else None
+                     ) -> torch.Tensor:
+                return value if piece is None else value.reshape(-1)[piece.start:piece.end]
+
+            state = optimizer.state.get(param)
+            if state is None or "exp_avg" not in state:
+                optimizer.state[param] = state = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+            state["step"].fill_(float(steps[0]))
+            state["exp_avg"].copy_(part(moments["exp_avg"][name]))
+            state["exp_avg_sq"].copy_(part(moments["exp_avg_sq"][name]))
+
+
+def _assemble_pieces(saved: dict[str, torch.Tensor], start: str, tail: str,
+                     shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Whole tensors from ZeRO pieces saved as ``<start><data rank>/<name>@<a>:<b><tail>``: the
+    elements [a, b) of the flattened tensor of ``<name>`` (whose shape ``shapes`` gives)."""
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in saved.items():
+        if not (key.startswith(start) and key.endswith(tail)):
+            continue
+        replica, _, rest = key[len(start):len(key) - len(tail)].partition("/")
+        if not replica.isdigit():
+            continue
+        name, _, span = rest.rpartition("@")
+        if not name or name not in shapes:
+            continue
+        a, b = (int(x) for x in span.split(":"))
+        if name not in flat:
+            flat[name] = torch.zeros(shapes[name].numel(), dtype=value.dtype)
+        flat[name][a:b] = value.reshape(-1)
+    return {name: t.view(shapes[name]) for name, t in flat.items()}
 
 
 def _only_params(read: Callable[[int, int], dict[str, torch.Tensor]], old: dict[str, int],

@@ -350,6 +350,21 @@ class Communicator:
         self._timed(("all_gather", axis, codec), nbytes, None, start, False)
         return output
 
+    def reduce_scatter_into(self, output: torch.Tensor, tensor: torch.Tensor, axis: str = "dp",
+                            async_op: bool = False) -> CommHandle:
+        """Sum ``tensor`` (flat, ``n`` equal chunks) over the axis; this rank's chunk of the sum
+        lands in ``output``, in axis-rank order (the ring moves (n-1)/n of ``tensor``)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return CommHandle(None)
+        start = time.perf_counter()
+        with self._named("reduce_scatter", axis):
+            work = dist.reduce_scatter_single(output, tensor, group=self._group(axis),
+                                              async_op=async_op)
+        nbytes = (n - 1) / n * tensor.numel() * tensor.element_size()
+        return self._timed(("reduce_scatter", axis, "none"), nbytes, work, start, async_op)
+
     def axis_rank(self, axis: str) -> int:
         """This rank's index along a mesh axis (0 when not distributed)."""
         if not dist.is_initialized():

@@ -5,7 +5,9 @@ of every parameter once: tensor-sharded parameters are summed over the tensor ax
 (identical on every tensor rank once their gradients are synchronized) are counted once, and
 stages add up over the pipeline axis; expert-parallel weights add up over the expert axis (and
 the tensor axis, which splits their width). Data-parallel replicas already hold the same averaged
-gradients, so that axis is left alone.
+gradients, so that axis is left alone, except under ZeRO (``data_sharded``), where each replica
+holds its own shard of them: the sums then add up over 'dp' (experts: over their replicas,
+'edp') too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mcpar.parallel.tensor import is_tp_sharded
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
-                   comm: Communicator) -> float:
+                   comm: Communicator, data_sharded: bool = False) -> float:
     """Scale gradients so that their global norm is at most `max_norm` (0 = don't clip).
 
     Returns the global norm before clipping.
@@ -39,11 +41,15 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     total = sum_of_squares(sharded)
     comm.all_reduce(total, axis="tp")
     total += sum_of_squares(replicated)
+    if data_sharded:
+        comm.all_reduce(total, axis="dp")
     if experts:
         # Expert weights are split over ep (different experts) and, under tp, by width.
         expert_total = sum_of_squares(experts)
         comm.all_reduce(expert_total, axis="tp")
         comm.all_reduce(expert_total, axis="ep")
+        if data_sharded:
+            comm.all_reduce(expert_total, axis="edp")
         total += expert_total
     comm.all_reduce(total, axis="pp")
     norm = total.sqrt().squeeze(0)

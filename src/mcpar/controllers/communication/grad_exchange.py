@@ -12,6 +12,10 @@ optimizer it runs.
   cast on the wire. Expert-parallel buckets are reduced over their replicas ('edp').
 - ``powersgd``: each bucket is compressed to low rank with error feedback, on the controller's
   communication thread, over the whole data axis (flat only: see ``grad_exchange_problems``).
+- ``reduce_scatter``: ZeRO (``controllers.memory.zero_stage`` 1 or 2): each bucket is averaged
+  by a reduce-scatter over its replicas, so that each rank receives the gradient of its own
+  shard of the bucket only; the MemoryController's sharded optimizer then steps that shard and
+  all-gathers the parameters (together the bytes of one all-reduce).
 - ``onebit``: 1-bit Adam. Before its freeze step it is ``allreduce``; past it the optimizer
   exchanges its momentum in 1 bit, bucket by bucket from the backward pass when the step allows,
   otherwise all together right after clipping, and the sync launches nothing.
@@ -37,7 +41,7 @@ from mcpar.optim.onebit_adam import OneBitAdam
 class GradExchangePlan:
     """The planned gradient exchange of a job."""
 
-    strategy: str  # 'none' (one data-parallel rank), 'allreduce', 'powersgd' or 'onebit'
+    strategy: str  # 'none', 'allreduce', 'reduce_scatter' (ZeRO), 'powersgd' or 'onebit'
     topology: str  # the data axis' algorithm: 'flat', 'hierarchical' or 'hybrid'
     codec: str  # what crosses the wire: 'none', 'fp16', 'bf16', 'powersgd' or '1bit'
     bucket_size_mb: float
@@ -57,7 +61,9 @@ def uses_onebit_adam(cfg: JobConfig) -> bool:
 def plan_grad_exchange(cfg: JobConfig, dp: int) -> GradExchangePlan:
     """The controller's choice of gradient exchange for this config and data degree."""
     comm = cfg.controllers.communication
-    if uses_onebit_adam(cfg):
+    if cfg.controllers.memory.zero_stage > 0:
+        strategy, codec = "reduce_scatter", "none"
+    elif uses_onebit_adam(cfg):
         strategy, codec = "onebit", "1bit"
     elif comm.compression == "powersgd":
         strategy, codec = "powersgd", "powersgd"
@@ -114,6 +120,20 @@ class AllReduceExchange:
 
     def discard_step(self) -> None:
         """Called when the step is skipped (non-finite values somewhere)."""
+
+
+class ReduceScatterExchange(AllReduceExchange):
+    """ZeRO: average each bucket into this rank's shard with a reduce-scatter over its
+    replicas ('dp', or 'edp' for expert buckets); the sync says where the shard goes."""
+
+    name = "reduce_scatter"
+
+    def launch(self, bucket: GradBucket) -> CommHandle | None:
+        assert bucket.scatter_out is not None, "ZeRO buckets carry their shard"
+        if self.degree > 1:
+            bucket.buffer.div_(self.degree)  # the data degree, as for an all-reduce
+        return self.comm.reduce_scatter_into(bucket.scatter_out, bucket.buffer, axis=bucket.axis,
+                                             async_op=True)
 
 
 class PowerSGDExchange(AllReduceExchange):
@@ -209,6 +229,10 @@ def build_grad_exchange(plan: GradExchangePlan, cfg: JobConfig, comm: Communicat
         if not isinstance(optimizer, OneBitAdam):
             raise ValueError("the onebit gradient exchange needs the OneBitAdam optimizer")
         exchange, text = _onebit_exchange(cfg, comm, sync, optimizer)
+    elif plan.strategy == "reduce_scatter":
+        exchange = ReduceScatterExchange(comm)
+        text = (f"gradient exchange: ZeRO stage {cfg.controllers.memory.zero_stage}, "
+                f"reduce-scatter over {comm.axis_size('dp')} data-parallel ranks")
     else:
         exchange = AllReduceExchange(comm, plan.codec if plan.codec in ("fp16", "bf16")
                                      else "none")

@@ -24,6 +24,18 @@ Mechanism (the one DDP uses, kept small):
 - Expert-parallel parameters (parallel/expert.py) differ between the ranks of an expert group:
   they have buckets of their own, summed over the 'edp' axis (their replicas) and divided by the
   data degree like every other gradient.
+
+With ZeRO (``controllers/memory/zero.py``) each bucket is padded to a multiple of its reduction
+degree and reduce-scattered: this rank keeps the averaged gradient of its shard only
+(``GradBucket.shard``). Stage 1 keeps the bucket's full buffer as ``.grad`` views, as above.
+Stage 2 releases it (``release_grads``): autograd writes each parameter's ``.grad`` afresh; once
+a bucket's parameters are all ready, their gradients are copied into a buffer of the bucket,
+freed, and the buffer is reduce-scattered and freed in turn, so the full gradient never exists
+at once. That happens in every backward pass ("round"; the ComputeController arms each one):
+with gradient accumulation a stage-2 step reduce-scatters once per micro-batch (M times the
+bytes of stage 1, which reduces once per step) and sums the shards. Every round launches every
+bucket exactly once, in bucket order (from the hooks when complete, else when the round ends),
+so the collectives match on every rank whatever the hooks saw.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ import torch
 
 from mcpar.comm.communicator import CommHandle
 from mcpar.parallel.expert import is_expert_sharded
+
+# Under ZeRO: (degree, this rank's position) of the dense and of the expert reduce-scatter.
+ShardSpec = tuple[tuple[int, int], tuple[int, int]]
 
 
 class BucketExchange(Protocol):
@@ -62,6 +77,17 @@ class GradBucket:
     launched: bool = False
     param_ids: set[int] = field(default_factory=set)
     expert: bool = False  # expert-parallel parameters: reduced over 'edp', not 'dp'
+    offsets: list[int] = field(default_factory=list)  # each parameter's place in the buffer
+    numel: int = 0  # the buffer's length, padded to a multiple of ``degree``
+    degree: int = 1  # ranks the bucket is reduce-scattered over (ZeRO), else 1
+    shard: torch.Tensor | None = None  # ZeRO: this rank's averaged gradient shard
+    # ZeRO: where the reduce-scatter writes (the shard itself, or a round's part to add to it)
+    scatter_out: torch.Tensor | None = None
+    pending: list[tuple[CommHandle | None, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def axis(self) -> str:
+        return "edp" if self.expert else "dp"
 
 
 class DataParallelGradSync:
@@ -69,11 +95,18 @@ class DataParallelGradSync:
     reduction is belongs to the exchange strategy (``set_exchange``)."""
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_size_mb: float = 25.0,
-                 overlap: bool = True):
+                 overlap: bool = True, shards: ShardSpec | None = None,
+                 release_grads: bool = False):
+        """``shards``: under ZeRO, the (degree, this rank's position) of the dense buckets'
+        reduce-scatter and of the expert buckets'; None for all-reduce. ``release_grads``:
+        ZeRO stage 2 (see the module's docstring)."""
         self.overlap = overlap
         self.exchange: BucketExchange | None = None
+        self.release_grads = release_grads
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
-                                          int(bucket_size_mb * 2**20))
+                                          int(bucket_size_mb * 2**20), shards,
+                                          views=not release_grads)
+        self._round_open = False
         self._next_launch = 0
         self._bucket_of: dict[int, GradBucket] = {}
         self._armed: set[int] = set()
@@ -89,7 +122,9 @@ class DataParallelGradSync:
         self.exchange = exchange
 
     @staticmethod
-    def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[GradBucket]:
+    def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+                      shards: ShardSpec | None = None,
+                      views: bool = True) -> list[GradBucket]:
         groups: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in reversed(params):
@@ -104,14 +139,27 @@ class DataParallelGradSync:
             size += nbytes
         buckets = []
         for index, group in enumerate(groups):
-            total = sum(p.numel() for p in group)
-            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-            offset = 0
+            expert = is_expert_sharded(group[0])
+            degree, rank = (1, 0) if shards is None else shards[1 if expert else 0]
+            offsets = [0]
             for p in group:
-                p.grad = buffer[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+                offsets.append(offsets[-1] + p.numel())
+            numel = -(-offsets[-1] // degree) * degree  # padded: equal shards
+            kind = {"dtype": group[0].dtype, "device": group[0].device}
+            buffer = torch.zeros(numel if views else 0, **kind)
+            if views:
+                for p, offset in zip(group, offsets, strict=False):
+                    p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            shard = None
+            if shards is not None:
+                # Stage 1: the shard is this rank's slice of the full buffer (no second copy);
+                # stage 2: a tensor of its own, the only gradient kept between rounds.
+                size = numel // degree
+                shard = (buffer.view(degree, size)[rank] if views else
+                         torch.zeros(size, **kind))
             buckets.append(GradBucket(group, buffer, index, param_ids={id(p) for p in group},
-                                      expert=is_expert_sharded(group[0])))
+                                      expert=expert, offsets=offsets[:-1], numel=numel,
+                                      degree=degree, shard=shard))
         return buckets
 
     @property
@@ -126,12 +174,34 @@ class DataParallelGradSync:
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            if self.release_grads:
+                for p in bucket.params:
+                    p.grad = None
+            else:
+                bucket.buffer.zero_()
+            if bucket.shard is not None:
+                bucket.shard.zero_()
 
     def arm(self, params: list[torch.nn.Parameter]) -> None:
-        """Count these parameters' next gradient: their last backward of the step is next."""
-        if not self._idle:
-            self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
+        """Count these parameters' next gradient: their last backward of the step is next
+        (under ZeRO stage 2: every backward; the previous round ends here)."""
+        if self._idle:
+            return
+        if self.release_grads:
+            self._end_round()
+            self._round_open = True
+        self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
+
+    def _end_round(self) -> None:
+        """Stage 2: launch, in order, every bucket the hooks did not launch this round."""
+        if self._round_open:
+            for bucket in self.buckets[self._next_launch:]:
+                self._launch(bucket)
+        self._round_open = False
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.num_ready = 0
+            bucket.launched = False
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if id(param) not in self._armed:
@@ -152,17 +222,54 @@ class DataParallelGradSync:
         assert self.exchange is not None
         if self.on_launch is not None:
             self.on_launch(bucket.index)
+        if self.release_grads:
+            self._gather_released(bucket)
+        if bucket.shard is not None:
+            bucket.scatter_out = torch.empty_like(bucket.shard)
         bucket.handle = self.exchange.launch(bucket)
         bucket.launched = True
+        if bucket.scatter_out is not None:
+            # The reduced part lands in the shard once it has arrived (stage 1: copied over
+            # this rank's slice; stage 2: added, one part per round).
+            bucket.pending.append((bucket.handle, bucket.scatter_out))
+            bucket.handle, bucket.scatter_out = None, None
+
+    @staticmethod
+    def _gather_released(bucket: GradBucket) -> None:
+        """Stage 2: move the bucket's fresh gradients into a buffer of its own and free them."""
+        assert bucket.shard is not None
+        bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype,
+                                    device=bucket.shard.device)
+        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            if p.grad is not None:
+                bucket.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
 
     def finish(self) -> None:
         """Launch whatever the hooks did not (unused parameters, overlap off) and wait for all."""
         self._armed.clear()
         if self._idle:
             return
+        if self.release_grads:
+            self._end_round()
+        else:
+            for bucket in self.buckets:
+                if not bucket.launched:
+                    self._launch(bucket)
         for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
+            for handle, part in bucket.pending:
+                if handle is not None:
+                    handle.wait()
+                assert bucket.shard is not None
+                if self.release_grads:
+                    bucket.shard.add_(part)
+                else:
+                    bucket.shard.copy_(part)
+            bucket.pending.clear()
+            if self.release_grads:
+                bucket.buffer = bucket.buffer.new_empty(0)  # the last round's buffer
+        if self.release_grads:
+            return
         # A momentum exchange returns no handle: the optimizer's step waits and commits, so
         # the step's bookkeeping (gradient norm, the trainer's world collective, on a group
         # of its own) runs while the last exchange is still on the wire.

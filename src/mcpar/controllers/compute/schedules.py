@@ -157,11 +157,13 @@ def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
 
 
 def step_tasks(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
-               virtual_stages: int = 1) -> list[Task]:
+               virtual_stages: int = 1, reduce_every_backward: bool = False) -> list[Task]:
     """Every task of one optimizer step on pipeline rank ``pp_rank``, in the order to run them.
 
     Without a pipeline (``pp == 1``) the schedule is forward then backward of each micro-batch
-    in turn, whatever ``schedule`` names (1F1B with one stage).
+    in turn, whatever ``schedule`` names (1F1B with one stage). ``reduce_every_backward``
+    (ZeRO stage 2, which keeps no full gradient between micro-batches) arms the gradient
+    buckets before every backward, not only the last of each chunk.
     """
     actions = build_schedule("1f1b" if pp == 1 else schedule, pp_rank, pp, num_microbatches,
                              virtual_stages)
@@ -180,7 +182,7 @@ def step_tasks(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
         else:
             if stage < last_stage:
                 tasks.append(Task(TaskKind.RECV_GRAD, chunk, micro))
-            if last_backward[chunk] == index:
+            if last_backward[chunk] == index or reduce_every_backward:
                 # The chunk's gradients are complete once this backward has run: arm its
                 # buckets so each starts reducing as soon as it is full.
                 tasks.append(Task(TaskKind.SYNC_GRADS, chunk, micro))

@@ -1,0 +1,38 @@
+"""What a rank really holds: model-state bytes counted from the tensors themselves.
+
+The MemoryController's estimate (``estimate.py``) is a formula; this is the measurement it is
+checked against. Each storage is counted once, whatever views of it exist (a ZeRO stage-1
+gradient shard is a slice of the full gradient buffer; parameters are views of flat buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(params: list[torch.nn.Parameter], sync: DataParallelGradSync,
+                      optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+    seen: set[int] = set()
+    grads: list[torch.Tensor] = [b.buffer for b in sync.buckets]
+    grads += [b.shard for b in sync.buckets if b.shard is not None]
+    grads += [p.grad for p in params if p.grad is not None]
+    state = [t for s in optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    return {"parameters": _storage_bytes(params, seen),
+            "gradients": _storage_bytes(grads, seen),
+            "optimizer state": _storage_bytes(state, seen)}
