@@ -191,9 +191,8 @@ class MemoryControllerConfig(_Section):
     offload: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Where optimizer state and cold parameters may be offloaded."
     )
-    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding stage over the data axis: "
-                            "0 replicated, 1 optimizer state, 2 also gradients (3, parameters "
-                            "too, is not trainable yet).")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
+                            "none, 1 optimizer state, 2 also gradients (3: not trainable yet).")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation policy."
     )
