@@ -155,3 +155,19 @@ def test_zero_without_data_parallelism_is_refused(capsys: pytest.CaptureFixture[
                               "controllers.memory.zero_stage=1", "--set", "parallelism.data=1")
     assert proc.returncode == 2
     assert "controllers.memory.zero_stage: 1 shards over the data-parallel ranks" in proc.stderr
+
+
+def test_check_prints_the_memory_placement(capsys: pytest.CaptureFixture[str]) -> None:
+    """The MemoryController's decision per parameter group, as check prints it (plan.json
+    records the same)."""
+    path = Path(__file__).parent.parent / "configs" / "moe.yaml"
+    proc = run_cli_in_process(capsys, "check", str(path), "--set", "parallelism.data=4",
+                              "--set", "controllers.memory.zero_stage=1", "--set",
+                              "controllers.compute.scheduler=static")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("memory placement: ZeRO stage 1")
+    assert lines[at + 1].startswith("  dense (4 replicas over 'dp'): parameters a full copy; "
+                                    "gradients a full buffer, reduce-scattered into a 1/4 shard")
+    assert lines[at + 2].startswith("  experts (2 replicas over 'edp')")
+    assert lines[at + 2].endswith("AdamW state a 1/2 shard")

@@ -289,6 +289,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         + f" (single process: {est.num_params:,})",
     ]
     lines += est.report_lines()
+    lines += plan.placement.report_lines()
     pending = unsupported_settings(cfg)
     if pending:
         lines.append("not trainable with this version yet (mcpar train will refuse):")

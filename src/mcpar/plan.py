@@ -30,7 +30,7 @@ from mcpar.controllers.communication.grad_exchange import (
 from mcpar.controllers.compute.schedules import schedule_problems
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory
-from mcpar.controllers.memory.zero import zero_problems
+from mcpar.controllers.memory.zero import MemoryPlacement, plan_placement, zero_problems
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
 
@@ -54,6 +54,7 @@ class JobPlan:
     stage_cut: tuple[tuple[int, int], ...]  # [start, end) blocks of every global stage
     grad_exchange: GradExchangePlan
     memory: MemoryEstimate  # the largest rank's
+    placement: MemoryPlacement  # what each rank holds of every parameter group (ZeRO)
     batch_splitting: str  # how the micro-batch count was chosen: 'fixed' or 'dynamic'
 
     def parallel_dims(self) -> ParallelDims:
@@ -94,6 +95,7 @@ class JobPlan:
             "grad_exchange": self.grad_exchange.to_json(),
             "memory": {"params_per_rank": self.memory.params_per_rank,
                        **{name: value for name, value in self.memory.rows()}},
+            "memory_placement": self.placement.to_json(),
         }
 
 
@@ -176,6 +178,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
         stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
         grad_exchange=plan_grad_exchange(cfg, dp),
         memory=estimate_memory(resolved, dims),
+        placement=plan_placement(cfg, dp, par.experts),
         batch_splitting=cfg.controllers.compute.batch_splitting,
     )
 

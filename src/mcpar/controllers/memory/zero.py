@@ -36,6 +36,8 @@ the buckets not yet reduced and the buffers in flight. Buckets are padded to a m
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 from torch import nn
 
@@ -118,6 +120,57 @@ class ZeroAdamW(torch.optim.AdamW):
             rank = self.comm.axis_rank(bucket.axis) if bucket.degree > 1 else 0
             mine = flat[rank * size:(rank + 1) * size].clone()
             self.comm.all_gather_into(flat, mine, axis=bucket.axis)
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where one group of parameters and its training state live on a rank."""
+
+    group: str  # 'dense' or 'experts'
+    axis: str  # the replicas it is sharded (or reduced) over: 'dp' or 'edp'
+    degree: int  # how many replicas
+    parameters: str
+    gradients: str
+    optimizer_state: str
+
+
+@dataclass(frozen=True)
+class MemoryPlacement:
+    """The MemoryController's placement decision: per parameter group, what each rank holds."""
+
+    zero_stage: int
+    groups: tuple[GroupPlacement, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"zero_stage": self.zero_stage, "groups": [asdict(g) for g in self.groups]}
+
+    def report_lines(self) -> list[str]:
+        lines = [f"memory placement: ZeRO stage {self.zero_stage}"]
+        for g in self.groups:
+            lines.append(f"  {g.group} ({g.degree} replica{'s' if g.degree > 1 else ''} over "
+                         f"'{g.axis}'): parameters "
+                         f"{g.parameters}; gradients {g.gradients}; AdamW state "
+                         f"{g.optimizer_state}")
+        return lines
+
+
+def plan_placement(cfg: JobConfig, dp: int, ep: int) -> MemoryPlacement:
+    """What each rank holds of every parameter group under ``cfg``'s ZeRO stage."""
+    stage = cfg.controllers.memory.zero_stage
+    groups = [("dense", "dp", dp)]
+    if ep > 1:
+        groups.append(("experts", "edp", dp // ep))
+    placed = []
+    for name, axis, n in groups:
+        shard = f"a 1/{n} shard"
+        placed.append(GroupPlacement(
+            name, axis, n, parameters="a full copy",
+            gradients=("a full copy (all-reduced)" if stage == 0 else
+                       f"a full buffer, reduce-scattered into {shard} once per step"
+                       if stage == 1 else
+                       f"{shard} (each bucket reduce-scattered and freed per backward)"),
+            optimizer_state="a full copy" if stage == 0 else shard))
+    return MemoryPlacement(stage, tuple(placed))
 
 
 def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
