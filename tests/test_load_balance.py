@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY, train_metrics
 
 from mcpar.controllers.compute.load_balance import (
     ExpertLoadBalancer,
@@ -234,3 +235,27 @@ def test_bad_input_is_a_value_error():
         state["expert_of_slot"] = torch.from_numpy(wider.expert_of_slot.copy())
         wider.load_state_tensors(state)
     assert Swap(0, 1, 5) == Swap(layer=0, slot_a=1, slot_b=5)
+
+
+@pytest.mark.slow
+def test_training_logs_rewards_made_of_measured_costs(tmp_path):
+    """A 2-rank MoE job with the learning balancer on measured costs (the default): every step
+    logs what it measured, every decision its reward, and a reward is minus the discounted sum
+    of the measured step costs of its interval (the numbers the trainer logged per step)."""
+    run_dir = tmp_path / "run"
+    records = train_metrics(run_dir, 2, [
+        *TINY, "model.kind=moe", "model.num_experts=4", "model.top_k=2",
+        "parallelism.data=2", "parallelism.experts=2", "training.steps=9",
+        "controllers.compute.scheduler=reinforcement", "controllers.compute.balance_interval=3"])
+    costs = [r["moe"]["step_costs"] for r in records]
+    assert all(c["expert_s_per_assignment"] > 0 and c["all_to_all_s"] > 0
+               and c["load_wait_s"] >= 0 for c in costs)
+    decisions = [json.loads(line) for line in (run_dir / "load_balance.jsonl").read_text()
+                 .splitlines()]
+    assert [d["step"] for d in decisions] == [2, 5, 8]
+    for k, decision in enumerate(decisions):
+        assert decision["step_costs"] == costs[3 * k + 2]
+        expected = -sum(0.99 ** j * (c["load_wait_s"] + c["all_to_all_s"] + c["migration_s"])
+                        for j, c in enumerate(costs[3 * k:3 * k + 3]))
+        assert decision["reward"] == pytest.approx(expected, rel=1e-9)
+        assert {"state", "action", "values"} <= set(decision)
