@@ -21,10 +21,11 @@ Form: learning from exact counterfactuals which scheduling rule fits, and why
     - the rules: greedy's planner priced with an assumed persistence H (steps) of a predicted
       saving, H in (10, 30, 100, 300), on one of two load estimates, ``fast`` (EMA weight 0.2:
       reacts in a few steps, chases bursts) or ``slow`` (EMA weight 0.02, about 50 steps: blind
-      to short bursts, late on real shifts): 8 rules. A rule moves the plan's prefix that
-      maximizes ``H x rate x predicted saving - migration_s x experts moved``, with ``rate``
-      (seconds per excess assignment) and ``migration_s`` (seconds per moved expert) the
-      MEASURED prices; greedy's rule is H = 1 / (1 - gamma) = 100 on the fast estimate;
+      to short bursts, late on real shifts), and H = 0, never moving: 9 rules. A rule moves
+      the plan's prefix that maximizes ``H x rate x predicted saving - migration_s x experts
+      moved``, with ``rate`` (seconds per excess assignment) and ``migration_s`` (seconds per
+      moved expert) the MEASURED prices; greedy's rule is H = 1 / (1 - gamma) = 100 on the fast
+      estimate;
     - the values: ``score[r] = sum_t 0.998**(now - t) cost_r(t)``, the discounted cost of rule
       r's shadow over the past (seconds, a memory of about 500 steps: a move is paid at once and
       earns over the following tens to hundreds of steps, and a memory as short as the
@@ -75,7 +76,8 @@ from mcpar.controllers.compute.balance_math import excess_load, plan_layer
 LEARNING_MODES = ("on", "frozen", "random")
 ESTIMATORS = ("fast", "slow")
 HORIZONS = (10, 30, 100, 300)
-RULES = tuple((h, e) for e in ESTIMATORS for h in HORIZONS)
+# Horizon 0 is "never move" (static): when no move pays for itself, following it is right.
+RULES = ((0, "fast"), *((h, e) for e in ESTIMATORS for h in HORIZONS))
 INITIAL_RULE = RULES.index((100, "fast"))
 EMA_WEIGHTS = {"fast": 0.2, "slow": 0.02}
 SCORE_MEMORY = 0.998
