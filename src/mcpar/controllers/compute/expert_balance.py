@@ -8,7 +8,8 @@ After every optimizer step (inside the step, so its cost is in the step time):
    ``router_bias_update_rate`` times the sign of (mean load - its load);
 3. what the step's expert phase cost is measured (``controllers.compute.balance_costs:
    measured``, the default): each rank's expert compute time (its ``ShardedExperts`` time the
-   experts' forward), its expert all-to-all time (the Communicator's books, op ``all_to_all``
+   experts' forward; the backward, about twice as long, is as unbalanced and is not timed
+   apart), its expert all-to-all time (the Communicator's books, op ``all_to_all``
    on axis 'ep') and the wall time of the previous step's migrations; one all-reduce over
    'dp', 'pp' and 'tp' gives every rank the same per-expert-rank times, from which the wait on
    the slowest rank (max - mean) and the seconds per routed assignment follow (``StepCosts``);
@@ -18,7 +19,7 @@ After every optimizer step (inside the step, so its cost is in the step time):
    and the ranks involved exchange the experts' weights and optimizer state through the
    CommunicationController;
 5. the step's routing metrics: per layer, tokens per expert (min/max/std), imbalance = max/mean
-   tokens per expert-axis rank, dropped tokens; experts migrated.
+   tokens per expert-axis rank, dropped tokens; experts migrated; the measured step costs.
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ class MoERoutingController:
             table[me] += layer.experts.compute_s
             layer.experts.compute_s = 0.0
         table[ep + me] = self._migration_s
-        table[2 * ep] = sum(c.time_s for (op, axis, _), c in self.comm.stats.step.items()
-                            if op == "all_to_all" and axis == "ep")
+        table[2 * ep] = sum(float(row["time_s"]) for row in self.comm.stats.breakdown("step")
+                            if row["op"] == "all_to_all" and row["axis"] == "ep")
         for axis in ("dp", "pp", "tp"):
             if self.comm.axis_size(axis) > 1:
                 self.comm.all_reduce(table, axis=axis)
