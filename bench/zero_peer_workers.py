@@ -1,5 +1,7 @@
-"""The DeepSpeed peer of ``bench/zero_vs_peers.py``: the same GPT, data, batch, AdamW, LR
-schedule and threads under DeepSpeed's ZeRO (stage 2 or 3), in DeepSpeed's own environment.
+"""The peers of ``bench/zero_vs_peers.py``: torch FSDP2 (``FSDP2Side``, with the byte counter
+and the model-state count that bench imports) and, run as a script, DeepSpeed's ZeRO (stage 2
+or 3) in DeepSpeed's own environment, on the same GPT, data, batch, AdamW, LR schedule and
+threads.
 
 Why a separate script
     DeepSpeed is not a dependency of mcpar. ``zero_vs_peers.py --deepspeed-python PY`` runs this
@@ -33,6 +35,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dp_vs_ddp import timed_round  # a sibling: run as a script, bench/ is on sys.path
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from mcpar.config import JobConfig, load_config
 from mcpar.data import BatchStream, load_corpus
+from mcpar.device import autocast
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import decay_groups, lr_at
@@ -97,17 +104,7 @@ def ds_config(cfg: JobConfig, stage: int, world: int) -> dict[str, Any]:
     }
 
 
-def storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-def held_bytes(engine: Any, module: torch.nn.Module) -> dict[str, int]:
+def ds_held_bytes(engine: Any, module: torch.nn.Module) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, each storage once.
 
     DeepSpeed keeps its own copies: at stage 2 the optimizer steps flat fp32 partitions
@@ -142,11 +139,140 @@ def held_bytes(engine: Any, module: torch.nn.Module) -> dict[str, int]:
             grads += item if isinstance(item, list) else [item]
     grads = [g for g in grads if isinstance(g, torch.Tensor)]
     state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"parameters": storage_bytes(params + opt_params, seen),
-            "gradients": storage_bytes(grads, seen),
-            "optimizer state": storage_bytes(state, seen)}
+    return {"parameters": count_storages(params + opt_params, seen),
+            "gradients": count_storages(grads, seen),
+            "optimizer state": count_storages(state, seen)}
 
 
+# --- the torch peers' bookkeeping (zero_vs_peers.py imports these) -------------------------
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def count_storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (data pointers), each once."""
+    total = 0
+    for t in tensors:
+        storage = local(t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of this rank, each storage once (as
+    ``mcpar.controllers.memory.held`` counts them); a DTensor counts its local shard."""
+    seen: set[int] = set()
+    params = list(params)
+    state = [t for s in optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    return {"parameters": count_storages(params, seen),
+            "gradients": count_storages((p.grad for p in params if p.grad is not None), seen),
+            "optimizer state": count_storages(state, seen)}
+
+
+def largest(held: dict[str, int]) -> dict[str, int]:
+    """The row of the rank holding the most, gathered over the world."""
+    world = dist.get_world_size()
+    rows = [torch.zeros(len(held), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(rows, torch.tensor(list(held.values()), dtype=torch.float64))
+    top = max(rows, key=lambda row: float(row.sum()))
+    return {name: int(v) for name, v in zip(held, top.tolist(), strict=True)}
+
+
+class CollectiveCounter:
+    """Bytes FSDP2 sends, counted at the ``torch.distributed`` functions it calls (while
+    ``active``), with the ring formulas mcpar's CommunicationController uses."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.bytes = 0.0
+
+    def install(self) -> None:
+        def wrap(name: str, sent: Callable[[torch.Tensor, torch.Tensor, int], float]) -> None:
+            orig = getattr(dist, name)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                if self.active:
+                    group = kwargs.get("group")
+                    n = dist.get_world_size(group)
+                    out = kwargs.get("output", args[0] if args else None)
+                    inp = kwargs.get("input", args[1] if len(args) > 1 else out)
+                    if n > 1:
+                        self.bytes += sent(out, inp, n)
+                return orig(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        # all-gather: (n-1)/n of the output; reduce-scatter: (n-1)/n of the input;
+        # all-reduce: 2 (n-1)/n of the tensor.
+        wrap("all_gather_single",
+             lambda o, i, n: (n - 1) / n * o.numel() * o.element_size())
+        wrap("reduce_scatter_single",
+             lambda o, i, n: (n - 1) / n * i.numel() * i.element_size())
+        wrap("all_reduce", lambda o, i, n: 2 * (n - 1) / n * o.numel() * o.element_size())
+
+
+COUNTER = CollectiveCounter()
+
+
+class FSDP2Side:
+    """The same model and training step as ``DDPSide``, sharded by FSDP2 (``fully_shard`` on
+    every block and on the root)."""
+
+    def __init__(self, cfg: JobConfig, stream: BatchStream, device: torch.device,
+                 reshard_after_forward: bool | None):
+        self.cfg, self.stream, self.device = cfg, stream, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.accum = cfg.optimization.gradient_accumulation or 1
+        self.module = get_model_spec(cfg.model.kind).build(cfg.model, cfg.training.seed).to(device)
+        mesh = init_device_mesh(device.type, (self.world,))
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if reshard_after_forward is not None:  # None: fully_shard's default
+            kwargs["reshard_after_forward"] = reshard_after_forward
+        for block in self.module.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(self.module, **kwargs)
+        opt = cfg.optimization
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(list(self.module.parameters()), opt.weight_decay), lr=opt.lr,
+            betas=(opt.beta1, opt.beta2))
+        self.step_bytes: list[float] = []
+
+    def train_step(self, step: int) -> float:
+        cfg = self.cfg
+        COUNTER.active, COUNTER.bytes = True, 0.0
+        self.module.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro in range(self.accum):
+            # Like DDP's no_sync: reduce-scatter only after the last micro-batch.
+            self.module.set_requires_gradient_sync(micro == self.accum - 1)
+            inputs, targets = self.stream.micro_batch(
+                step, self.rank, self.world, micro, cfg.optimization.micro_batch_size)
+            with autocast(self.device, cfg.training.dtype):
+                logits = self.module(inputs.to(self.device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                   targets.to(self.device).flatten())
+            (loss / self.accum).backward()
+            losses.append(loss.item())
+        clip = cfg.optimization.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.module.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.stream.advance()
+        float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        COUNTER.active = False
+        self.step_bytes.append(COUNTER.bytes)
+        return sum(losses) / len(losses)
+
+
+
+# --- DeepSpeed -----------------------------------------------------------------------------
 def run(args: argparse.Namespace, sync: Path) -> None:
     import deepspeed
 
@@ -203,7 +329,7 @@ def run(args: argparse.Namespace, sync: Path) -> None:
         if rank == 0:
             write_atomic(sync / f"{args.name}.done.{r}",
                          json.dumps({"seconds": seconds, "losses": mean.tolist()}))
-    held = held_bytes(engine, module)
+    held = ds_held_bytes(engine, module)
     rows = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(rows, torch.tensor(list(held.values()), dtype=torch.float64))
     largest = max(rows, key=lambda row: float(row.sum()))
