@@ -236,23 +236,27 @@ def log(rank: int, message: str) -> None:
 
 
 # --- the worker -----------------------------------------------------------------------------
+def close_all(trainers: dict[str, Trainer]) -> None:
+    for t in trainers.values():
+        t.logger.close()
+    if trainers:  # the process group is shared: closed once
+        next(iter(trainers.values())).close()
+
+
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     keep_freed_host_memory()  # as mcpar's workers do on CPU: every side allocates alike
     sync = Path(args.sync_dir)
     trainers: dict[str, Trainer] = {}
-    try:
+    # mcpar's start-up lines go to stderr: stdout carries the JSON only.
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as closing:
+        closing.callback(lambda: close_all(trainers))
         for name, stage in MCPAR_STAGES.items():
             plan = resolve_plan(build_config(args, stage), env.world_size)
             # The first Trainer creates the process group; the others join it.
             (sync / name).mkdir(exist_ok=True)
             trainers[name] = Trainer(plan, sync / name, env)
         result = run_benchmark(args, trainers, sync)
-    finally:
-        for t in trainers.values():
-            t.logger.close()
-        if trainers:
-            next(iter(trainers.values())).close()
     if env.rank == 0:
         (sync / "main.json").write_text(json.dumps(result))
 
