@@ -48,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,30 +122,40 @@ class DDPSide:
 
     def train_step(self, step: int) -> float:
         """One optimizer step as ``Trainer.train_step`` does it; the mean micro-batch loss."""
-        cfg = self.cfg
         self.ddp.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for micro in range(self.accum):
-            last = micro == self.accum - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                inputs, targets = self.stream.micro_batch(
-                    step, self.rank, self.world, micro, cfg.optimization.micro_batch_size)
-                with autocast(self.device, cfg.training.dtype):
-                    logits = self.ddp(inputs.to(self.device))
-                loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                       targets.to(self.device).flatten())
-                (loss / self.accum).backward()
-            losses.append(loss.item())
-        clip = cfg.optimization.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.module.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.stream.advance()
-        float(grad_norm)  # Trainer.train_step reads the norm back too
-        return sum(losses) / len(losses)
+        return peer_step(self, self.ddp, step, lambda last: (
+            contextlib.nullcontext() if last else self.ddp.no_sync()))
+
+
+def peer_step(side: Any, model: torch.nn.Module, step: int,
+              sync: Callable[[bool], contextlib.AbstractContextManager[Any]]) -> float:
+    """One optimizer step of a peer (``side``: cfg, stream, rank, world, accum, device,
+    module, optimizer) as ``Trainer.train_step`` does it: the LR of the step, accumulation with
+    the gradients synchronized in the last micro-batch only (``sync(last)``), clipping, AdamW;
+    the mean micro-batch loss."""
+    cfg = side.cfg
+    for group in side.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    side.optimizer.zero_grad(set_to_none=True)
+    losses = []
+    for micro in range(side.accum):
+        with sync(micro == side.accum - 1):
+            inputs, targets = side.stream.micro_batch(
+                step, side.rank, side.world, micro, cfg.optimization.micro_batch_size)
+            with autocast(side.device, cfg.training.dtype):
+                logits = model(inputs.to(side.device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                   targets.to(side.device).flatten())
+            (loss / side.accum).backward()
+        losses.append(loss.item())
+    clip = cfg.optimization.grad_clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        side.module.parameters(), clip if clip > 0 else float("inf"))
+    side.optimizer.step()
+    side.stream.advance()
+    # Trainer.train_step reads the norm back too (a DTensor under FSDP2).
+    float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    return sum(losses) / len(losses)
 
 
 def timed_round(step_fn: Callable[[int], float], first_step: int, steps: int,

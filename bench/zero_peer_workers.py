@@ -29,27 +29,27 @@ Interleaving with the other sides (files in ``--sync-dir``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dp_vs_ddp import timed_round  # a sibling: run as a script, bench/ is on sys.path
+from dp_vs_ddp import peer_step, timed_round  # a sibling: run as a script, bench/ is on sys.path
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mcpar.config import JobConfig, load_config
 from mcpar.data import BatchStream, load_corpus
-from mcpar.device import autocast
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import decay_groups, lr_at
@@ -242,34 +242,19 @@ class FSDP2Side:
         self.step_bytes: list[float] = []
 
     def train_step(self, step: int) -> float:
-        cfg = self.cfg
         COUNTER.active, COUNTER.bytes = True, 0.0
         self.module.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for micro in range(self.accum):
+
+        @contextlib.contextmanager
+        def sync(last: bool) -> Iterator[None]:
             # Like DDP's no_sync: reduce-scatter only after the last micro-batch.
-            self.module.set_requires_gradient_sync(micro == self.accum - 1)
-            inputs, targets = self.stream.micro_batch(
-                step, self.rank, self.world, micro, cfg.optimization.micro_batch_size)
-            with autocast(self.device, cfg.training.dtype):
-                logits = self.module(inputs.to(self.device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                   targets.to(self.device).flatten())
-            (loss / self.accum).backward()
-            losses.append(loss.item())
-        clip = cfg.optimization.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.module.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.stream.advance()
-        float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+            self.module.set_requires_gradient_sync(last)
+            yield
+
+        loss = peer_step(self, self.module, step, sync)
         COUNTER.active = False
         self.step_bytes.append(COUNTER.bytes)
-        return sum(losses) / len(losses)
-
+        return loss
 
 
 # --- DeepSpeed -----------------------------------------------------------------------------
