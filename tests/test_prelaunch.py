@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, run_cli_in_process, run_mcpar, sets
+from conftest import TINY, run_cli_in_process, run_mcpar, sets
 
 from mcpar import capabilities
 from mcpar.config import apply_overrides, parse_config
@@ -72,15 +72,39 @@ def test_a_file_in_the_way_of_a_directory_is_refused_before_anything_runs(
 
 
 def _as_another_user(*args: str) -> subprocess.CompletedProcess[str]:
-    """``mcpar ARGS`` as the unprivileged user 'nobody' (root passes every permission check)."""
+    """``mcpar ARGS`` as the unprivileged user 'nobody' (root passes every permission check):
+    in a forked child of this process, which has already imported everything the command
+    runs, so that the check does not depend on 'nobody' being able to read the source tree."""
     if os.geteuid() != 0:
         return run_mcpar(*args)
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv (util-linux) to drop root's privileges")
-    return subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-         "mcpar.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO,
-        env=dict(os.environ, HOME="/nonexistent"))
+    import mcpar.trainer  # noqa: F401  (cmd_train imports it late; nobody may not read it)
+    from mcpar.cli import main
+
+    read_out, write_out = os.pipe()
+    read_err, write_err = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, run, report the exit code
+        code = 1
+        try:
+            os.dup2(write_out, 1)
+            os.dup2(write_err, 2)
+            sys.stdout = os.fdopen(1, "w", closefd=False)
+            sys.stderr = os.fdopen(2, "w", closefd=False)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = main(list(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_out)
+    os.close(write_err)
+    with os.fdopen(read_out) as out, os.fdopen(read_err) as err:
+        stdout, stderr = out.read(), err.read()
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(list(args), os.waitstatus_to_exitcode(status), stdout,
+                                       stderr)
 
 
 @pytest.fixture

@@ -101,8 +101,8 @@ def test_bad_configs_through_train_never_start_a_worker_or_trace(
     """200 generated configs through ``mcpar train --nproc 2`` in this process, the launcher
     replaced by a recorder: each exits 2 before any worker starts (so no restart can follow),
     with every line naming a key, path or flag, or it is accepted, and then the config.yaml the
-    workers would read resolves to the same plan on their world. Two accepted configs, drawn
-    at random, then train for real: exit 0 and no restart."""
+    workers would read resolves to the same plan on their world. One accepted config, drawn
+    at random, then trains for real: exit 0 and no restart."""
     launched: list[Path] = []
     monkeypatch.setattr(mcpar.cli, "launch_local",
                         lambda nproc, argv, **kw: launched.append(Path(argv[2])))
@@ -138,7 +138,7 @@ def test_bad_configs_through_train_never_start_a_worker_or_trace(
         accepted.append(raw)
     assert codes[2] >= 150 and codes[0] >= 2, codes
     assert time.monotonic() - start < 60
-    for raw in rng.sample(accepted, 2):
+    for raw in rng.sample(accepted, 1):
         path = files / "accepted.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         run_dir = files / f"real-{len(list(files.glob('real-*')))}"
