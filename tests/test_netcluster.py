@@ -223,8 +223,12 @@ def test_a_message_is_not_held_much_longer_than_the_link_model_says() -> None:
     end) and once 3.86 ms in a full test run. 12 KB: after an idle spell TCP restarts from its
     initial window, which a larger message overflows."""
     rate_bps, delay_s, size = 100e6, 0.001, 12_000
-    took = idle_round_trip("100mbit", "1ms", size)
     model = 2 * delay_s + size * 8 / rate_bps
+    took = idle_round_trip("100mbit", "1ms", size)
+    if took > model + 0.002:
+        # A scheduling hiccup of the shared machine (once 5.1 ms in a full run under load):
+        # a forwarder that holds messages would be late again; best of two.
+        took = min(took, idle_round_trip("100mbit", "1ms", size))
     assert model <= took <= model + 0.002, took
 
 
