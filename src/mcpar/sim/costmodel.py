@@ -19,7 +19,8 @@ Step = pipeline time + exposed once-per-step gradient/parameter traffic + optimi
   backward, weight gathers the forward; ``overlap`` is the share of that overlappable time
   actually hidden, and the last bucket never is. Each bucket (``bucket_mb``; by default
   Megatron's max(40M, 1M x dp) elements) pays the collective's latency; ZeRO-3 moves one layer
-  per call.
+  per call, and with the hierarchical parameter store its backward gathers stay in the node and
+  its reduce-scatter goes in two levels (``zero3``).
 - Compression: fp16/bf16 halve fp32 gradient bytes; ``1bit`` is 1-bit Adam's compression stage
   (signs + scales, about 1/32 of fp32, after its warm-up); ``powersgd`` sends rank-r factors
   P (n x r) and Q (m x r) of each weight matrix's gradient in two all-reduce rounds (a DDP
@@ -56,6 +57,7 @@ from mcpar.sim.memory import MemoryBreakdown, memory_per_gpu, params_per_rank, s
 from mcpar.sim.oversubscription import shared_pipeline_time
 from mcpar.sim.params import GPU_EFFICIENCY
 from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems, rank_layers
+from mcpar.sim.zero3 import STORE, zero3_traffic
 
 
 @dataclass
@@ -163,8 +165,12 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             fwd_window: float, bwd_window: float) -> DPCost:
     dense, expert, _ = params_per_rank(m, lay)
     w_b, g_b, _ = state_bytes(lay.precision, lay.autocast)
-    if lay.compression in ("fp16", "bf16") or lay.zero_stage >= 2:
-        # ZeRO-2/3 runs (DeepSpeed, FSDP) reduce-scatter in the 16-bit compute dtype.
+    store = lay.allocation == STORE
+    if (lay.compression in ("fp16", "bf16") and not store) or (
+            lay.zero_stage >= 2 and not lay.autocast):
+        # ZeRO-2/3 runs of the published stacks (DeepSpeed, FSDP) reduce-scatter in the 16-bit
+        # compute dtype; mcpar (autocast) reduces its fp32 gradients in fp32. With the store,
+        # bf16 compresses only its inter-node stage (``zero3``).
         g_b = min(g_b, 2.0)
     groups = [(dense, Group(lay.dp * lay.cp, lay.tp))]
     if expert:
@@ -203,21 +209,25 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             per_step += _exposed(comm, bwd_window, eff.overlap, calls)
             total += comm
             continue
+        if lay.zero_stage == 3:
+            z3 = zero3_traffic(count, w_b, g_b, group, lay, cluster, net, topo, calls, rl)
+            # Prefetching hides the next block's gather behind the current block's compute.
+            per_micro += _exposed(z3.forward, fwd_window, eff.overlap, calls)
+            per_micro += _exposed(z3.backward, bwd_window, eff.overlap, 2 * calls)
+            encode += z3.encode * lay.num_microbatches
+            total += (z3.forward + z3.backward) * lay.num_microbatches
+            continue
         rs = calls * reduce_scatter(grads / calls, group, cluster, net, topo)
-        ag_calls = layers_rank if lay.zero_stage == 3 else _chunks(weights, bucket)
+        ag_calls = _chunks(weights, bucket)
         ag = ag_calls * all_gather(weights / ag_calls, group, cluster, net, topo)
         if lay.zero_stage == 1:
             per_step += _exposed(rs, bwd_window, eff.overlap, calls)
             per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
             total += rs + ag
-        elif lay.zero_stage == 2:
+        else:
             per_micro += _exposed(rs, bwd_window, eff.overlap, calls)
             per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
             total += rs * lay.num_microbatches + ag
-        else:
-            per_micro += _exposed(ag, fwd_window, eff.overlap, ag_calls)
-            per_micro += _exposed(ag + rs, bwd_window, eff.overlap, calls + ag_calls)
-            total += (2 * ag + rs) * lay.num_microbatches
     return DPCost(per_micro, per_step, total, encode)
 
 
@@ -342,7 +352,8 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     return Prediction(
         step_s=step, pipeline_s=pipeline, bubble_s=bubble, comm_exposed_s=comm,
         dp_comm_s=dp.total, optimizer_s=breakdown["optimizer"],
-        memory=memory_per_gpu(m, lay, cluster.reserved_bytes), memory_limit=cluster.accel.hbm_bytes,
+        memory=memory_per_gpu(m, lay, cluster.reserved_bytes, cluster.gpus_per_node),
+        memory_limit=cluster.accel.hbm_bytes,
         model_flops=model_flops_per_token(m) * tokens, num_gpus=lay.num_gpus,
         peak_flops=cluster.accel.peak(lay.precision), tokens=tokens,
         breakdown={k: t for k, t in breakdown.items() if t > 0},

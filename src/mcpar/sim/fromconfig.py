@@ -8,7 +8,7 @@ every parameter a rank holds as the model spec does. The layout carries mcpar's 
 (``stages``) and its mixed precision (autocast: fp32 weights), so that ``mcpar check``
 (``controllers.memory.estimate``) and ``mcpar simulate`` price the same memory from the same
 mapping. Settings the cost model does not price (offload, the expert scheduler, dynamic batch
-splitting, topology-aware allocation) are returned as notes, so the CLI says so instead of
+splitting) are returned as notes, so the CLI says so instead of
 ignoring them silently.
 """
 
@@ -30,6 +30,8 @@ CONFIG_KEYS = {
     "recompute": "controllers.memory.activation_checkpointing",
     "compression": "controllers.communication.compression",
     "topology": "controllers.communication.topology",
+    "allocation": "controllers.memory.allocation",
+    "weight_gather": "controllers.communication.weight_gather",
     "global_batch": "optimization.global_batch_size",
     "micro_batch": "optimization.micro_batch_size", "precision": "training.dtype",
     "num_gpus": "parallelism",
@@ -80,6 +82,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         precision=precision or PRECISION[cfg.training.dtype],
         schedule="gpipe" if par.schedule == "gpipe" else "1f1b",
         compression=com.compression, topology=topology, bucket_mb=com.bucket_size_mb,
+        allocation=mem.allocation, weight_gather=com.weight_gather,
         # mcpar's pipeline sends whole activations (a sequence shard under SP), fp32 or bf16.
         p2p_split=par.sequence_parallel,
         autocast=preset is None,
@@ -100,7 +103,6 @@ def unpriced_settings(cfg: JobConfig) -> list[str]:
     notes = []
     for key, value, default in (
         ("controllers.memory.offload", ctl.memory.offload, "none"),
-        ("controllers.memory.allocation", ctl.memory.allocation, "default"),
         ("controllers.compute.scheduler", ctl.compute.scheduler, "static"),
         ("controllers.compute.batch_splitting", ctl.compute.batch_splitting, "fixed"),
     ):

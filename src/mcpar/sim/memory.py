@@ -47,14 +47,18 @@ used min(pp, micro-batches) for GPipe too). Its layers are the first rank's unde
 old estimate took ceil(layers / pp), the simulator layers / pp). The last rank's fp32 logits and
 their gradient (one micro-batch, vocabulary split by tp) count as activations.
 
-Other: the gathered layer and the prefetched one under ZeRO-3, the error-feedback buffers of
-1-bit Adam and PowerSGD.
+Other: under ZeRO-3 the gathered layer, the prefetched one and the root parameters (embedding,
+final norm, head: gathered at the start of each forward, freed after its backward); with the
+hierarchical parameter store its secondary copy (P / k in the weights' dtype, k data ranks per
+node) and, with int8 gradient compression, its fp32 error feedback on the 1/k shard; the
+error-feedback buffers of 1-bit Adam and PowerSGD.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import RESERVED_BYTES
 from mcpar.sim.workload import GATED_FFN, Layout, ModelShape, rank_layers, stage_blocks
@@ -186,11 +190,30 @@ def layers_in_flight(m: ModelShape, lay: Layout) -> float:
     return per_rank * min(lay.pp, mb)
 
 
-def memory_per_gpu(m: ModelShape, lay: Layout,
-                   reserved: float = RESERVED_BYTES) -> MemoryBreakdown:
+def root_params(m: ModelShape, lay: Layout) -> float:
+    """Parameters outside the transformer blocks (embedding, position table, final norm, head)
+    on the pipeline rank holding the most of them."""
+    h, vocab = m.hidden, m.vocab * m.hidden / lay.tp
+    first = vocab + (m.seq_len * h if m.learned_positions else 0)
+    last = 2 * h + (0 if m.tied_embeddings and lay.pp * lay.vp == 1 else vocab)
+    return first + last if lay.pp == 1 else max(first, last)
+
+
+def store_ranks_per_node(lay: Layout, gpus_per_node: int | None) -> int:
+    """k, the data ranks of one node that share a block's secondary copy under the parameter
+    store (1 when the node size is not known: a whole copy, the most it can cost)."""
+    if not gpus_per_node:
+        return 1
+    # Data neighbours are tp ranks apart (mesh order: tp innermost), as the cost model places them.
+    return Group(lay.dp * lay.cp, lay.tp).per_node(gpus_per_node)
+
+
+def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
+                   gpus_per_node: int | None = None) -> MemoryBreakdown:
     """Memory of the busiest rank of `lay` training `m`: the model states of the pipeline rank
     holding the most of them, the first rank's activations in flight, the last rank's logits,
-    and `reserved` bytes of the device's own (0 for the job alone)."""
+    and `reserved` bytes of the device's own (0 for the job alone). `gpus_per_node` sizes the
+    parameter store's secondary copy (see ``store_ranks_per_node``)."""
     w_b, g_b, o_b = state_bytes(lay.precision, lay.autocast)
     dp_group = lay.dp * lay.cp
     ep_group = max(1, dp_group // lay.ep)
@@ -214,7 +237,17 @@ def memory_per_gpu(m: ModelShape, lay: Layout,
 
     other = 0.0
     if z >= 3:
-        other += 2 * params_per_rank(m, lay)[2] * w_b  # the gathered layer and the prefetched
+        # The gathered block and the prefetched one, and the root parameters, gathered at the
+        # start of the forward and held until that micro-batch's backward is done.
+        other += (2 * params_per_rank(m, lay)[2] + root_params(m, lay)) * w_b
+        if lay.allocation == "topology_aware":
+            # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
+            # (k = the node's data ranks).
+            k = store_ranks_per_node(lay, gpus_per_node)
+            other += (dense_rank + expert_rank) * w_b / k
+        if lay.compression == "int8":
+            # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes.
+            other += 4.0 * (dense_rank + expert_rank) / store_ranks_per_node(lay, gpus_per_node)
     if lay.compression == "1bit":
         other += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
     elif lay.compression == "powersgd":

@@ -13,12 +13,20 @@ The search space, for a model, a cluster, a global batch and a precision:
 - micro-batch: divisors of the sequences per data-parallel rank, up to 32;
 - recompute: none, selective, full; ZeRO stage 0-3;
 - gradient compression: none, 16-bit, 1-bit (Adam), PowerSGD (rank 4) (the last two with ZeRO 0);
-- collective topology: flat ring or hierarchical.
+  with the parameter store, bf16 or int8 on its inter-node reduce-scatter;
+- collective topology: flat ring or hierarchical;
+- ZeRO-3 only: the hierarchical parameter store (when the data axis crosses nodes) and int8
+  forward weight gathers.
+
+Only what ``mcpar train`` accepts is ranked: every variant passes ``train_problems`` (the rules
+``mcpar.capabilities.zero_layout_problems`` gives train), e.g. ZeRO > 0 runs its collectives
+flat and without 16-bit compression, ZeRO-3 without a pipeline. ``extra`` layouts are priced
+as given.
 
 Each (tp, cp, pp, vp, ep, micro-batch, recompute) "core" is priced once (``pipeline_core``); ZeRO
-stage, compression and topology only change data-parallel traffic, memory and the optimizer, and
-are priced on top of it (``finish``). Layouts that do not fit in memory are dropped before
-pricing their traffic.
+stage, compression, topology and the store only change data-parallel traffic, memory and the
+optimizer, and are priced on top of it (``finish``). Layouts that do not fit in memory are
+dropped before pricing their traffic.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from mcpar.capabilities import zero_layout_problems
 from mcpar.errors import UserError, problem
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
@@ -78,8 +87,10 @@ class SearchSpace:
 
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    compression: tuple[str, ...] = ("none", "16bit", "1bit", "powersgd")
+    compression: tuple[str, ...] = ("none", "16bit", "1bit", "powersgd", "int8")
     topology: tuple[str, ...] = ("flat", "hierarchical")
+    allocation: tuple[str, ...] = ("default", "topology_aware")
+    weight_gather: tuple[str, ...] = ("none", "int8")
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] = (1, 2, 4, 8)
@@ -129,18 +140,63 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                                              attention=attention)
 
 
-def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
+# The planner's topology names as the config spells them ('auto' is mcpar's 'hybrid').
+CONFIG_TOPOLOGY = {"flat": "flat", "hierarchical": "hierarchical", "auto": "hybrid"}
+
+
+def train_problems(lay: Layout) -> list[str]:
+    """What ``mcpar train`` would refuse in `lay`'s ZeRO, store and codec settings: the rules of
+    ``mcpar.capabilities.zero_layout_problems``, which train applies too, so that a ranked
+    layout is one that trains. mcpar has no context axis: its data axis is dp (a cp > 1 layout
+    is priced, but ZeRO over dp = 1 is refused as train would refuse it)."""
+    problems = zero_layout_problems(
+        lay.zero_stage, lay.dp, ep=lay.ep, pp=lay.pp, vp=lay.vp, compression=lay.compression,
+        topology=CONFIG_TOPOLOGY[lay.topology], allocation=lay.allocation,
+        weight_gather=lay.weight_gather)
+    if lay.ep > 1 and lay.compression != "none":
+        # capabilities.expert_problems: expert weights are reduced uncompressed.
+        problems.append(problem("controllers.communication.compression",
+                                "not applied with parallelism.experts > 1"))
+    if lay.compression == "powersgd" and lay.topology != "flat":
+        # grad_exchange_problems: PowerSGD's factors are all-reduced over one flat group.
+        problems.append(problem("controllers.communication.topology",
+                                "PowerSGD runs flat over the data axis"))
+    return problems
+
+
+def all_variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
+    """Every ZeRO stage x compression x topology x store x weight-gather setting of `core`
+    that the cost model can price, before train's rules (``train_problems``) are applied."""
     for zero in space.zero_stages:
         for comp in space.compression:
             if comp in ("1bit", "powersgd") and zero > 0:
+                continue
+            if comp == "int8" and zero != 3:
                 continue
             if comp == "16bit":
                 if core.precision in ("fp16", "fp32") and zero < 2:
                     continue  # fp16 gradients are 16-bit already; fp32 training keeps fp32
                 comp = "bf16" if core.precision != "fp16" else "fp16"
             topologies = space.topology if multi_node_dp else space.topology[:1]
+            # The store pays only when the data axis crosses nodes (its backward gathers stay
+            # inside the node); the quantized gathers exist only under ZeRO-3.
+            stores = [a for a in space.allocation if a == "default" or (zero == 3 and
+                                                                        multi_node_dp)]
+            gathers = space.weight_gather if zero == 3 else ("none",)
             for topo in topologies:
-                yield core.with_(zero_stage=zero, compression=comp, topology=topo)
+                for alloc in stores:
+                    if comp == "int8" and alloc == "default":
+                        continue
+                    for gather in gathers:
+                        # With the store, its 16-bit codec is bf16 on the inter-node stage.
+                        c = "bf16" if alloc != "default" and comp == "fp16" else comp
+                        yield core.with_(zero_stage=zero, compression=c, topology=topo,
+                                         allocation=alloc, weight_gather=gather)
+
+
+def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
+    """The variants `mcpar train` accepts."""
+    return (lay for lay in all_variants(core, space, multi_node_dp) if not train_problems(lay))
 
 
 def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
@@ -178,13 +234,17 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
     ranked: list[tuple[float, Layout, PipelineCore]] = []
     for core_layout in [*cores, *extra]:
         # The leanest variant of this core (weights, gradients and optimizer state sharded).
-        lean = memory_per_gpu(m, core_layout.with_(zero_stage=3), cluster.reserved_bytes).total
-        if core_layout in extra:
-            lean = memory_per_gpu(m, core_layout, cluster.reserved_bytes).total
+        # The leanest variant of this core: ZeRO-3, or ZeRO-2 where the gathered blocks and
+        # root parameters outweigh what sharding the weights saves (small data axes).
+        leanest = ([core_layout] if core_layout in extra
+                   else [core_layout.with_(zero_stage=z) for z in (3, 2)])
+        lean, lean_layout = min(
+            ((memory_per_gpu(m, lay, cluster.reserved_bytes, cluster.gpus_per_node).total, lay)
+             for lay in leanest), key=lambda item: item[0])
         if lean > limit:
             considered += 1
             if smallest is None or lean < smallest[0]:
-                smallest = (lean, core_layout.with_(zero_stage=3))
+                smallest = (lean, lean_layout)
             continue
         core = pipeline_core(m, core_layout, cluster, eff)
         ranked.append((_lower_bound(core, core_layout), core_layout, core))
@@ -202,7 +262,7 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
                 continue
             seen.add(lay)
             considered += 1
-            mem = memory_per_gpu(m, lay, cluster.reserved_bytes).total
+            mem = memory_per_gpu(m, lay, cluster.reserved_bytes, cluster.gpus_per_node).total
             if mem > limit:
                 continue
             found.append(Candidate(lay, finish(core, m, lay, cluster)))
@@ -233,15 +293,22 @@ def best_or_error(result: PlanResult, cluster: Cluster, where: str) -> Candidate
 
 def format_table(result: PlanResult, top: int) -> str:
     header = (f"{'#':>3} {'layout':<24} {'mb':>3} {'recomp':<9} {'zero':>4} {'compress':<8} "
-              f"{'topology':<12} {'step_s':>9} {'tokens/s':>11} {'MFU':>6} {'mem_GiB':>8} "
-              f"{'comm':>6} {'bubble':>6}")
+              f"{'topology':<12} {'store':<17} {'step_s':>9} {'tokens/s':>11} {'MFU':>6} "
+              f"{'mem_GiB':>8} {'comm':>6} {'bubble':>6}")
     lines = [header, "-" * len(header)]
     for i, cand in enumerate(result.candidates[:top], 1):
         lay, pred = cand.layout, cand.prediction
         desc = lay.describe() + (" sp" if lay.seq_parallel else "")
         lines.append(
             f"{i:>3} {desc:<24} {lay.micro_batch:>3} {lay.recompute:<9} {lay.zero_stage:>4} "
-            f"{lay.compression:<8} {lay.topology:<12} {pred.step_s:>9.3f} "
+            f"{lay.compression:<8} {lay.topology:<12} {_store(lay):<17} {pred.step_s:>9.3f} "
             f"{pred.tokens_per_s:>11.0f} {pred.mfu:>6.1%} {pred.memory.total / GIB:>8.1f} "
             f"{pred.comm_fraction:>6.1%} {pred.bubble_fraction:>6.1%}")
     return "\n".join(lines)
+
+
+def _store(lay: Layout) -> str:
+    """The parameter store and the int8 weight gathers of a ZeRO-3 layout, '-' for neither."""
+    parts = (["store"] if lay.allocation == "topology_aware" else []) + (
+        ["int8-gather"] if lay.weight_gather == "int8" else [])
+    return "+".join(parts) or "-"

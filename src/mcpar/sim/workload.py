@@ -20,7 +20,13 @@ FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
 GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
-COMPRESSION = ("none", "fp16", "bf16", "1bit", "powersgd")
+# int8: the parameter store's inter-node gradient reduce-scatter (ZeRO++ qgZ); with the store,
+# bf16 compresses that stage only as well.
+COMPRESSION = ("none", "fp16", "bf16", "1bit", "powersgd", "int8")
+# default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
+# secondary copy of every block sharded inside the node so that backward gathers stay there.
+ALLOCATION = ("default", "topology_aware")
+WEIGHT_GATHER = ("none", "int8")  # ZeRO-3's forward gathers, block-quantized (ZeRO++ qwZ)
 TOPOLOGY = ("flat", "hierarchical", "auto")
 ATTENTION = ("auto", "flash", "unfused")
 
@@ -113,6 +119,8 @@ class Layout:
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused; auto: unfused for fp16 (see costmodel docs)
     powersgd_rank: int = 4
+    allocation: str = "default"  # see ALLOCATION
+    weight_gather: str = "none"  # see WEIGHT_GATHER
     # Gradient bucket, one collective call each. None: Megatron's rule, max(40M, 1M x dp)
     # elements, which keeps calls few on large data-parallel groups.
     bucket_mb: float | None = None
@@ -252,7 +260,8 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
         bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
     for key, allowed in (("recompute", RECOMPUTE), ("precision", PRECISIONS),
                          ("compression", COMPRESSION), ("topology", TOPOLOGY),
-                         ("attention", ATTENTION), ("schedule", ("gpipe", "1f1b"))):
+                         ("attention", ATTENTION), ("schedule", ("gpipe", "1f1b")),
+                         ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
     if lay.compression == "powersgd" and lay.topology != "flat":
@@ -264,6 +273,17 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.compression in ("1bit", "powersgd") and lay.zero_stage > 0:
         bad("compression", f"{lay.compression} compresses whole replicated gradients (1-bit "
                            "Adam, PowerSGD); it needs zero_stage 0")
+    # The store and the quantized gathers exist only where parameters are gathered (ZeRO-3);
+    # int8 gradients only on the store's inter-node stage: nothing else would price them.
+    if lay.allocation == "topology_aware" and lay.zero_stage != 3:
+        bad("allocation", "'topology_aware' (the hierarchical parameter store) keeps a copy of "
+                          "gathered parameters, which needs zero_stage 3")
+    if lay.weight_gather != "none" and lay.zero_stage != 3:
+        bad("weight_gather", f"{lay.weight_gather!r} quantizes ZeRO-3's parameter gathers; it "
+                             "needs zero_stage 3")
+    if lay.compression == "int8" and lay.allocation != "topology_aware":
+        bad("compression", "'int8' compresses the parameter store's inter-node reduce-scatter; "
+                           "it needs allocation 'topology_aware'")
     return out
 
 
