@@ -12,6 +12,8 @@ that the two cut alike) and can import this one.
 
 from __future__ import annotations
 
+import functools
+
 from mcpar.config import ModelConfig
 
 
@@ -63,8 +65,15 @@ def balanced_cut(first: float, blocks: list[float], last: float,
 
 def partition_layers(cfg: ModelConfig, num_stages: int) -> list[tuple[int, int]]:
     """[start, end) block ranges, one per stage, balancing ``piece_costs``."""
+    return list(_cached_cut(cfg, num_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_cut(cfg: ModelConfig, num_stages: int) -> tuple[tuple[int, int], ...]:
+    # The cut is O(stages x layers^2) (0.2 s for 96 layers in 32 stages) and one resolved plan
+    # asks for it three times (stage cut, memory estimate, its layout); configs are frozen.
     embed, blocks, head = piece_costs(cfg)
-    return balanced_cut(embed, blocks, head, num_stages)
+    return tuple(balanced_cut(embed, blocks, head, num_stages))
 
 
 def stage_sizes(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:

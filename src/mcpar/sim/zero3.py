@@ -51,7 +51,7 @@ class Zero3Traffic:
     forward: float  # the forward gathers (hidden behind the forward by prefetching)
     backward: float  # the backward gathers and gradient reduce-scatters
     encode: float  # quantize / dequantize / error-feedback passes (not hidden)
-    inter_node_bytes: float  # bytes one rank sends across nodes (per micro-batch)
+    inter_node_bytes: float  # bytes one node sends through its NICs (per micro-batch)
 
 
 def uses_store(lay: Layout, group: Group, cluster: Cluster) -> bool:
@@ -83,7 +83,8 @@ def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layou
     if lay.weight_gather == "int8":
         # Quantize the own shard (read w_b, write int8), dequantize the gathered block.
         encode += rl.stream(count / group.size * (w_b + gather_b) + count * (gather_b + w_b))
-    # What a flat ring sends across nodes: (p - 1) / p of the buffer per rank, every call.
+    # What a flat ring sends out of each node: one n / p chunk per ring step, (p - 1) / p of
+    # the buffer per collective (spread over the node's NICs).
     ring_share = (group.size - 1) / group.size if crosses else 0.0
     inter = ring_share * count * gather_b
     if not uses_store(lay, group, cluster):
@@ -109,5 +110,6 @@ def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layou
             encode += rl.stream(count / k * (g_b + shard_b) + count / (k * nodes) * 2 * g_b)
     # The secondary copy: each rank keeps its 1/k slice of every gathered block.
     encode += rl.stream(2 * count / k * w_b)
-    inter += (nodes - 1) / nodes * count / k * shard_b
+    # k shard rings per node, each sending (N - 1) / N of its 1/k shard across nodes.
+    inter += (nodes - 1) / nodes * count * shard_b
     return Zero3Traffic(forward, gather + rs_local + rs_remote, encode, inter)
