@@ -178,7 +178,7 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
     net, topo = eff.network, lay.topology
     layers_rank = max(1, round(m.layers / lay.pp))
     per_micro = per_step = total = encode = 0.0
-    for count, group in groups:
+    for index, (count, group) in enumerate(groups):
         if group.size <= 1:
             continue
         grads, weights = count * g_b, count * w_b
@@ -210,7 +210,10 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             total += comm
             continue
         if lay.zero_stage == 3:
-            z3 = zero3_traffic(count, w_b, g_b, group, lay, cluster, net, topo, calls, rl)
+            # The store caches and compresses the dense buckets; expert weights, reduced over
+            # their own replicas, are gathered and reduced as plain ZeRO-3 does.
+            z3_lay = lay if index == 0 else lay.with_(allocation="default")
+            z3 = zero3_traffic(count, w_b, g_b, group, z3_lay, cluster, net, topo, calls, rl)
             # Prefetching hides the next block's gather behind the current block's compute.
             per_micro += _exposed(z3.forward, fwd_window, eff.overlap, calls)
             per_micro += _exposed(z3.backward, bwd_window, eff.overlap, 2 * calls)

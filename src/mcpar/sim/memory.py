@@ -242,12 +242,13 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
         other += (2 * params_per_rank(m, lay)[2] + root_params(m, lay)) * w_b
         if lay.allocation == "topology_aware":
             # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
-            # (k = the node's data ranks).
+            # (k = the node's data ranks). Dense parameters only: expert weights are gathered
+            # over their own replicas, uncached.
             k = store_ranks_per_node(lay, gpus_per_node)
-            other += (dense_rank + expert_rank) * w_b / k
-        if lay.compression == "int8":
-            # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes.
-            other += 4.0 * (dense_rank + expert_rank) / store_ranks_per_node(lay, gpus_per_node)
+            other += dense_rank * w_b / k
+            if lay.compression == "int8":
+                # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes.
+                other += 4.0 * dense_rank / k
     if lay.compression == "1bit":
         other += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
     elif lay.compression == "powersgd":
