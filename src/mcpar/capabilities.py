@@ -23,7 +23,6 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
     ctl = cfg.controllers
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
-        ("controllers.memory.allocation", ctl.memory.allocation, "default"),
         ("controllers.memory.offload", ctl.memory.offload, "none"),
         ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
          "none"),
@@ -33,6 +32,11 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         for key, value, works in checks
         if value != works
     ]
+    if ctl.memory.zero_stage == 0:  # with ZeRO, the plan checks them (controllers/memory)
+        wire = ctl.communication
+        problems += zero_layout_problems(0, 1, compression=wire.compression,
+                                         allocation=ctl.memory.allocation,
+                                         weight_gather=wire.weight_gather)
     return problems + expert_problems(cfg) + environment_problems(cfg)
 
 
@@ -84,4 +88,70 @@ def expert_problems(cfg: JobConfig) -> list[str]:
             "weights are reduced over their own replicas, uncompressed); use compression "
             "'none' and optimizer 'adamw', or parallelism.experts 1",
         ))
+    return problems
+
+
+def zero_layout_problems(zero_stage: int, dp: int, *, ep: int = 1, pp: int = 1, vp: int = 1,
+                         compression: str = "none", topology: str = "flat",
+                         allocation: str = "default", weight_gather: str = "none",
+                         scheduler: str = "static") -> list[str]:
+    """The ZeRO and parameter-store combinations ``mcpar train`` cannot run, one problem per key.
+
+    One rule set for ``mcpar train`` (through ``controllers/memory/zero.py``) and the planner
+    (``mcpar.sim.planner``), so that a layout the planner ranks is one that trains. Arguments
+    are plain values: the planner has layouts, not job configs."""
+    problems = []
+    key = "controllers.memory.zero_stage"
+    store = allocation == "topology_aware"
+    if store and zero_stage != 3:
+        problems.append(problem("controllers.memory.allocation", "'topology_aware' (the "
+                                "hierarchical parameter store) caches gathered parameters, "
+                                "which needs zero_stage 3; set zero_stage 3 or allocation "
+                                "'default'"))
+    if weight_gather != "none" and zero_stage != 3:
+        problems.append(problem("controllers.communication.weight_gather",
+                                f"{weight_gather!r} quantizes ZeRO-3's parameter gathers, and "
+                                "zero_stage is not 3; set zero_stage 3 or weight_gather 'none'"))
+    if zero_stage == 0:
+        if compression == "int8":
+            problems.append(problem("controllers.communication.compression",
+                                    "'int8' compresses the hierarchical parameter store's "
+                                    "inter-node reduce-scatter; set zero_stage 3 and allocation "
+                                    "'topology_aware', or use fp16/bf16/1bit/powersgd"))
+        return problems
+    if dp == 1:
+        problems.append(problem(key, f"{zero_stage} shards over the data-parallel ranks and "
+                                "this layout has data 1, so nothing would be sharded; use more "
+                                "data-parallel ranks or zero_stage 0"))
+    if compression in ("bf16", "int8") and not store:
+        problems.append(problem("controllers.communication.compression",
+                                f"{compression!r} applies to the hierarchical parameter store's "
+                                "inter-node reduce-scatter; set controllers.memory.allocation "
+                                "'topology_aware' (zero_stage 3) or compression 'none'"))
+    elif compression not in ("none", "bf16", "int8", "1bit"):  # 1-bit: plan.py says why
+        problems.append(problem("controllers.communication.compression",
+                                f"{compression!r} is not applied to ZeRO's reduce-scatter; use "
+                                "compression 'none' with zero_stage > 0"))
+    if topology != "flat":
+        problems.append(problem("controllers.communication.topology",
+                                f"{topology!r}: ZeRO's collectives run flat over the data axis "
+                                "(the node-aware variant is controllers.memory.allocation "
+                                "'topology_aware'); use topology 'flat' with zero_stage > 0"))
+    if scheduler != "static":
+        problems.append(problem("controllers.compute.scheduler",
+                                f"{scheduler!r} migrates experts with their optimizer state, "
+                                "which ZeRO shards; use 'static' with zero_stage > 0"))
+    if zero_stage >= 2 and vp > 1:
+        problems.append(problem("parallelism.virtual_stages",
+                                f"{vp} chunks per rank with zero_stage {zero_stage} (which "
+                                "reduces after every backward) is not supported; use "
+                                "virtual_stages 1 or zero_stage 1"))
+    if zero_stage == 3 and pp > 1:
+        problems.append(problem(key, "3 with parallelism.pipeline > 1 is not supported in this "
+                                "version (the stages' tied embedding would be gathered on two "
+                                "ranks); use zero_stage 1 or 2 with a pipeline"))
+    if compression == "int8" and ep > 1:
+        problems.append(problem("controllers.communication.compression",
+                                "'int8' is not applied to expert weights' reduce-scatter; use "
+                                "'bf16' or 'none' with parallelism.experts > 1"))
     return problems

@@ -143,22 +143,18 @@ class ParallelismConfig(_Section):
         None, ge=1, le=MAX_DEGREE,
         description="Data-parallel degree; default: what the world size leaves.",
     )
-    tensor: int = Field(
-        1, ge=1, le=MAX_DEGREE, description="Tensor-parallel degree (innermost, intra-node)."
-    )
-    pipeline: int = Field(
-        1, ge=1, le=MAX_DEGREE, description="Pipeline-parallel degree (outermost)."
-    )
+    tensor: int = Field(1, ge=1, le=MAX_DEGREE,
+                        description="Tensor-parallel degree (innermost, intra-node).")
+    pipeline: int = Field(1, ge=1, le=MAX_DEGREE,
+                          description="Pipeline-parallel degree (outermost).")
     experts: int = Field(
         1, ge=1, le=MAX_DEGREE, description="Expert-parallel degree, carved out of the data axis."
     )
-    virtual_stages: int = Field(
-        1, ge=1, le=MAX_LAYERS, description="Pipeline stages per rank (interleaving)."
-    )
+    virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS,
+                                description="Pipeline stages per rank (interleaving).")
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
-        "1f1b", description="Pipeline schedule."
-    )
+        "1f1b", description="Pipeline schedule.")
 
 
 class ComputeControllerConfig(_Section):
@@ -186,13 +182,14 @@ class ComputeControllerConfig(_Section):
 
 class MemoryControllerConfig(_Section):
     allocation: Literal["default", "topology_aware"] = Field(
-        "default", description="Parameter placement policy."
+        "default", description="'topology_aware' (ZeRO-3): the hierarchical parameter "
+        "store, a node-local copy of each gathered layer so backward gathers stay in the node."
     )
     offload: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Where optimizer state and cold parameters may be offloaded."
     )
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
-                            "none, 1 optimizer state, 2 also gradients (3: not trainable yet).")
+                            "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation policy."
     )
@@ -204,9 +201,12 @@ class MemoryControllerConfig(_Section):
 
 
 class CommunicationControllerConfig(_Section):
-    compression: Literal["none", "fp16", "bf16", "1bit", "powersgd"] = Field(
-        "none", description="Gradient compression codec."
+    compression: Literal["none", "fp16", "bf16", "1bit", "powersgd", "int8"] = Field(
+        "none", description="Gradient compression codec (int8: the parameter store's inter-node "
+        "reduce-scatter, with error feedback)."
     )
+    weight_gather: Literal["none", "int8"] = Field(
+        "none", description="ZeRO-3 forward parameter gathers: int8 block-quantized or not.")
     topology: Literal["flat", "hierarchical", "hybrid"] = Field(
         "flat", description="Collective algorithm: flat ring, hierarchical, or chosen per size."
     )

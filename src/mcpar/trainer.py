@@ -42,6 +42,7 @@ from mcpar.controllers.compute.controller import ComputeController, StepBatch
 from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.memory.held import model_state_bytes
+from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
 from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
@@ -81,7 +82,7 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
                     exchange: GradExchangePlan, comm: CommunicationController,
-                    sync: DataParallelGradSync,
+                    sync: DataParallelGradSync, store: ParameterStore | None = None,
                     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
     """AdamW; or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
     is exchanged in 1 bit past its freeze step, through the CommunicationController); or, under
@@ -91,7 +92,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
     stage = cfg.controllers.memory.zero_stage
     if stage > 0:
         zero = ZeroAdamW(sync, comm, stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                         weight_decay=opt.weight_decay)
+                         weight_decay=opt.weight_decay, store=store)
         return zero, list(zero.pieces)
     groups = decay_groups(params, opt.weight_decay)
     if exchange.strategy == "onebit":
@@ -163,10 +164,18 @@ class Trainer:
         # the data axis (experts: their replicas); stage 2 keeps no full gradient.
         self.zero_stage = cfg.controllers.memory.zero_stage
         shards = tuple((self.comm.axis_size(a), self.comm.axis_rank(a)) for a in ("dp", "edp"))
-        self.grad_sync = DataParallelGradSync(
-            self.pm.params, comm_plan.bucket_size_mb, overlap=comm_plan.overlap,
-            shards=shards if self.zero_stage else None,  # type: ignore[arg-type]
-            release_grads=self.zero_stage == 2)
+        self.store: ParameterStore | None = None
+        if self.zero_stage == 3:  # parameters sharded too, gathered per layer
+            self.grad_sync, self.store, store_text = build_stage3(
+                cfg, self.comm, self.pm.chunks, shards,  # type: ignore[arg-type]
+                comm_plan.bucket_size_mb, comm_plan.overlap)
+            if self.rank == 0:
+                print(f"mcpar: {store_text}", flush=True)
+        else:
+            self.grad_sync = DataParallelGradSync(
+                self.pm.params, comm_plan.bucket_size_mb, overlap=comm_plan.overlap,
+                shards=shards if self.zero_stage else None,  # type: ignore[arg-type]
+                release_grads=self.zero_stage == 2)
         if plan.batch_splitting == "dynamic":
             choice, report = choose_split(
                 cfg, self.dims, self.pm.chunks, self.pm.loss_fn, self.device, self.comm,
@@ -179,9 +188,12 @@ class Trainer:
         if self.rank == 0 and not resume:
             write_json_atomic(run_dir / "plan.json", plan.to_json())
         self.optimizer, self.update_params = build_optimizer(self.pm.params, cfg, comm_plan,
-                                                             self.comm, self.grad_sync)
+                                                             self.comm, self.grad_sync,
+                                                             self.store)
         self.grad_exchange, exchange_text = build_grad_exchange(
             comm_plan, cfg, self.comm, self.grad_sync, self.optimizer, tr.seed)
+        if self.store is not None:  # the store reduces each layer's gradients and frees it
+            self.grad_exchange.reducer = self.store.aggregate_gradients  # type: ignore[attr-defined]
         if self.rank == 0 and comm_plan.strategy != "none":
             print(f"mcpar: {exchange_text}", flush=True)
         self.executor = PipelineExecutor(
@@ -193,7 +205,7 @@ class Trainer:
         self.compute = ComputeController(
             step_tasks(plan.schedule or "1f1b", self.dims.axis_rank("pp"), self.dims.pp,
                        plan.num_microbatches, plan.virtual_stages,
-                       reduce_every_backward=self.zero_stage == 2),
+                       reduce_every_backward=self.zero_stage >= 2),
             self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
             self.grad_sync, self._update)
         self.moe: MoERoutingController | None = None
@@ -206,7 +218,8 @@ class Trainer:
             *([self.moe] if self.moe is not None else [])])
         self.recovery = FaultRecoveryManager(
             cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
-            self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state)
+            self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state,
+            full_params=self.store.full_parameters if self.store is not None else None)
         if env is not None and cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
         self.start_step = self.recovery.restore() if resume else 0
@@ -360,7 +373,9 @@ class Trainer:
 
     def _largest_model_state(self) -> dict[str, int]:
         """The model-state bytes (counted from the tensors) of the rank holding the most."""
-        held = model_state_bytes(self.pm.params, self.grad_sync, self.optimizer)
+        held = model_state_bytes(self.pm.params, self.grad_sync, self.optimizer,
+                                 self.store.held_tensors() if self.store is not None
+                                 else ([], []))
         rows = self.comm.all_gather(torch.tensor(list(held.values()), dtype=torch.float64),
                                     axis="world")
         largest = max(rows, key=lambda row: float(row.sum()))

@@ -55,6 +55,7 @@ gives the reason), and resume falls back to the previous valid one, logged in re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -202,14 +203,20 @@ class FaultRecoveryManager:
     def __init__(self, cfg: JobConfig, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
                  optimizer: torch.optim.Optimizer, stream: Any, rank: int,
                  barrier: Callable[[], None], agree: Callable[[int], int],
-                 rank_state: Any = None):
+                 rank_state: Any = None,
+                 full_params: Callable[[bool], contextlib.AbstractContextManager[None]]
+                 | None = None):
         """``rank_state``: an object with ``tensors()`` (name -> live tensor) and
-        ``load(tensors)`` for per-rank state such as compression errors; None for none."""
+        ``load(tensors)`` for per-rank state such as compression errors; None for none.
+        ``full_params``: ZeRO-3's gather of every parameter for the time of a save (False) or a
+        restore (True: the shards are then taken from what was loaded); the checkpoint's model
+        keys are the unsharded parameters', whatever the stage."""
         self.cfg = cfg
         self.ckpt = cfg.optimization.checkpoint
         self.dir = checkpoint_dir(cfg, run_dir)
         self.dims = dims
         self.chunks = chunks
+        self.full_params = full_params or (lambda _write_back: contextlib.nullcontext())
         self.optimizer = optimizer
         self.stream = stream
         self.rank = rank
@@ -319,16 +326,19 @@ class FaultRecoveryManager:
         t0 = time.perf_counter()
         # One save in flight: its staging buffers are reused, and its error surfaces here.
         waited = self.wait()
-        state = self._state_dict(self.ckpt.strategy, None)
         # What resume needs besides the tensors, captured now (as JSON text: nothing the
         # training thread mutates later can leak into it).
         meta = json.dumps(self._meta(step), indent=2) if self.rank == 0 else ""
         timing = {"t0": t0, "waited": waited}
-        if not self.async_save:
-            self._write_and_commit(step, packing.pack(state), None, meta, self._sync_coord,
-                                   timing)
-            return self.dir / f"step-{step}"
-        staged, ready = self._staging.stage(state)
+        with self.full_params(False):
+            state = self._state_dict(self.ckpt.strategy, None)
+            if not self.async_save:
+                self._write_and_commit(step, packing.pack(state), None, meta,
+                                       self._sync_coord, timing)
+                return self.dir / f"step-{step}"
+            staged, ready = self._staging.stage(state)
+            if ready is not None:
+                ready.synchronize()  # the copies are done before ZeRO-3 frees the parameters
         timing["staged"] = time.perf_counter() - t0
         self._pending = BackgroundSave(step, lambda: self._write_and_commit(
             step, staged, ready, meta, self._async_coord, timing))
@@ -451,6 +461,10 @@ class FaultRecoveryManager:
     # --- load ------------------------------------------------------------------------------------
     def restore(self) -> int:
         """Restore the newest valid checkpoint; return the step it holds (0 if none)."""
+        with self.full_params(True):
+            return self._restore()
+
+    def _restore(self) -> int:
         self.wait()  # a save of this process still in flight is part of what may be restored
         found = find_latest_valid(self.dir, self.log) if self.rank == 0 else None
         # Rank 0 alone verifies checksums, then tells everyone which step it chose.

@@ -23,6 +23,7 @@ optimizer it runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -127,9 +128,14 @@ class ReduceScatterExchange(AllReduceExchange):
     replicas ('dp', or 'edp' for expert buckets); the sync says where the shard goes."""
 
     name = "reduce_scatter"
+    # ZeRO-3: the MemoryController's parameter store reduces (flat or node by node) and frees
+    # the layer's parameters; None: a reduce-scatter over the bucket's axis.
+    reducer: Callable[[GradBucket], CommHandle] | None = None
 
     def launch(self, bucket: GradBucket) -> CommHandle | None:
         assert bucket.scatter_out is not None, "ZeRO buckets carry their shard"
+        if self.reducer is not None:
+            return self.reducer(bucket)
         if self.degree > 1:
             bucket.buffer.div_(self.degree)  # the data degree, as for an all-reduce
         return self.comm.reduce_scatter_into(bucket.scatter_out, bucket.buffer, axis=bucket.axis,

@@ -96,16 +96,18 @@ class DataParallelGradSync:
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_size_mb: float = 25.0,
                  overlap: bool = True, shards: ShardSpec | None = None,
-                 release_grads: bool = False):
+                 release_grads: bool = False,
+                 groups: list[list[torch.nn.Parameter]] | None = None):
         """``shards``: under ZeRO, the (degree, this rank's position) of the dense buckets'
         reduce-scatter and of the expert buckets'; None for all-reduce. ``release_grads``:
-        ZeRO stage 2 (see the module's docstring)."""
+        ZeRO stages 2 and 3 (see the module's docstring). ``groups``: the buckets' parameters,
+        in launch order (stage 3: one per layer and kind); default: cut by size."""
         self.overlap = overlap
         self.exchange: BucketExchange | None = None
         self.release_grads = release_grads
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20), shards,
-                                          views=not release_grads)
+                                          views=not release_grads, groups=groups)
         self._round_open = False
         self._next_launch = 0
         self._bucket_of: dict[int, GradBucket] = {}
@@ -122,9 +124,9 @@ class DataParallelGradSync:
         self.exchange = exchange
 
     @staticmethod
-    def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
-                      shards: ShardSpec | None = None,
-                      views: bool = True) -> list[GradBucket]:
+    def _size_groups(params: list[torch.nn.Parameter],
+                     bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+        """Buckets of about ``bucket_bytes``, in reverse registration order (backward order)."""
         groups: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in reversed(params):
@@ -137,6 +139,15 @@ class DataParallelGradSync:
                 size = 0
             groups[-1].append(p)
             size += nbytes
+        return groups
+
+    @staticmethod
+    def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+                      shards: ShardSpec | None = None, views: bool = True,
+                      groups: list[list[torch.nn.Parameter]] | None = None,
+                      ) -> list[GradBucket]:
+        if groups is None:
+            groups = DataParallelGradSync._size_groups(params, bucket_bytes)
         buckets = []
         for index, group in enumerate(groups):
             expert = is_expert_sharded(group[0])

@@ -25,14 +25,17 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 
 
 def model_state_bytes(params: list[torch.nn.Parameter], sync: DataParallelGradSync,
-                      optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+                      optimizer: torch.optim.Optimizer,
+                      stored: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], []),
+                      ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds right now;
+    ``stored``: ZeRO-3's parameter store (shards, node caches; a freed layer holds nothing)."""
     seen: set[int] = set()
     grads: list[torch.Tensor] = [b.buffer for b in sync.buckets]
     grads += [b.shard for b in sync.buckets if b.shard is not None]
-    grads += [p.grad for p in params if p.grad is not None]
+    grads += [p.grad for p in params if p.grad is not None] + stored[1]
     state = [t for s in optimizer.state.values() for t in s.values()
              if isinstance(t, torch.Tensor)]
-    return {"parameters": _storage_bytes(params, seen),
+    return {"parameters": _storage_bytes([*params, *stored[0]], seen),
             "gradients": _storage_bytes(grads, seen),
             "optimizer state": _storage_bytes(state, seen)}

@@ -1,5 +1,6 @@
 """ZeRO stages 1 and 2: the MemoryController shards optimizer state (and gradients) over the
-data axis.
+data axis. (Stage 3 shards the parameters too: ``param_store.py``; its optimizer is this one,
+over the store's shards.)
 
 Why hand-written
     torch's ``fully_shard`` (FSDP2) shards parameters module by module and issues its own
@@ -41,11 +42,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from mcpar.capabilities import zero_layout_problems
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.communication.grad_exchange import uses_onebit_adam
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync, GradBucket
-from mcpar.errors import problem
+from mcpar.controllers.memory.param_store import ParameterStore
 from mcpar.parallel.expert import EXPERT_SHARDED_ATTR
 from mcpar.parallel.tensor import SEQUENCE_PARALLEL_ATTR, TP_SHARDED_ATTR
 
@@ -61,7 +62,9 @@ class ShardPiece(nn.Parameter):
     end: int
 
 
-def _pieces(bucket: GradBucket, flat: torch.Tensor, rank: int) -> list[ShardPiece]:
+def _pieces(bucket: GradBucket, owned: torch.Tensor, rank: int) -> list[ShardPiece]:
+    """The pieces of ``owned``, this rank's elements [rank S, (rank + 1) S) of the bucket's
+    flat parameters (a view of them, or stage 3's shard)."""
     assert bucket.shard is not None
     size = bucket.shard.numel()
     lo_shard = rank * size
@@ -70,7 +73,7 @@ def _pieces(bucket: GradBucket, flat: torch.Tensor, rank: int) -> list[ShardPiec
         lo, hi = max(offset, lo_shard), min(offset + p.numel(), lo_shard + size)
         if lo >= hi:
             continue
-        piece = ShardPiece(flat[lo:hi])
+        piece = ShardPiece(owned[lo - lo_shard:hi - lo_shard])
         piece.grad = bucket.shard[lo - lo_shard:hi - lo_shard]
         piece.source, piece.start, piece.end = p, lo - offset, hi - offset
         for attr in INHERITED_ATTRS:
@@ -86,23 +89,34 @@ class ZeroAdamW(torch.optim.AdamW):
     checkpoints see exactly the state this rank owns."""
 
     def __init__(self, sync: DataParallelGradSync, comm: Communicator, stage: int, lr: float,
-                 betas: tuple[float, float], weight_decay: float):
+                 betas: tuple[float, float], weight_decay: float,
+                 store: ParameterStore | None = None):
+        """``store``: stage 3's parameter store, whose shards the pieces are (the next forward
+        gathers them: no all-gather after the step)."""
         self.comm = comm
         self.stage = stage
+        self.store = store
         self.buckets = sync.buckets
         self.flats: list[torch.Tensor] = []
         decay: list[ShardPiece] = []
         no_decay: list[ShardPiece] = []
         for bucket in self.buckets:
             assert bucket.shard is not None, "the sync was built without ZeRO shards"
-            flat = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
-            with torch.no_grad():
-                for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    view = flat[offset:offset + p.numel()]
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view_as(p)  # the model now computes with the flat buffer
-            self.flats.append(flat)
-            for piece in _pieces(bucket, flat, comm.axis_rank(bucket.axis)):
+            rank = comm.axis_rank(bucket.axis) if bucket.degree > 1 else 0
+            size = bucket.numel // bucket.degree
+            if store is not None:
+                owned = store.primary[bucket.index]
+            else:
+                flat = torch.zeros(bucket.numel, dtype=bucket.shard.dtype,
+                                   device=bucket.shard.device)
+                with torch.no_grad():
+                    for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                        view = flat[offset:offset + p.numel()]
+                        view.copy_(p.detach().reshape(-1))
+                        p.data = view.view_as(p)  # the model now computes with the flat buffer
+                self.flats.append(flat)
+                owned = flat[rank * size:(rank + 1) * size]
+            for piece in _pieces(bucket, owned, rank):
                 # Weight decay on matrices only, as for the unsharded optimizer.
                 (decay if piece.source.dim() >= 2 else no_decay).append(piece)
         super().__init__([{"params": decay, "weight_decay": weight_decay},
@@ -115,6 +129,9 @@ class ZeroAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         super().step()
+        if self.store is not None:
+            self.store.after_step()
+            return
         for bucket, flat in zip(self.buckets, self.flats, strict=True):
             size = flat.numel() // bucket.degree
             rank = self.comm.axis_rank(bucket.axis) if bucket.degree > 1 else 0
@@ -155,56 +172,46 @@ class MemoryPlacement:
 
 
 def plan_placement(cfg: JobConfig, dp: int, ep: int) -> MemoryPlacement:
-    """What each rank holds of every parameter group under ``cfg``'s ZeRO stage."""
-    stage = cfg.controllers.memory.zero_stage
+    """What each rank holds of every parameter group under ``cfg``'s ZeRO stage (and, at
+    stage 3, the parameter store's copies)."""
+    mem = cfg.controllers.memory
+    stage, store = mem.zero_stage, mem.allocation == "topology_aware"
     groups = [("dense", "dp", dp)]
     if ep > 1:
         groups.append(("experts", "edp", dp // ep))
     placed = []
     for name, axis, n in groups:
         shard = f"a 1/{n} shard"
+        if stage < 3:
+            parameters = "a full copy"
+        else:
+            parameters = (f"{shard} (the global store); each layer gathered over '{axis}' "
+                          "just before its forward and its backward, freed after")
+            if store and name == "dense":
+                parameters += ("; a node-local 1/(ranks per node) copy of each layer, filled by "
+                               "the forward gather, serves the backward gather inside the node")
         placed.append(GroupPlacement(
-            name, axis, n, parameters="a full copy",
+            name, axis, n, parameters=parameters,
             gradients=("a full copy (all-reduced)" if stage == 0 else
                        f"a full buffer, reduce-scattered into {shard} once per step"
                        if stage == 1 else
-                       f"{shard} (each bucket reduce-scattered and freed per backward)"),
+                       f"{shard} (each bucket reduce-scattered and freed per backward"
+                       + (", inside the node then across nodes)" if store and name == "dense"
+                          else ")")),
             optimizer_state="a full copy" if stage == 0 else shard))
     return MemoryPlacement(stage, tuple(placed))
 
 
 def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
-    """ZeRO settings this version cannot honour as described; each names its key."""
-    stage = cfg.controllers.memory.zero_stage
-    if stage == 0:
+    """ZeRO settings this version cannot honour as described; each names its key (the rules
+    are shared with the planner: ``capabilities.zero_layout_problems``)."""
+    par, ctl = cfg.parallelism, cfg.controllers
+    if ctl.memory.zero_stage == 0:
+        # The store and its codecs without ZeRO-3 are refused by ``mcpar train`` alone
+        # (capabilities.unsupported_settings): plans of the seed's own file stay checkable.
         return []
-    key = "controllers.memory.zero_stage"
-    comm, par = cfg.controllers.communication, cfg.parallelism
-    problems = []
-    if stage == 3:
-        problems.append(problem(key, "3 (parameters sharded and gathered per layer) is not "
-                                "available for training in this version; use 1 or 2"))
-    if dp == 1:
-        problems.append(problem(key, f"{stage} shards over the data-parallel ranks and this "
-                                "layout has data 1, so nothing would be sharded; use more "
-                                "data-parallel ranks or zero_stage 0"))
-    if comm.compression != "none" and not uses_onebit_adam(cfg):  # 1-bit: plan.py says why
-        problems.append(problem("controllers.communication.compression",
-                                f"{comm.compression!r} is not applied to ZeRO's reduce-scatter "
-                                "in this version; use compression 'none' with zero_stage > 0"))
-    if comm.topology != "flat":
-        problems.append(problem("controllers.communication.topology",
-                                f"{comm.topology!r}: ZeRO's reduce-scatter and all-gather run "
-                                "flat over the data axis in this version; use topology 'flat' "
-                                "with zero_stage > 0"))
-    if cfg.controllers.compute.scheduler != "static":
-        problems.append(problem("controllers.compute.scheduler",
-                                f"{cfg.controllers.compute.scheduler!r} migrates experts with "
-                                "their optimizer state, which ZeRO shards; use 'static' with "
-                                "zero_stage > 0"))
-    if stage == 2 and par.virtual_stages > 1:
-        problems.append(problem("parallelism.virtual_stages",
-                                f"{par.virtual_stages} chunks per rank with zero_stage 2 (which "
-                                "reduces after every backward) is not supported in this "
-                                "version; use virtual_stages 1 or zero_stage 1"))
-    return problems
+    return zero_layout_problems(
+        ctl.memory.zero_stage, dp, ep=par.experts, pp=par.pipeline, vp=par.virtual_stages,
+        compression=ctl.communication.compression, topology=ctl.communication.topology,
+        allocation=ctl.memory.allocation, weight_gather=ctl.communication.weight_gather,
+        scheduler=ctl.compute.scheduler)
