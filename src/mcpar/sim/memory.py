@@ -47,10 +47,12 @@ used min(pp, micro-batches) for GPipe too). Its layers are the first rank's unde
 old estimate took ceil(layers / pp), the simulator layers / pp). The last rank's fp32 logits and
 their gradient (one micro-batch, vocabulary split by tp) count as activations.
 
+The hierarchical parameter store adds its secondary copy to the parameters (P / k of the dense
+parameters in the weights' dtype, k data ranks per node) and, with int8 gradient compression,
+its fp32 error feedback on the 1/k shard to the gradients: both are held between steps.
+
 Other: under ZeRO-3 the gathered layer, the prefetched one and the root parameters (embedding,
-final norm, head: gathered at the start of each forward, freed after its backward); with the
-hierarchical parameter store its secondary copy (P / k in the weights' dtype, k data ranks per
-node) and, with int8 gradient compression, its fp32 error feedback on the 1/k shard; the
+final norm, head: gathered at the start of each forward, freed after its backward); the
 error-feedback buffers of 1-bit Adam and PowerSGD.
 """
 
@@ -242,13 +244,15 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
         other += (2 * params_per_rank(m, lay)[2] + root_params(m, lay)) * w_b
         if lay.allocation == "topology_aware":
             # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
-            # (k = the node's data ranks). Dense parameters only: expert weights are gathered
-            # over their own replicas, uncached.
+            # (k = the node's data ranks), held between steps like the shards, so counted with
+            # the parameters (as ``controllers/memory/held.py`` counts the tensors). Dense
+            # parameters only: expert weights are gathered over their own replicas, uncached.
             k = store_ranks_per_node(lay, gpus_per_node)
-            other += dense_rank * w_b / k
+            weights += dense_rank * w_b / k
             if lay.compression == "int8":
-                # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes.
-                other += 4.0 * dense_rank / k
+                # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes,
+                # gradient state.
+                grads += 4.0 * dense_rank / k
     if lay.compression == "1bit":
         other += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
     elif lay.compression == "powersgd":
