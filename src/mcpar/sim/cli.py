@@ -221,7 +221,9 @@ def _describe(model: ModelShape, lay: Layout, cluster: Cluster, pred: Prediction
         f"{lay.micro_batch} x {lay.num_microbatches} micro-batches, global batch "
         f"{lay.global_batch}, recompute {lay.recompute}, ZeRO {lay.zero_stage}, "
         f"{lay.precision}, attention {lay.attention_kind}, compression {lay.compression}, "
-        f"topology {lay.topology}",
+        f"topology {lay.topology}"
+        + (", the hierarchical parameter store" if lay.allocation == "topology_aware" else "")
+        + (", int8 weight gathers" if lay.weight_gather == "int8" else ""),
         f"step:    {pred.step_s:.4f} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
         f"shares:  exposed communication {pred.comm_fraction:.1%}, pipeline bubble "
         f"{pred.bubble_fraction:.1%}",
