@@ -135,7 +135,9 @@ def test_checkpoints_reshard_across_zero_stages(runs: dict[str, Path], tmp_path:
 
 
 @pytest.mark.parametrize("setting,key", [
-    ("controllers.memory.zero_stage=3", "controllers.memory.zero_stage"),
+    ("controllers.memory.allocation=topology_aware", "controllers.memory.allocation"),
+    ("controllers.communication.weight_gather=int8", "controllers.communication.weight_gather"),
+    ("controllers.communication.compression=int8", "controllers.communication.compression"),
     ("controllers.communication.topology=hierarchical", "controllers.communication.topology"),
     ("controllers.communication.compression=fp16", "controllers.communication.compression"),
     ("optimization.optimizer=onebit_adam", "controllers.memory.zero_stage"),

@@ -60,10 +60,13 @@ class MemoryEstimate:
 
 
 def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
-    """The cost model's breakdown for a resolved config (no device reserve)."""
+    """The cost model's breakdown for a resolved config (no device reserve). The node size
+    (``cluster.ranks_per_node``) sizes the parameter store's node-local copy; when it is left to
+    detection, the estimate takes the most that copy can cost (one rank per node)."""
     world = dims.dp * dims.tp * dims.pp
     layout = config_layout(cfg, world)
-    return memory_per_gpu(config_model(cfg), layout, reserved=0.0)
+    return memory_per_gpu(config_model(cfg), layout, reserved=0.0,
+                          gpus_per_node=cfg.cluster.ranks_per_node)
 
 
 def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:

@@ -133,6 +133,9 @@ class ParameterStore:
         self.primary: dict[int, torch.Tensor] = {}
         self.cache: dict[int, torch.Tensor] = {}
         self.residual: dict[int, torch.Tensor] = {}  # int8 gradients' error feedback
+        # (event, unit) in order when a list is given: 'fetch' / 'fetch_cache' (a gather
+        # starts), 'use' (a layer's compute may start), 'free'; read by tests and profiles.
+        self.trace: list[tuple[str, str]] | None = None
         if node_cache:
             self._check_node_major()
         k = comm.axis_size("dp_intra")
@@ -186,8 +189,13 @@ class ParameterStore:
             flat = self.flat[bucket.index]
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         from_cache = backward and unit.cache_fresh
+        self._note("fetch_cache" if from_cache else "fetch", unit)
         unit.cache_fresh = unit.cache_fresh or (self.node_cache and not backward)
         unit.handle = self.comm.run_async(lambda: self._gather(unit, from_cache))
+
+    def _note(self, event: str, unit: StoreUnit) -> None:
+        if self.trace is not None:
+            self.trace.append((event, unit.name))
 
     def wait(self, unit: StoreUnit) -> None:
         if unit.handle is not None:
@@ -273,6 +281,8 @@ class ParameterStore:
 
     # --- residency ------------------------------------------------------------------------------
     def _free(self, unit: StoreUnit) -> None:
+        if unit.gathered:
+            self._note("free", unit)
         self.wait(unit)
         for bucket in unit.buckets:
             self.flat[bucket.index].untyped_storage().resize_(0)
@@ -336,6 +346,7 @@ class ParameterStore:
             if blocks:
                 self.fetch_parameters(blocks[0])
             self.wait(root)
+            self._note("use", root)
         return hook
 
     def _chunk_post(self, root: StoreUnit, blocks: list[StoreUnit]):  # type: ignore[no-untyped-def]
@@ -356,6 +367,7 @@ class ParameterStore:
             if after is not None:
                 self.fetch_parameters(after)
             self.wait(unit)
+            self._note("use", unit)
         return hook
 
     def _block_post(self, unit: StoreUnit, before: StoreUnit | None):  # type: ignore[no-untyped-def]
@@ -364,6 +376,7 @@ class ParameterStore:
             if before is not None:
                 self.fetch_parameters(before, backward=True)
             self.wait(unit)
+            self._note("use", unit)
 
         def hook(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
             self._free(unit)
