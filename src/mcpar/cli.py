@@ -278,7 +278,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"batch_splitting={ctl.compute.batch_splitting}; memory allocation="
         f"{ctl.memory.allocation} offload={ctl.memory.offload} zero_stage={ctl.memory.zero_stage}; "
         f"communication compression={ctl.communication.compression} "
-        f"topology={ctl.communication.topology}",
+        f"topology={ctl.communication.topology} "
+        f"weight_gather={ctl.communication.weight_gather}",
         f"gradient exchange: {exchange.strategy}, {exchange.topology}, codec {exchange.codec}",
         f"pipeline: {len(plan.stage_cut)} stages of blocks "
         + " | ".join(f"{a}-{b - 1}" for a, b in plan.stage_cut)
