@@ -67,17 +67,18 @@ def expert_problems(cfg: JobConfig) -> list[str]:
     """Expert settings a training run cannot honour."""
     par, model, ctl, opt = cfg.parallelism, cfg.model, cfg.controllers, cfg.optimization
     problems = []
-    if par.experts > 1 and model.kind != "moe":
+    if par.experts > 1 and not model.is_moe:
         problems.append(problem(
             "parallelism.experts",
-            f"{par.experts} needs a model with experts: set model.kind 'moe' or use 1",
+            f"{par.experts} needs a model with experts: set model.kind 'moe' or 'llama_moe', "
+            "or use 1",
         ))
     scheduler = ctl.compute.scheduler
-    if scheduler != "static" and (model.kind != "moe" or par.experts == 1):
+    if scheduler != "static" and (not model.is_moe or par.experts == 1):
         problems.append(problem(
             "controllers.compute.scheduler",
             f"{scheduler!r} balances experts over expert-parallel ranks; it needs model.kind "
-            "'moe' and parallelism.experts > 1 (or use 'static')",
+            "'moe' or 'llama_moe' and parallelism.experts > 1 (or use 'static')",
         ))
     compression = ctl.communication.compression
     if par.experts > 1 and (compression != "none" or opt.optimizer == "onebit_adam"):

@@ -269,9 +269,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"batch:   {plan.global_batch_size} sequences per step = micro-batch "
         f"{plan.micro_batch_size} x accumulation {plan.num_microbatches} x data {plan.dp}; "
         f"{plan.global_batch_size * m.seq_len} tokens",
-        f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+        f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
+        + (f" ({m.kv_heads} key/value)" if m.is_llama else "") + ", "
         f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}"
-        + (f", {m.num_experts} experts top-{m.top_k}" if m.kind == "moe" else "")
+        + (f", {m.num_experts} experts top-{m.top_k}" if m.is_moe else "")
         + f": {est.num_params:,} parameters, "
         f"{spec.flops_per_token(m) / 1e6:.1f} MFLOPs per training token",
         f"controllers: compute scheduler={ctl.compute.scheduler} "

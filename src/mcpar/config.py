@@ -19,6 +19,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mcpar.config_model import (  # noqa: F401  (the model section is part of this API)
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    ModelConfig,
+)
 from mcpar.config_yaml import (  # noqa: F401  (the bounds are part of this module's API)
     MAX_CONFIG_BYTES,
     MAX_YAML_ALIASES,
@@ -44,13 +53,7 @@ class _Section(BaseModel):
 # Upper bounds of the numeric fields. Generous: each is far above any model or cluster built
 # today (GPT-3 175B is 96 layers, hidden 12288, sequence 2048; Llama 3 405B hidden 16384,
 # vocabulary 128256; the seed runs on 1024 GPUs), and far below what overflows an index, a
-# timedelta or an allocation.
-MAX_LAYERS = 4096
-MAX_HIDDEN = 1 << 17  # 131072
-MAX_FFN = 1 << 20
-MAX_SEQ_LEN = 1 << 21  # 2M tokens
-MAX_VOCAB = 1 << 24  # 16M; token ids fit a uint32 .bin source
-MAX_EXPERTS = 1 << 14
+# timedelta or an allocation. The model section's bounds are in mcpar.config_model.
 MAX_DEGREE = 1 << 20  # a parallel degree: a million ranks
 MAX_BATCH = 1 << 20  # sequences in one micro-batch, or micro-batches in one step
 MAX_GLOBAL_BATCH = 1 << 30
@@ -58,64 +61,6 @@ MAX_STEPS = 10**9  # steps, intervals and step counts
 MAX_COUNT = 10**6  # checkpoints kept, restarts, evaluation batches
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
 MAX_TIMEOUT_S = 30 * 86400.0  # 30 days; a datetime.timedelta overflows near 8.6e13 s
-
-
-class ModelConfig(_Section):
-    kind: Literal["gpt", "moe"] = Field("gpt", description="Model family: dense GPT or MoE.")
-    num_layers: int = Field(4, ge=1, le=MAX_LAYERS, description="Number of transformer blocks.")
-    hidden_size: int = Field(128, ge=8, le=MAX_HIDDEN, description="Width of the residual stream.")
-    num_heads: int = Field(
-        8, ge=1, le=MAX_HIDDEN, description="Attention heads; must divide hidden_size."
-    )
-    ffn_hidden_size: int | None = Field(
-        None, ge=1, le=MAX_FFN,
-        description="Width of the MLP's inner layer; default 4 x hidden_size.",
-    )
-    seq_len: int = Field(
-        128, ge=2, le=MAX_SEQ_LEN, description="Tokens per training sequence (context length)."
-    )
-    vocab_size: int = Field(
-        256, ge=2, le=MAX_VOCAB, description="Vocabulary size; 256 for the bytes tokenizer."
-    )
-    num_experts: int = Field(
-        1, ge=1, le=MAX_EXPERTS, description="Experts per MoE layer (model.kind: moe)."
-    )
-    top_k: int = Field(
-        1, ge=1, le=MAX_EXPERTS, description="Experts each token is routed to (model.kind: moe)."
-    )
-    router_score: Literal["softmax", "sigmoid"] = Field(
-        "softmax", description="MoE: router scores, softmax over experts (Switch) or a sigmoid "
-        "per expert (DeepSeek-V3); with top_k > 1 the chosen scores are renormalized to sum 1.",
-    )
-    capacity_factor: float | None = Field(
-        None, gt=0.0, le=1000.0,
-        description="MoE: each expert takes at most capacity_factor x tokens x "
-        "top_k / num_experts of a rank's micro-batch, later tokens are dropped (the residual "
-        "carries them); None = dropless.",
-    )
-    aux_loss_coef: float = Field(
-        0.0, ge=0.0, le=100.0,
-        description="MoE: weight of the Switch-style load-balancing loss, computed "
-        "per sequence and averaged (so it is the same for every layout); 0 = off.",
-    )
-    router_bias_update_rate: float = Field(
-        3e-3, ge=0.0, le=1.0,
-        description="MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each "
-        "step every expert's selection bias moves by this much towards balance, by the sign of "
-        "its load error over the global batch; the bias only selects, never weights; 0 = off.",
-    )
-    shared_expert: bool = Field(
-        False, description="MoE: add a dense MLP that every token goes through, beside the "
-        "routed experts.",
-    )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability; 0 = off.")
-    tie_embeddings: bool = Field(
-        False, description="Share the token embedding with the output head (pipeline 1 only)."
-    )
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
 
 
 class DataConfig(_Section):
@@ -524,7 +469,7 @@ def _cross_field_problems(cfg: JobConfig) -> list[str]:
     """Numeric limits that involve two fields of one section (layout rules that need the world
     size are in mcpar.plan)."""
     opt = cfg.optimization
-    out = []
+    out = cfg.model.problems()
     if opt.optimizer == "adamw" and opt.lr * opt.weight_decay >= 1.0:
         out.append(problem(
             "optimization.weight_decay",

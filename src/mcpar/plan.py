@@ -198,6 +198,13 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
             "model.num_heads",
             f"{model.num_heads} heads are not divisible by parallelism.tensor {tp}",
         ))
+    if model.is_llama and model.kv_heads % tp:
+        problems.append(problem(
+            "model.num_kv_heads",
+            f"{model.kv_heads} key/value heads are not divisible by parallelism.tensor {tp} "
+            "(each tensor rank holds whole key/value heads); use more kv heads or a smaller "
+            "tensor degree",
+        ))
     if model.ffn_size % tp:
         problems.append(problem(
             "model.ffn_hidden_size",
@@ -238,13 +245,13 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
             f"expert degree {par.experts} does not divide the data degree {dp} (the expert "
             f"axis is carved out of the data axis); use a divisor of {dp}",
         ))
-    if model.kind == "moe" and par.sequence_parallel:
+    if model.is_moe and par.sequence_parallel:
         problems.append(problem(
             "parallelism.sequence_parallel",
-            "is not supported with model.kind 'moe' (the router needs every token of the "
+            f"is not supported with model.kind {model.kind!r} (the router needs every token of the "
             "sequence on each tensor rank); set it to false",
         ))
-    if model.kind == "moe":
+    if model.is_moe:
         if model.num_experts % par.experts:
             problems.append(problem(
                 "model.num_experts",

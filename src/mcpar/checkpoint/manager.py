@@ -487,7 +487,7 @@ class FaultRecoveryManager:
             missing = sorted(k for k in state if k not in saved_keys)
             # ZeRO shards follow the gradient buckets: other bucket sizes cut other pieces.
             same = not (missing and (old["zero_stage"] or self.layout["zero_stage"]))
-        if not same and self.cfg.model.kind == "moe":
+        if not same and self.cfg.model.is_moe:
             raise UserError([problem(
                 "--resume", f"this MoE checkpoint was saved with layout {meta['layout']} and "
                 f"this run has {self.layout}; MoE checkpoints resume on the layout they were "

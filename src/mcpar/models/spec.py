@@ -26,6 +26,16 @@ from mcpar.models.gpt import (
     gpt_num_params,
     gpt_stage_num_params,
 )
+from mcpar.models.llama import (
+    LLAMA_MOE_EXPERTS,
+    LLAMA_MOE_TENSOR_PARALLEL,
+    LLAMA_TENSOR_PARALLEL,
+    Llama,
+    build_llama,
+    llama_flops_per_token,
+    llama_num_params,
+    llama_stage_num_params,
+)
 from mcpar.models.moe import (
     MOE_EXPERTS,
     MOE_TENSOR_PARALLEL,
@@ -69,6 +79,14 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "moe": ModelSpec("moe", build_moe, moe_num_params, moe_flops_per_token,
                      moe_stage_num_params, pieces=GPT.pieces,
                      tensor_parallel=MOE_TENSOR_PARALLEL, expert_parallel=MOE_EXPERTS),
+    # One file for both Llama forms: the MoE form differs in its blocks' MLP and in the plans.
+    "llama": ModelSpec("llama", build_llama, llama_num_params, llama_flops_per_token,
+                       llama_stage_num_params, pieces=Llama.pieces,
+                       tensor_parallel=LLAMA_TENSOR_PARALLEL),
+    "llama_moe": ModelSpec("llama_moe", build_llama, llama_num_params, llama_flops_per_token,
+                           llama_stage_num_params, pieces=Llama.pieces,
+                           tensor_parallel=LLAMA_MOE_TENSOR_PARALLEL,
+                           expert_parallel=LLAMA_MOE_EXPERTS),
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mcpar.config_model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
 from mcpar.errors import problem
 
 FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
@@ -297,35 +298,18 @@ class ModelPreset:
     note: str
 
 
-def _shape(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, kind: str,
-           vocab: int, seq: int, experts: int = 0, top_k: int = 0) -> ModelShape:
-    return ModelShape(layers, hidden, heads, kv, ffn, kind, vocab, seq, experts, top_k, name)
+def _preset(name: str, row: PublishedModel) -> ModelPreset:
+    shape = ModelShape(
+        row.num_layers, row.hidden_size, row.num_heads, row.num_kv_heads, row.ffn_hidden_size,
+        "gelu" if row.kind == "gpt" else "swiglu", row.vocab_size, row.seq_len,
+        row.num_experts if row.kind in MOE_KINDS else 0,
+        row.top_k if row.kind in MOE_KINDS else 0, name)
+    return ModelPreset(shape, row.global_batch, row.precision, row.note)
 
 
+# The published shapes of the config's table (``model.preset`` reads the same rows).
 MODEL_PRESETS: dict[str, ModelPreset] = {
-    p.shape.name: p for p in [
-        ModelPreset(_shape("gpt3-1.3b", 24, 2048, 16, 16, 8192, "gelu", 51200, 2048), 512,
-                    "bf16", "GPT-3 XL shape (Brown et al. 2020)"),
-        ModelPreset(_shape("gpt3-13b", 40, 5120, 40, 40, 20480, "gelu", 51200, 2048), 1024,
-                    "bf16", "GPT-3 13B shape"),
-        ModelPreset(_shape("gpt3-175b", 96, 12288, 96, 96, 49152, "gelu", 51200, 2048), 1536,
-                    "fp16", "GPT-3 175B; batch 1536 as in Narayanan et al. SC21 sec. 5.1"),
-        ModelPreset(_shape("llama2-7b", 32, 4096, 32, 32, 11008, "swiglu", 32000, 4096), 1024,
-                    "bf16", "Llama 2 7B (4M-token batches)"),
-        ModelPreset(_shape("llama2-13b", 40, 5120, 40, 40, 13824, "swiglu", 32000, 4096), 1024,
-                    "bf16", "Llama 2 13B"),
-        ModelPreset(_shape("llama2-70b", 80, 8192, 64, 8, 28672, "swiglu", 32000, 4096), 1024,
-                    "bf16", "Llama 2 70B (grouped-query attention, 8 kv heads)"),
-        ModelPreset(_shape("llama3-8b", 32, 4096, 32, 8, 14336, "swiglu", 128256, 8192), 512,
-                    "bf16", "Llama 3 8B"),
-        ModelPreset(_shape("llama3-70b", 80, 8192, 64, 8, 28672, "swiglu", 128256, 8192), 512,
-                    "bf16", "Llama 3 70B"),
-        ModelPreset(_shape("llama3-405b", 126, 16384, 128, 8, 53248, "swiglu", 128256, 8192),
-                    2048, "bf16", "Llama 3 405B"),
-        ModelPreset(_shape("mixtral-8x7b", 32, 4096, 32, 8, 14336, "swiglu", 32000, 4096, 8, 2),
-                    1024, "bf16", "Mixtral 8x7B (MoE: 8 experts, top-2)"),
-    ]
-}
+    name: _preset(name, row) for name, row in PUBLISHED_MODELS.items()}
 
 
 def model_preset(name: str, key: str = "--model") -> ModelPreset:
