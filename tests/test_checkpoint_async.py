@@ -15,7 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY, recovery_events, run_mcpar, sets, step_losses, worker_pids
+from conftest import (
+    REPO,
+    TINY,
+    launch_in_process,
+    recovery_events,
+    sets,
+    step_losses,
+    worker_pids,
+)
 
 import mcpar.checkpoint.manager as checkpoint
 from mcpar.checkpoint import packing
@@ -41,12 +49,9 @@ BASE = [*TINY, "training.steps=40", "parallelism.data=2", "optimization.checkpoi
 ASYNC = ["optimization.checkpoint.async_save=true"]
 
 
-def _train(run: Path, settings: list[str], *extra: str,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = run_mcpar("train", *sets(*BASE, *settings), "--nproc", "2", "--run-dir", str(run),
-                     *extra, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def _train(run: Path, settings: list[str], *extra: str) -> None:
+    assert launch_in_process("train", *sets(*BASE, *settings), "--nproc", "2",
+                             "--run-dir", str(run), *extra) == 0
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +72,6 @@ def _same_tensors(run: Path, reference: Path, step: int) -> None:
         assert all(torch.equal(got[k], want[k]) for k in want), (step, prefix)
 
 
-def _stop_and_resume(run: Path, settings: list[str]) -> None:
-    first = _train(run, settings, "--stop-after", "20")
-    assert "stopped after step 20 of 40" in first.stdout
-    _train(run, settings, "--resume")
-
-
 def _steps_logged(run: Path) -> int:
     """Lines of metrics.jsonl so far (a line being written counts as not yet there)."""
     try:
@@ -81,8 +80,8 @@ def _steps_logged(run: Path) -> int:
         return 0
 
 
-def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
-                                                           tmp_path: Path) -> None:
+def test_kill_during_async_save_leaves_no_valid_checkpoint(
+        reference: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     # Saves every 5 steps; the save of step 10 sleeps (test hook) after its shards are written
@@ -112,8 +111,9 @@ def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
     assert "no manifest" in (verify_checkpoint(ckpts / "step-10.tmp") or "")
     found = find_latest_valid(ckpts)
     assert found is not None and found[0] == 5
-    resumed = _train(run, settings, "--resume")
-    assert "Traceback" not in resumed.stderr
+    capfd.readouterr()
+    _train(run, settings, "--resume")
+    assert "Traceback" not in capfd.readouterr().err
     assert [e["step"] for e in recovery_events(run) if e["event"] == "load"] == [5]
     assert step_losses(run) == step_losses(reference)
     assert not list(ckpts.glob("*.tmp"))  # the killed save's leftover was cleaned up
@@ -129,15 +129,17 @@ def test_kill_during_async_save_leaves_no_valid_checkpoint(reference: Path,
         assert meta["step"] == step and meta["data_stream"] == ref["data_stream"]
 
 
-def test_async_stop_resume_with_zstd_is_bitwise(reference: Path, tmp_path: Path) -> None:
+def test_async_stop_resume_with_zstd_is_bitwise(reference: Path, tmp_path: Path,
+                                                capfd: pytest.CaptureFixture[str]) -> None:
     """Stop at 20 (its save waited for), resume, finish: the same losses and checkpoints as the
     synchronous run. With zstd when a zstd module is installed (else uncompressed, and the
     compression checks are left out): the files are smaller and load transparently."""
     run = tmp_path / "run"
     zstd = zstd_available()
     settings = [*ASYNC, f"optimization.checkpoint.compression={'zstd' if zstd else 'none'}"]
-    first = _train(run, settings, "--stop-after", "20")
-    assert "stopped after step 20 of 40" in first.stdout
+    capfd.readouterr()
+    _train(run, settings, "--stop-after", "20")
+    assert "stopped after step 20 of 40" in capfd.readouterr().out
     _train(run, settings, "--resume")
     assert step_losses(run) == step_losses(reference)
     assert [e["step"] for e in recovery_events(run) if e["event"] == "load"] == [20]

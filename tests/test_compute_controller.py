@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from conftest import run_mcpar, sets
+from conftest import launch_in_process, sets
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.compute.batch_split import choose_num_microbatches, modelled_step_time
@@ -59,16 +59,17 @@ def test_dynamic_split_trades_bubble_against_fixed_cost() -> None:
 
 
 @pytest.mark.slow
-def test_dynamic_batch_splitting_end_to_end(tmp_path) -> None:
+def test_dynamic_batch_splitting_end_to_end(tmp_path, capfd) -> None:
     run = tmp_path / "run"
-    proc = run_mcpar("train", *sets(
+    capfd.readouterr()
+    code = launch_in_process("train", *sets(
         "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=32",
         "training.progress=false", "training.eval_interval=0", "training.eval_batches=1",
         "training.steps=3", "optimization.global_batch_size=8", "optimization.micro_batch_size=8",
         "parallelism.pipeline=2", "controllers.compute.batch_splitting=dynamic"),
         "--nproc", "2", "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dynamic batch splitting:" in proc.stdout
+    assert code == 0
+    assert "dynamic batch splitting:" in capfd.readouterr().out
     # The choice is a new plan (plan.json); config.yaml keeps the config as resolved at start.
     batch = json.loads((run / "plan.json").read_text())["batch"]
     assert batch["batch_splitting"] == "dynamic"

@@ -8,8 +8,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import data_parallel_comm
+from conftest import data_parallel_comm, spawn_workers
 
 from mcpar.comm.collectives import LinkModel, choose_all_reduce, fit_link
 from mcpar.launch import find_free_port
@@ -52,7 +51,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], l
     for nodes, per_node in SHAPES:
         d = tmp_path_factory.mktemp(f"hier{nodes}x{per_node}")
         world = nodes * per_node
-        mp.spawn(worker, args=(world, per_node, find_free_port(), str(d)), nprocs=world,
+        spawn_workers(worker, args=(world, per_node, find_free_port(), str(d)), nprocs=world,
                  join=True)
         out[(nodes, per_node)] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
     return out

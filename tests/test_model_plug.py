@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import spawn_workers
 from torch import nn
 
 from mcpar.config import ModelConfig, apply_overrides, parse_config
@@ -336,7 +336,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     """(the single-process references by kind, every rank's results by layout)."""
     out_dir = tmp_path_factory.mktemp("plug")
-    mp.spawn(worker, args=(2, find_free_port(), str(out_dir)), nprocs=2, join=True)
+    spawn_workers(worker, args=(2, find_free_port(), str(out_dir)), nprocs=2, join=True)
     references = {KIND: train_reference(CFG), MOE_KIND: train_reference(MOE_CFG)}
     return references, [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 

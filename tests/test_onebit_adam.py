@@ -16,9 +16,8 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import data_parallel_comm
+from conftest import data_parallel_comm, spawn_workers
 
 from mcpar.comm.compression import (
     OneBitErrorBuffers,
@@ -398,7 +397,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> tuple[int, list[dict], dict]:
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"onebit{world}")
-    mp.spawn(worker, args=(world, find_free_port(), str(out_dir)), nprocs=world, join=True)
+    spawn_workers(worker, args=(world, find_free_port(), str(out_dir)), nprocs=world, join=True)
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return world, ranks, reference(world)
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import data_parallel_comm
+from conftest import data_parallel_comm, spawn_workers
 from test_onebit_adam import (
     FREEZE,
     STEPS,
@@ -134,7 +133,7 @@ def reference() -> dict:
 
 
 def test_bucketed_exchange_matches_simulation_bit_for_bit(tmp_path: Path) -> None:
-    mp.spawn(worker, args=(find_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_workers(worker, args=(find_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     ref = reference()
     for rank, r in enumerate(ranks):

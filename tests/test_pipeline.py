@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import spawn_workers
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
@@ -338,7 +338,7 @@ def worker(rank: int, pp: int, port: int, cases: list[tuple[str, int, int, bool]
 
 def spawn(pp: int, cases: list[tuple[str, int, int, bool]], tmp: Path) -> list[list[dict]]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(pp, find_free_port(), cases, str(tmp)), nprocs=pp, join=True)
+    spawn_workers(worker, args=(pp, find_free_port(), cases, str(tmp)), nprocs=pp, join=True)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(pp)]
 
 

@@ -13,8 +13,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import data_parallel_comm
+from conftest import data_parallel_comm, spawn_workers
 
 from mcpar.comm.powersgd import PowerSGDCompressor, _orthogonalize
 from mcpar.controllers.communication.controller import CommunicationController
@@ -148,7 +147,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("powersgd")
-    mp.spawn(worker, args=(find_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    spawn_workers(worker, args=(find_free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

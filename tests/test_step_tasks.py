@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import TINY
+from conftest import TINY, spawn_workers
 
 from mcpar.config import apply_overrides, parse_config
 from mcpar.launch import DistEnv, find_free_port
@@ -48,7 +47,7 @@ def task_logs(tmp: Path, overlap: bool) -> list[dict]:
     out = tmp / ("overlap" if overlap else "no_overlap")
     out.mkdir()
     (out / "run").mkdir()
-    mp.spawn(worker, args=(find_free_port(), overlap, str(out)), nprocs=WORLD, join=True)
+    spawn_workers(worker, args=(find_free_port(), overlap, str(out)), nprocs=WORLD, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

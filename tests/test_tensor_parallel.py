@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import spawn_workers
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
@@ -138,7 +138,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for world in CASES:
         out_dir = tmp_path_factory.mktemp(f"tp{world}")
-        mp.spawn(worker, args=(world, find_free_port(), str(out_dir)), nprocs=world, join=True)
+        spawn_workers(worker, args=(world, find_free_port(), str(out_dir)), nprocs=world, join=True)
         out[world] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
     return out
 
