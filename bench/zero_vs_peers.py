@@ -6,8 +6,19 @@ What it measures
     second (median over rounds), the model-state bytes one rank holds (parameters, gradients,
     optimizer state; the largest rank), the bytes sent per step per mesh axis, and the loss.
 
-    * ``mcpar_dp``, ``mcpar_zero1``, ``mcpar_zero2``: ``mcpar.trainer.Trainer.train_step`` with
-      ``controllers.memory.zero_stage`` 0, 1, 2 (three Trainers in the same worker processes).
+    * ``mcpar_dp``, ``mcpar_zero1``, ``mcpar_zero2``, ``mcpar_zero3``:
+      ``mcpar.trainer.Trainer.train_step`` with ``controllers.memory.zero_stage`` 0, 1, 2, 3
+      (four Trainers in the same worker processes; stage 3 gathers each block's parameters
+      before its forward and again before its backward, next block prefetched, and
+      reduce-scatters its gradients: 1.5x the bytes of stages 0-2, as FSDP2's default).
+    * ``mcpar_zero3_store`` (only at ``--nproc`` 4 or more, even): stage 3 with the
+      hierarchical parameter store (``controllers.memory.allocation=topology_aware``),
+      ``cluster.ranks_per_node = nproc / 2``: two emulated "nodes". Not at 2 ranks: with one
+      rank per node the node-local cache is a full copy of the model (no sharding left, the
+      backward gather a no-op) and with one node of two there is nothing to cross: neither is
+      the store. On one machine its point (no backward gather over the slow link) cannot show
+      anyway: ``bench/emulated_cluster.py`` (variants ``mcpar_store*_2x2``) measures it over
+      a shaped link.
       Model-state bytes: the figure ``summary.json`` reports (``Trainer._largest_model_state``,
       counted from the tensors); bytes per step per axis: the CommunicationController's
       ``comm_bytes_by_axis`` of each step (the median over the timed steps).
@@ -76,7 +87,59 @@ Run
     DeepSpeed's CPU shared-memory comm op (a few minutes, cached after). Without the option the
     JSON says ``deepspeed: {"skipped": ...}``.
 
-Figures of the final run
+Figures with ZeRO-3 (issue 18, must-show 3)
+    Command: ``.venv/bin/python bench/zero_vs_peers.py --rounds 5 --deepspeed-python
+    /tmp/ds-venv/bin/python --out /tmp/zvp_z3_a.json``, copied to
+    ``bench/data/zero_vs_peers.json`` (2 ranks x 1 thread, 3,323,392 parameters, 2048
+    tokens/step, 5 rounds x 20 steps, 3 warm-up). The machine was heavily oversubscribed by
+    other sessions' test suites: 1-minute load 6.3 at the start, 27.7 at the end (up to 30
+    during the run, on 2 cores); one configuration's rounds spread by up to 3x (mcpar_dp 949 to
+    2855 tok/s), so every ratio below is good to +-0.3 at best.
+
+    ========================  ========  ============  ==================  ==========
+    configuration             tokens/s  state B/rank  bytes/step (axis)   final loss
+    ========================  ========  ============  ==================  ==========
+    mcpar_dp                      1426    53,174,484  dp 13.29M           2.4051
+    mcpar_zero1                   1253    39,880,820  dp 13.29M           2.4047
+    mcpar_zero2                   1195    33,234,036  dp 13.29M           2.4047
+    mcpar_zero3                   1183    26,587,288  dp 19.61M           2.4049
+    torch_ddp                     1262    53,174,484  dp 13.29M           2.4051
+    torch_fsdp2                    851    26,587,348  dp 19.61M           2.4050
+    torch_fsdp2_no_reshard         940    26,587,348  dp 13.29M           2.4050
+    deepspeed_zero3                701    33,233,928  null                2.4051
+    deepspeed_zero2               1032    33,233,928  null                2.4051
+    ========================  ========  ============  ==================  ==========
+
+    Must-show 3 (ratio of medians; paired in brackets):
+    mcpar_zero3_over_torch_fsdp2: 1.39 (1.33)            target >= 2: MISSED
+    mcpar_zero3_over_torch_fsdp2_no_reshard: 1.26 (1.31)
+    mcpar_zero3_over_deepspeed_zero3: 1.69 (1.69)        target >= 1.0: met
+    mcpar_zero1_over_mcpar_dp: 0.88 (0.88)               target >= 0.95: missed in this run
+    mcpar_zero3_over_mcpar_dp: 0.83 (0.94); torch_fsdp2_over_torch_ddp: 0.67 (0.67)
+
+    mcpar ZeRO-3 holds 8 P / n + 8 P / n (AdamW) = 26.6 MB per rank, as FSDP2 does, and sends
+    what FSDP2's default sends (19.61M bytes a step: forward gather, backward gather,
+    reduce-scatter, 3 x (n-1)/n x 4 P); its loss stays within 1.1e-3 of plain DP over 100
+    steps (FSDP2 7.3e-4, DeepSpeed 8.6e-4: float sums in other orders, grown by training).
+
+    Why ">= 2x FSDP2" is missed: it cannot be met on this machine at this model. FSDP2 is not
+    4x slower than DDP here (the issue's premise) but 0.67x (0.80x in the steadier run below);
+    mcpar's ZeRO-3 does DDP's compute plus 1.5x its bytes, so it is bounded by about DDP's
+    speed (0.83x of mcpar DP here, 0.94 paired), which puts the ceiling of the ratio at
+    1 / 0.67-0.80 = 1.25-1.5x: it measured 1.39. ZeRO-1 against DP: the same code measured
+    0.98x (paired 0.97) in the steadier run below; here rounds of the same side spread 3x and
+    the 0.88 is that noise (ZeRO-1 sends the same 13.29M bytes a step as DP; per-round ratios
+    0.81, 2.34, 0.80, 0.97, 0.88).
+
+    A shorter second run right after, without DeepSpeed (``--rounds 3 --steps 10 --warmup 2
+    --out /tmp/zvp_z3_b.json``, in ``bench/data/zero_vs_peers_short.json``; load 12.8 ->
+    15.3): rounds of one side spread up to 4x (mcpar_dp 1013-4311 tok/s), so only the paired
+    ratios mean anything: ZeRO-1/DP 0.99, ZeRO-3/FSDP2 1.02 and 0.94 (no reshard), ZeRO-3/DP
+    0.76, FSDP2/DDP 1.14. Neither run is a steady measurement; the ceiling argument above is
+    what holds for ">= 2x FSDP2": a ZeRO-3 that is not faster than DDP cannot be 2x an FSDP2
+    that runs at 0.7-1.1x DDP.
+
+Figures of the earlier run (ZeRO stages 0-2 only)
     (2026-12-01, on the 2-core machine shared with other sessions' tests: per-round figures
     of one configuration spread by up to +-25 %, so read the ratios to +-0.1.)
 
@@ -162,7 +225,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 # The model and batch of the bench (see "Defaults and why"); --set overrides them.
 DEFAULT_SETTINGS = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=8",
                     "model.seq_len=128", "optimization.micro_batch_size=8"]
-MCPAR_STAGES = {"mcpar_dp": 0, "mcpar_zero1": 1, "mcpar_zero2": 2}
+MCPAR_STAGES = {"mcpar_dp": 0, "mcpar_zero1": 1, "mcpar_zero2": 2, "mcpar_zero3": 3}
+# ZeRO-3 with the hierarchical parameter store: only where a node has 2 ranks or more and
+# there are 2 nodes or more (--nproc 4 and up, even; see the docstring).
+STORE_NAME = "mcpar_zero3_store"
+STORE_SETTINGS = ["controllers.memory.allocation=topology_aware"]
+TARGETS = {"mcpar_zero3_over_torch_fsdp2": 2.0, "mcpar_zero3_over_deepspeed_zero3": 1.0,
+           "mcpar_zero1_over_mcpar_dp": 0.95}
 DEEPSPEED_STAGES = {"deepspeed_zero3": 3, "deepspeed_zero2": 2}
 DS_READY_TIMEOUT_S = 1200.0  # DeepSpeed's first start builds its comm op
 DS_ROUND_TIMEOUT_S = 900.0
@@ -200,9 +269,27 @@ def config_settings(args: argparse.Namespace) -> list[str]:
             "training.collective_timeout_s=3600", *DEFAULT_SETTINGS, *args.overrides]
 
 
-def build_config(args: argparse.Namespace, zero_stage: int = 0) -> JobConfig:
+def build_config(args: argparse.Namespace, zero_stage: int = 0,
+                 extra: list[str] | None = None) -> JobConfig:
     return load_config(None, config_settings(args)
-                       + [f"controllers.memory.zero_stage={zero_stage}"])
+                       + [f"controllers.memory.zero_stage={zero_stage}", *(extra or [])])
+
+
+def store_settings(nproc: int) -> list[str] | None:
+    """The store's settings at ``nproc`` ranks, or None where it would be no store: 2 nodes of
+    ``nproc // 2`` ranks (a node of 1 rank caches a full copy; 1 node has nothing to cross)."""
+    if nproc < 4 or nproc % 2:
+        return None
+    return [*STORE_SETTINGS, f"cluster.ranks_per_node={nproc // 2}"]
+
+
+def mcpar_configs(nproc: int) -> dict[str, tuple[int, list[str]]]:
+    """Every mcpar side: name -> (zero stage, extra settings)."""
+    out: dict[str, tuple[int, list[str]]] = {n: (s, []) for n, s in MCPAR_STAGES.items()}
+    store = store_settings(nproc)
+    if store is not None:
+        out[STORE_NAME] = (3, store)
+    return out
 
 
 def load_1min() -> float:
@@ -254,8 +341,8 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
     # mcpar's start-up lines go to stderr: stdout carries the JSON only.
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as closing:
         closing.callback(lambda: close_all(trainers))
-        for name, stage in MCPAR_STAGES.items():
-            plan = resolve_plan(build_config(args, stage), env.world_size)
+        for name, (stage, extra) in mcpar_configs(env.world_size).items():
+            plan = resolve_plan(build_config(args, stage, extra), env.world_size)
             # The first Trainer creates the process group; the others join it.
             (sync / name).mkdir(exist_ok=True)
             trainers[name] = Trainer(plan, sync / name, env)
@@ -380,10 +467,22 @@ def run_benchmark(args: argparse.Namespace, trainers: dict[str, Trainer], sync: 
              "mcpar_dp_over_torch_ddp": ("mcpar_dp", "torch_ddp"),
              "mcpar_zero2_over_deepspeed_zero2": ("mcpar_zero2", "deepspeed_zero2"),
              "mcpar_zero2_over_deepspeed_zero3": ("mcpar_zero2", "deepspeed_zero3"),
-             "torch_fsdp2_over_torch_ddp": ("torch_fsdp2", "torch_ddp")}
+             "torch_fsdp2_over_torch_ddp": ("torch_fsdp2", "torch_ddp"),
+             # issue 18, must-show 3: >= 2, >= 2 (no reshard: for information), >= 1.0
+             "mcpar_zero3_over_torch_fsdp2": ("mcpar_zero3", "torch_fsdp2"),
+             "mcpar_zero3_over_torch_fsdp2_no_reshard": ("mcpar_zero3",
+                                                         "torch_fsdp2_no_reshard"),
+             "mcpar_zero3_over_deepspeed_zero3": ("mcpar_zero3", "deepspeed_zero3"),
+             "mcpar_zero3_over_mcpar_dp": ("mcpar_zero3", "mcpar_dp"),
+             "mcpar_zero3_store_over_mcpar_zero3": (STORE_NAME, "mcpar_zero3")}
     ratios, paired = {}, {}
     for key, (a, b) in pairs.items():
         ratios[key], paired[key] = ratio(a, b)
+    # Issue 18's must-show 3, on the ratio of medians and on the paired ratio.
+    targets = {key: {"target": f">= {bound}",
+                     "meets": None if ratios[key] is None else ratios[key] >= bound,
+                     "meets_paired": None if paired[key] is None else paired[key] >= bound}
+               for key, bound in TARGETS.items()}
     ref = losses["mcpar_dp"]
     configs: dict[str, Any] = {}
     for n in ran:
@@ -414,7 +513,7 @@ def run_benchmark(args: argparse.Namespace, trainers: dict[str, Trainer], sync: 
         "gradient_accumulation": cfg.optimization.gradient_accumulation,
         "tokens_per_step": tokens_per_step, "dtype": cfg.training.dtype,
         "bucket_size_mb": cfg.controllers.communication.bucket_size_mb,
-        "configs": configs, "ratios": ratios, "paired_ratios": paired,
+        "configs": configs, "ratios": ratios, "paired_ratios": paired, "targets": targets,
         "deepspeed_skipped": ds_skipped,
         "torch_version": torch.__version__,
     }
