@@ -1,4 +1,4 @@
-"""The ``mcpar`` command line: ``train`` and ``check``.
+"""The ``mcpar`` command line: ``train``, ``check`` and ``prepare`` (plus the sim's commands).
 
 User errors (bad config, bad path, impossible layout) print one line per problem and exit with
 code 2, without a traceback. Outside torchrun/SLURM, ``train`` validates everything in this process
@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from mcpar import prepare
 from mcpar.capabilities import unsupported_settings
 from mcpar.checkpoint.manager import (
     RecoveryLog,
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="YAML config")
     common(check)
     add_sim_subcommands(sub)  # `simulate` and `plan`: the cost model (mcpar.sim)
+    prepare.add_subcommand(sub)  # `prepare`: text to token shards (mcpar.prepare)
     return parser
 
 
@@ -305,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "prepare":
+            return prepare.run(args)
         if args.command in ("simulate", "plan"):
             # A config's layout is resolved by the plan, as for check and train.
             return run_sim_command(args, lambda cfg, world: resolve_plan(cfg, world).config)

@@ -67,16 +67,28 @@ class DataConfig(_Section):
     source: str = Field(
         "stdlib",
         description="'stdlib' (this Python's standard-library sources), a text file, directory "
-        "or glob, or a pre-tokenized .bin file.",
+        "or glob, a pre-tokenized .bin file, a directory written by `mcpar prepare` (read "
+        "shard by shard, streaming), or a weighted blend of such directories written as "
+        "weight/directory pairs, e.g. '0.7 DIR1 0.3 DIR2' (each sequence comes from one source, "
+        "in those proportions).",
+        max_length=4096,
     )
-    tokenizer: Literal["bytes", "bpe"] = Field(
-        "bytes", description="'bytes' (vocab 256) or 'bpe' trained on the training split."
+    tokenizer: str = Field(
+        "bytes", description="'bytes' (vocab 256), 'bpe' (trained on the training split), or a "
+        "Hugging Face tokenizer.json (or a directory holding one): its vocabulary size is a "
+        "floor that model.vocab_size must reach (it is not filled in), and its own "
+        "end-of-document token (e.g. <|endoftext|>, </s>) separates documents; for a tokenizer "
+        "without one, run `mcpar prepare --eos-token` and train on its output. With a prepared "
+        "source it may be left at its default, or must name the tokenizer the shards used.",
+        min_length=1, max_length=4096,
     )
     token_dtype: Literal["uint16", "uint32"] | None = Field(
         None, description="Element type of a pre-tokenized .bin source."
     )
     val_fraction: float = Field(
-        0.01, gt=0.0, lt=0.5, description="Trailing fraction of the corpus held out for validation."
+        0.01, gt=0.0, lt=0.5, description="Trailing fraction of the corpus held out for "
+        "validation; for prepared shards, the last fraction (at least one) of each source's "
+        "seq_len windows in shard order."
     )
     cache_dir: str | None = Field(
         None, description="Where a trained BPE tokenizer and its tokens are cached."

@@ -1,7 +1,9 @@
 """Deterministic, resumable, sharded token streams.
 
 ``load_corpus`` turns a ``data.source`` (``stdlib``, a text file, a directory, a glob, or a
-pre-tokenized ``.bin``) into one flat token array split into training and validation parts.
+pre-tokenized ``.bin``) into one flat token array split into training and validation parts; a
+directory prepared by ``mcpar prepare`` (or a weighted blend of several, or text with a
+``tokenizer.json``) becomes streaming splits over its shards instead (``mcpar.prepared_corpus``).
 ``BatchStream`` cuts a token array into fixed-length windows and serves them in a seeded order
 that depends only on ``(seed, global_batch, tokens, seq_len)``: the sequences of step k are the
 same whatever the data-parallel degree or micro-batch size, which is what lets parity tests
@@ -10,10 +12,8 @@ compare layouts and lets a run resume on a different layout.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
-import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +23,18 @@ import numpy as np
 import torch
 
 from mcpar.errors import UserError, problem
+from mcpar.prepared_corpus import (
+    is_prepared_source,
+    load_prepared,
+    prepare_text_cached,
+    unfinished_shard_dir,
+)
+from mcpar.shards import PreparedSplit
+from mcpar.text_files import resolve_text_files, stdlib_files  # noqa: F401  (public API)
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-# Directory names left out of the stdlib corpus. Test suites hold deliberately malformed
-# encodings and huge generated files, idlelib/lib2to3 are tools rather than library code, and
-# installed third-party packages would make the corpus depend on the environment instead of on
-# the Python version alone.
-_STDLIB_EXCLUDED = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
 _SEPARATOR = 10  # b"\n" between files, so the last line of one file never merges with the next
 _BIN_DTYPES = ("uint16", "uint32")
 _CHUNK_BYTES = 1 << 20  # BPE work unit: bounded memory per chunk, many chunks for encode_batch
@@ -44,55 +45,13 @@ _CACHE_FORMAT = "mcpar-bpe-v1"  # bump when the cached layout or the training re
 class TokenCorpus:
     """A tokenized corpus: flat training and validation token arrays and a one-line summary."""
 
-    train: np.ndarray
-    val: np.ndarray
+    # Flat token arrays, or (prepared shards) splits that BatchStream reads window by window.
+    train: np.ndarray | PreparedSplit
+    val: np.ndarray | PreparedSplit
     vocab_size: int
     description: str
     # Where the BPE tokenizer was saved (None for bytes and .bin); lets later code decode tokens.
     tokenizer_path: Path | None = None
-
-
-def stdlib_files() -> list[Path]:
-    """The ``.py`` files of this interpreter's standard library, sorted by relative POSIX path.
-
-    Every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, except paths with a component in
-    site-packages, dist-packages, test, tests, idlelib, lib2to3 or __pycache__: tests contain
-    deliberately odd encodings and huge generated files, and third-party packages would tie the
-    corpus to the environment. The same Python version therefore yields the same bytes anywhere.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Pruning in place stops os.walk from descending at all, which keeps this fast.
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDED]
-        for name in filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(root)
-            if name.endswith(".py") and not _STDLIB_EXCLUDED.intersection(rel.parts):
-                found.append((rel.as_posix(), path))
-    found.sort(key=lambda item: item[0])
-    return [path for _, path in found]
-
-
-def _resolve_text_files(source: str) -> list[Path]:
-    """The files a text ``data.source`` names, in their documented order."""
-    if source == "stdlib":
-        return stdlib_files()
-    path = Path(os.path.expanduser(source))
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file()]
-        files.sort(key=lambda p: p.relative_to(path).as_posix())
-        if not files:
-            raise UserError(problem("data.source", f"directory '{source}' holds no files"))
-        return files
-    matches = sorted(glob.glob(os.path.expanduser(source), recursive=True))
-    files = [Path(m) for m in matches if Path(m).is_file()]
-    if not files:
-        msg = f"no file matches '{source}'; give an existing file, a directory, a glob, or 'stdlib'"
-        raise UserError(problem("data.source", msg))
-    return files
 
 
 def _read_concatenated(files: list[Path], sizes: list[int]) -> np.ndarray:
@@ -255,14 +214,23 @@ def load_corpus(
         raise UserError(problem("data.token_dtype", msg))
     if source.endswith(".bin"):
         return _load_bin(source, token_dtype, vocab_size, val_fraction)
-    if tokenizer not in ("bytes", "bpe"):
-        raise UserError(problem("data.tokenizer", f"must be 'bytes' or 'bpe', got {tokenizer!r}"))
+    if is_prepared_source(source):
+        return TokenCorpus(*load_prepared(source, tokenizer, vocab_size, val_fraction))
+    if unfinished_shard_dir(source):
+        msg = (f"'{source}' holds token shards but no manifest.json: an unfinished or damaged "
+               "mcpar prepare output; rerun mcpar prepare into it to finish it")
+        raise UserError(problem("data.source", msg))
+    default_root = Path.home() / ".cache" / "mcpar" / "data"
+    root = Path(os.path.expanduser(cache_dir)) if cache_dir is not None else default_root
+    if tokenizer not in ("bytes", "bpe"):  # a tokenizer.json: prepare once, then read shards
+        entry = prepare_text_cached(source, tokenizer, root, is_main, barrier)
+        return TokenCorpus(*load_prepared(str(entry), tokenizer, vocab_size, val_fraction))
     minimum = 256 if tokenizer == "bytes" else 257
     if vocab_size < minimum:
         msg = f"the {tokenizer} tokenizer needs at least {minimum} ids, got {vocab_size}"
         raise UserError(problem("model.vocab_size", msg))
 
-    files = _resolve_text_files(source)
+    files = resolve_text_files(source)
     try:
         stats = [p.stat() for p in files]
     except OSError as exc:
@@ -273,8 +241,6 @@ def load_corpus(
         text = _read_concatenated(files, sizes)
         return _split(text, vocab_size, summary, val_fraction)
 
-    default_root = Path.home() / ".cache" / "mcpar" / "data"
-    root = Path(os.path.expanduser(cache_dir)) if cache_dir is not None else default_root
     entry = root / f"bpe-{_cache_key(files, stats, vocab_size, val_fraction)}"
     complete = (entry / "tokenizer.json").is_file() and (entry / "tokens.npy").is_file()
     cached = "cached"
@@ -318,17 +284,26 @@ class BatchStream:
     e visits all windows in the order ``np.random.default_rng([seed, e]).permutation(n)``;
     epochs are concatenated into one infinite order, and step k takes positions
     ``[k*G, (k+1)*G)`` of it. ``next_step`` is the resumable position the trainer advances.
+
+    ``tokens`` may instead be a ``PreparedSplit`` (prepared shards, possibly blended): then the
+    split maps each position of the same infinite order to a window itself (see
+    ``mcpar.shards``), in constant memory, and the rank/micro-batch slicing is unchanged.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
-        if tokens.ndim != 1:
+    def __init__(
+        self, tokens: np.ndarray | PreparedSplit, seq_len: int, global_batch: int, seed: int
+    ):
+        prepared = isinstance(tokens, PreparedSplit)
+        if not prepared and tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if seq_len < 1 or global_batch < 1 or seed < 0:
             raise ValueError(
                 f"need seq_len >= 1, global_batch >= 1, seed >= 0; got {seq_len}, "
                 f"{global_batch}, {seed}"
             )
-        if len(tokens) < seq_len + 1:
+        if prepared:
+            tokens.num_sequences(seq_len)  # refuses a source too small for seq_len (exit 2)
+        elif len(tokens) < seq_len + 1:
             msg = (
                 f"the corpus split has {len(tokens)} tokens, too small for model.seq_len="
                 f"{seq_len} (needs {seq_len + 1}); use a larger source or a smaller seq_len"
@@ -344,6 +319,8 @@ class BatchStream:
 
     @property
     def num_sequences(self) -> int:
+        if isinstance(self.tokens, PreparedSplit):
+            return self.tokens.num_sequences(self.seq_len)
         return (len(self.tokens) - 1) // self.seq_len
 
     def _epoch_perm(self, epoch: int) -> np.ndarray:
@@ -356,7 +333,9 @@ class BatchStream:
         return perm
 
     def global_indices(self, step: int) -> np.ndarray:
-        """The ``global_batch`` window indices of step ``step``, in order."""
+        """The ``global_batch`` window indices of step ``step``, in order (flat arrays only)."""
+        if isinstance(self.tokens, PreparedSplit):
+            raise TypeError("a prepared split has no flat window indices; use tokens.locate")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         n, g = self.num_sequences, self.global_batch
@@ -392,10 +371,14 @@ class BatchStream:
                 f"micro_index {micro_index} out of range [0, {per_rank // micro_batch_size})"
             )
         start = dp_rank * per_rank + micro_index * micro_batch_size
-        idx = self.global_indices(step)[start : start + micro_batch_size]
-        # One gather of L+1 tokens per window; reading through fancy indexing also works on memmaps.
-        offsets = idx[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        windows = np.asarray(self.tokens[offsets], dtype=np.int64)
+        if isinstance(self.tokens, PreparedSplit):
+            positions = step * g + start + np.arange(micro_batch_size, dtype=np.int64)
+            windows = self.tokens.windows(positions, self.seq_len, self.seed)
+        else:
+            idx = self.global_indices(step)[start : start + micro_batch_size]
+            # One gather of L+1 tokens per window; fancy indexing also works on memmaps.
+            offsets = idx[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+            windows = np.asarray(self.tokens[offsets], dtype=np.int64)
         inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
         targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
         return inputs, targets
