@@ -5,11 +5,12 @@ Every run here is the real CLI with real worker processes on gloo (DESIGN.md §5
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_mcpar, sets
+from conftest import TINY, train_metrics
 
 from mcpar.config import apply_overrides, parse_config
 from mcpar.metrics import REQUIRED_FIELDS, read_metrics
@@ -23,7 +24,10 @@ LAYOUTS = {
     "single": (1, 8, 1),
     "data2": (2, 4, 1),
     "data4": (4, 2, 1),
-    "accum4": (1, 2, 4),
+    # Also writes TensorBoard events (when tensorboard is installed): logging must not change
+    # the losses, which the parity test checks.
+    "accum4": (1, 2, 4, *(["training.tensorboard=true"]
+                          if importlib.util.find_spec("tensorboard") else [])),
     # 2 emulated nodes x 2 ranks: reduce-scatter in the node, all-reduce across, all-gather.
     "data4_hierarchical": (4, 2, 1, "controllers.communication.topology=hierarchical",
                            "cluster.ranks_per_node=2"),
@@ -31,19 +35,22 @@ LAYOUTS = {
 
 
 def train(run_dir: Path, nproc: int, micro: int, accum: int, *extra: str) -> list[dict]:
-    proc = run_mcpar(
-        "train", *sets(*TINY, f"training.steps={STEPS}", f"optimization.micro_batch_size={micro}",
-                       f"optimization.gradient_accumulation={accum}", *extra),
-        "--nproc", str(nproc), "--run-dir", str(run_dir),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return read_metrics(run_dir)
+    return train_metrics(run_dir, nproc, [
+        *TINY, f"training.steps={STEPS}", f"optimization.micro_batch_size={micro}",
+        f"optimization.gradient_accumulation={accum}", *extra])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dp")
-    return {name: train(root / name, *layout) for name, layout in LAYOUTS.items()}
+    for name, layout in LAYOUTS.items():
+        train(root / name, *layout)
+    return {name: root / name for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def runs(run_dirs: dict[str, Path]) -> dict[str, list[dict]]:
+    return {name: read_metrics(run) for name, run in run_dirs.items()}
 
 
 def assert_parity(reference: list[dict], other: list[dict]) -> None:
@@ -84,14 +91,13 @@ def test_comm_bytes_is_the_ring_all_reduce_count(runs: dict[str, list[dict]], na
 
 
 @pytest.mark.slow
-def test_summary_and_resolved_config(runs: dict[str, list[dict]], tmp_path: Path) -> None:
-    # Reuse a fresh small run to read its run directory whole.
-    run = tmp_path / "r"
-    train(run, 2, 4, 1, "training.steps=3")
+def test_summary_and_resolved_config(run_dirs: dict[str, Path]) -> None:
+    # The data-2 run's directory, read whole.
+    run = run_dirs["data2"]
     summary = json.loads((run / "summary.json").read_text())
     cfg = parse_config(apply_overrides({}, TINY))
     assert summary["num_params"] == get_model_spec("gpt").num_params(cfg.model)
-    assert summary["final_step"] == 3 and summary["layout"]["data"] == 2
+    assert summary["final_step"] == STEPS and summary["layout"]["data"] == 2
     assert summary["final_val_loss"] is not None
     resolved = (run / "config.yaml").read_text()
     assert "gradient_accumulation: 1" in resolved and "data: 2" in resolved
@@ -107,12 +113,12 @@ def test_bf16_mixed_precision_trains_close_to_fp32(runs: dict[str, list[dict]],
 
 
 @pytest.mark.slow
-def test_tensorboard_logging(tmp_path: Path) -> None:
+def test_tensorboard_logging(run_dirs: dict[str, Path]) -> None:
     pytest.importorskip("tensorboard")
-    run = tmp_path / "tb"
-    train(run, 1, 8, 1, "training.steps=3", "training.tensorboard=true")
-    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    events = list((run_dirs["accum4"] / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
+    # Tensorboard is off by default: the other runs wrote none.
+    assert not (run_dirs["single"] / "tensorboard").exists()
 
 
 @pytest.mark.slow

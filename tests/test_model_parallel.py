@@ -7,12 +7,14 @@ worker processes on gloo; its per-step losses must match the single-process run 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import assert_loss_parity, run_mcpar, sets, train_metrics
+from conftest import assert_loss_parity, run_cli_in_process, sets, train_metrics
 
 from mcpar.config import apply_overrides, parse_config
+from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
 
 STEPS = 20
@@ -55,20 +57,39 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return train(tmp_path_factory.mktemp("ref") / "run", 1, ["optimization.micro_batch_size=8"])
 
 
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The run directory of a layout, trained on first use and shared by the tests below."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            run = tmp_path_factory.mktemp(name) / "run"
+            train(run, *LAYOUTS[name])
+            done[name] = run
+        return done[name]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_loss_parity(reference: list[dict], name: str, tmp_path: Path) -> None:
-    nproc, settings = LAYOUTS[name]
-    records = train(tmp_path / name, nproc, settings)
+def test_loss_parity(reference: list[dict], name: str,
+                     layout_run: Callable[[str], Path]) -> None:
+    nproc, _ = LAYOUTS[name]
+    run = layout_run(name)
+    records = read_metrics(run)
     assert len(records) == STEPS
     assert_loss_parity(reference, records, name)
     assert abs(reference[-1]["val_loss"] - records[-1]["val_loss"]) <= 1e-3
-    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"]["world_size"] == nproc
 
 
 @pytest.mark.slow
-def test_tensor2_halves_parameters_except_replicated_ones(tmp_path: Path) -> None:
+def test_tensor2_halves_parameters_except_replicated_ones(
+        tmp_path: Path, layout_run: Callable[[str], Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
     h, layers, seq, vocab = 32, 4, 32, 256
     full = get_model_spec("gpt").num_params(parse_config(apply_overrides({}, MODEL)).model)
     # Replicated under tensor parallelism: 2 LayerNorms + 2 row-parallel biases per block,
@@ -79,13 +100,12 @@ def test_tensor2_halves_parameters_except_replicated_ones(tmp_path: Path) -> Non
 
     config = tmp_path / "tp2.yaml"
     config.write_text("parallelism: {tensor: 2, data: 1}\n")
-    check = run_mcpar("check", str(config), *sets(*MODEL, "optimization.micro_batch_size=8"))
+    check = run_cli_in_process(capsys, "check", str(config),
+                               *sets(*MODEL, "optimization.micro_batch_size=8"))
     assert check.returncode == 0, check.stderr
     assert f"parameters per rank by pipeline position: {expected:,} " in check.stdout
 
-    run = tmp_path / "tp2"
-    train(run, 2, ["parallelism.tensor=2", "optimization.micro_batch_size=8",
-                   "training.steps=1"])
-    summary = json.loads((run / "summary.json").read_text())
+    # What the workers of the tensor-2 run (the parity test's) really held.
+    summary = json.loads((layout_run("tensor2") / "summary.json").read_text())
     assert summary["max_params_per_rank"] == expected
     assert summary["num_params"] == full
