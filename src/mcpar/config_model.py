@@ -172,8 +172,9 @@ class ModelConfig(BaseModel):
     @classmethod
     def _fill_from_preset(cls, data: Any) -> Any:
         # An unknown preset is left to the field's own validation, which names the choices.
-        if isinstance(data, dict) and data.get("preset") in PUBLISHED_MODELS:
-            return {**PUBLISHED_MODELS[data["preset"]].model_keys(), **data}
+        preset = data.get("preset") if isinstance(data, dict) else None
+        if isinstance(preset, str) and preset in PUBLISHED_MODELS:  # a list is not hashable
+            return {**PUBLISHED_MODELS[preset].model_keys(), **data}
         return data
 
     @property
