@@ -31,57 +31,69 @@ def test_check_seed_config_prints_the_1024_device_plan() -> None:
     assert re.search(r"total\s+\d+\.\d (KiB|MiB|GiB)", out)
 
 
-def test_train_seed_config_says_how_many_devices_it_needs() -> None:
-    proc = run_mcpar("train", "configs/seed_mcp.yaml", "--run-dir", "/nonexistent/never")
+def test_train_seed_config_says_how_many_devices_it_needs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "train", "configs/seed_mcp.yaml",
+                              "--run-dir", "/nonexistent/never")
     have = os.cpu_count()
     assert_user_error(proc, "needs 1024 devices", f"has {have} CPU cores")
 
 
-def test_unknown_key_on_the_command_line(tmp_path: Path) -> None:
+def test_unknown_key_on_the_command_line(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  hidden_sise: 64\n")
-    proc = run_mcpar("check", str(cfg))
+    proc = run_cli_in_process(capsys, "check", str(cfg))
     assert_user_error(proc, "model.hidden_sise: unknown key", "model.hidden_size")
 
 
-def test_set_override_is_validated() -> None:
-    proc = run_mcpar("check", "configs/seed_mcp.yaml", "--set", "model.num_heads=3")
+def test_set_override_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "check", "configs/seed_mcp.yaml", "--set",
+                              "model.num_heads=3")
     assert_user_error(proc, "model.num_heads")
 
 
 def test_missing_config_file() -> None:
+    # Through `python -m mcpar.cli` (as the seed config's check above): the module's exit
+    # status is main's, 2 for a user error.
     proc = run_mcpar("check", "nope.yaml")
     assert_user_error(proc, "nope.yaml: config file not found")
 
 
-def test_missing_data_path(tmp_path: Path) -> None:
-    proc = run_mcpar("train", *sets(*TINY, "data.source=/no/such/corpus*.txt"),
-                     "--nproc", "1", "--run-dir", str(tmp_path / "run"))
+def test_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "train", *sets(*TINY, "data.source=/no/such/corpus*.txt"),
+                              "--nproc", "1", "--run-dir", str(tmp_path / "run"))
     assert_user_error(proc, "data.source", "/no/such/corpus*.txt")
 
 
-def test_cuda_requested_without_cuda(tmp_path: Path) -> None:
-    proc = run_mcpar("train", *sets("training.device=cuda"), "--run-dir", str(tmp_path / "r"))
+def test_cuda_requested_without_cuda(tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "train", *sets("training.device=cuda"),
+                              "--run-dir", str(tmp_path / "r"))
     assert_user_error(proc, "training.device")
 
 
-def test_unimplemented_setting_is_refused_not_ignored(tmp_path: Path) -> None:
-    proc = run_mcpar("train", *sets(*TINY, "controllers.memory.offload=cpu"),
-                     "--nproc", "1", "--run-dir", str(tmp_path / "r"))
+def test_unimplemented_setting_is_refused_not_ignored(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "train", *sets(*TINY, "controllers.memory.offload=cpu"),
+                              "--nproc", "1", "--run-dir", str(tmp_path / "r"))
     assert_user_error(proc, "controllers.memory.offload: 'cpu' is not available")
 
 
-def test_nproc_must_match_the_layout(tmp_path: Path) -> None:
-    proc = run_mcpar("train", *sets(*TINY, "parallelism.data=2"), "--nproc", "3",
-                     "--run-dir", str(tmp_path / "r"))
+def test_nproc_must_match_the_layout(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_cli_in_process(capsys, "train", *sets(*TINY, "parallelism.data=2"),
+                              "--nproc", "3", "--run-dir", str(tmp_path / "r"))
     assert_user_error(proc, "parallelism:", "has 3")
 
 
-def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
+def test_existing_run_dir_is_not_overwritten(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "r"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    proc = run_mcpar("train", *sets(*TINY), "--nproc", "1", "--run-dir", str(run))
+    proc = run_cli_in_process(capsys, "train", *sets(*TINY), "--nproc", "1",
+                              "--run-dir", str(run))
     assert_user_error(proc, "--run-dir", "already holds a run")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY, run_mcpar, sets
+from conftest import REPO, TINY, launch_in_process, run_cli_in_process, run_mcpar, sets
 
 from mcpar.config import parse_config
 from mcpar.metrics import read_metrics
@@ -33,11 +33,11 @@ def test_train_on_text_glob_with_bpe(tmp_path: Path) -> None:
     for i, path in enumerate(sorted((REPO / "src" / "mcpar").rglob("*.py"))):
         (corpus / f"{i:03d}.txt").write_bytes(path.read_bytes())
     run = tmp_path / "run"
-    proc = run_mcpar("train", *sets(*TINY, f"data.source={corpus}/*.txt", "data.tokenizer=bpe",
-                                    "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
-                                    "data.val_fraction=0.1", "training.steps=5"),
-                     "--nproc", "2", "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stderr
+    assert launch_in_process(
+        "train", *sets(*TINY, f"data.source={corpus}/*.txt", "data.tokenizer=bpe",
+                       "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
+                       "data.val_fraction=0.1", "training.steps=5"),
+        "--nproc", "2", "--run-dir", str(run)) == 0
     records = read_metrics(run)
     assert len(records) == 5
     # A fresh model predicts ~uniformly over the 512 BPE tokens: ln(512) = 6.24.
@@ -46,7 +46,7 @@ def test_train_on_text_glob_with_bpe(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_train_on_pretokenized_bin(tmp_path: Path) -> None:
+def test_train_on_pretokenized_bin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tokens = np.random.default_rng(0).integers(0, 1000, size=50_000, dtype=np.uint16)
     path = tmp_path / "tokens.bin"
     tokens.tofile(path)
@@ -56,8 +56,10 @@ def test_train_on_pretokenized_bin(tmp_path: Path) -> None:
                      "--nproc", "1", "--run-dir", str(run))
     assert proc.returncode == 0, proc.stderr
     assert abs(read_metrics(run)[0]["loss"] - np.log(1000)) < 0.3
-    # Token ids beyond the vocabulary are a user error, before any worker starts.
-    proc = run_mcpar("train", *sets(*TINY, f"data.source={path}", "data.token_dtype=uint16",
+    # Token ids beyond the vocabulary are a user error, before any worker starts (the CLI's
+    # main in this process: nothing of it is multi-process).
+    proc = run_cli_in_process(capsys, "train",
+                              *sets(*TINY, f"data.source={path}", "data.token_dtype=uint16",
                                     "model.vocab_size=500"), "--run-dir", str(tmp_path / "r2"))
     assert proc.returncode == 2 and "model.vocab_size" in proc.stderr
 
@@ -66,8 +68,7 @@ def test_train_on_pretokenized_bin(tmp_path: Path) -> None:
 def test_torchrun_environment_matches_own_launcher(tmp_path: Path) -> None:
     common = sets(*TINY, "training.steps=4", "optimization.micro_batch_size=4")
     own = tmp_path / "own"
-    proc = run_mcpar("train", *common, "--nproc", "2", "--run-dir", str(own))
-    assert proc.returncode == 0, proc.stderr
+    assert launch_in_process("train", *common, "--nproc", "2", "--run-dir", str(own)) == 0
     via_torchrun = tmp_path / "torchrun"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     proc = subprocess.run(
