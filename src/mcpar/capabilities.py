@@ -24,14 +24,17 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
         ("controllers.memory.offload", ctl.memory.offload, "none"),
-        ("controllers.memory.activation_checkpointing", ctl.memory.activation_checkpointing,
-         "none"),
     ]
     problems = [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")
         for key, value, works in checks
         if value != works
     ]
+    if ctl.memory.activation_checkpointing == "full" and cfg.model.is_moe:
+        problems.append(problem(
+            "controllers.memory.activation_checkpointing", "'full' would replay the MoE "
+            "layers' routing (and its statistics) in the backward pass, which this version "
+            "does not support; use 'selective' (the attention core) or 'none' with MoE models"))
     if ctl.memory.zero_stage == 0:  # with ZeRO, the plan checks them (controllers/memory)
         wire = ctl.communication
         problems += zero_layout_problems(0, 1, compression=wire.compression,

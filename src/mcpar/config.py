@@ -148,7 +148,8 @@ class MemoryControllerConfig(_Section):
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
                             "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="Activation recomputation policy."
+        "none", description="Activation recompute in the backward pass: 'selective' rebuilds "
+        "each attention core (softmax(qk^T)v and its dropout), 'full' each block."
     )
     memory_budget_gb: float | None = Field(
         None, gt=0.0, le=1e6,

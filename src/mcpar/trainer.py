@@ -43,6 +43,7 @@ from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
+from mcpar.controllers.memory.recompute import apply_recompute
 from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
@@ -159,6 +160,10 @@ class Trainer:
 
         self.spec = get_model_spec(cfg.model.kind)
         self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(plan.stage_cut))
+        # The MemoryController's activation policy, last of the parallelize order (PP -> TP/SP
+        # -> EP -> memory): the blocks (or attention cores) that rebuild in the backward pass.
+        apply_recompute([b for chunk in self.pm.chunks for b in chunk.pieces()[1]],
+                        cfg.controllers.memory.activation_checkpointing)
         comm_plan = plan.grad_exchange
         # ZeRO (the MemoryController's placement): buckets reduce-scattered into shards over
         # the data axis (experts: their replicas); stage 2 keeps no full gradient.

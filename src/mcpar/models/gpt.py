@@ -33,13 +33,27 @@ from mcpar.models.plan import (
 )
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d), causal) v, with attention dropout: no parameters, the part of a
+    block whose saved activations grow with the sequence squared in an unfused kernel. A module
+    of its own so that selective recompute (``controllers/memory/recompute.py``) can name it."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.dropout = cfg.dropout
+        self.core = AttentionCore(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -47,9 +61,7 @@ class CausalSelfAttention(nn.Module):
         # [batch, heads, seq, head_dim], the layout scaled_dot_product_attention expects.
         q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
                    for t in qkv.chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

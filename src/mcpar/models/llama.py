@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.config import ModelConfig
+from mcpar.models.gpt import AttentionCore
 from mcpar.models.moe import GroupedWeight, MoELayer, moe_layers
 from mcpar.models.plan import (
     BlockPlan,
@@ -89,7 +90,7 @@ class GroupedQueryAttention(nn.Module):
         self.queries_per_group = cfg.num_heads // cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.rope_base = cfg.rope_base
-        self.dropout = cfg.dropout
+        self.core = AttentionCore(cfg.dropout)
         group_rows = (self.queries_per_group + 2) * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, cfg.kv_heads * group_rows, bias=False)
         self.proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
@@ -107,8 +108,7 @@ class GroupedQueryAttention(nn.Module):
         if self.queries_per_group > 1:  # every query head of a group reads its group's k, v
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

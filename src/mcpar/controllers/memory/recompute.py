@@ -1,0 +1,48 @@
+"""Activation recompute: which activations the backward pass finds saved, and which it rebuilds.
+
+``controllers.memory.activation_checkpointing``:
+- ``full``: each transformer block keeps only its input; its forward runs again in the backward
+  pass (one more forward per block, the least activation memory);
+- ``selective``: only the attention core (``models.gpt.AttentionCore``: softmax(q k^T) v and its
+  dropout, no parameters) is rebuilt, the part whose saved activations grow with the sequence
+  squared in an unfused kernel (Korthikanti et al. 2022); its cost is a fraction of a block's;
+- ``none``.
+
+Mechanism: ``torch.utils.checkpoint`` (non-reentrant) around the module's own ``forward``, set on
+the instance, so the module's hooks (ZeRO-3's gathers, for one) run once around it and are not
+replayed, and the parameter names (checkpoints) do not change. The RNG state of each forward is
+saved and restored for its replay, so dropout draws the same masks and the losses are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mcpar.models.gpt import AttentionCore
+
+
+def _recompute_forward(module: nn.Module) -> None:
+    forward = module.forward
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to replay
+            return forward(*args)
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    module.forward = run  # type: ignore[method-assign]
+
+
+def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> int:
+    """Set ``mode`` on these transformer blocks; how many modules now recompute."""
+    targets: list[nn.Module] = []
+    if mode == "full":
+        targets = list(blocks)
+    elif mode == "selective":
+        targets = [m for block in blocks for m in block.modules() if isinstance(m, AttentionCore)]
+    for module in targets:
+        _recompute_forward(module)
+    return len(targets)
