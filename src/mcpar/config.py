@@ -151,6 +151,10 @@ class MemoryControllerConfig(_Section):
         "none", description="Activation recompute in the backward pass: 'selective' rebuilds "
         "each attention core (softmax(qk^T)v and its dropout), 'full' each block."
     )
+    consistency_interval: int = Field(
+        100, ge=0, le=MAX_STEPS, description="Steps between checks that replicated tensors "
+        "(data, tensor, expert replicas) still agree bit for bit; a mismatch restarts from the "
+        "last valid checkpoint. 0: off.")
     memory_budget_gb: float | None = Field(
         None, gt=0.0, le=1e6,
         description="Memory per rank that plans may use; default 90% of a GPU, "

@@ -26,6 +26,7 @@ class FaultInjector:
     rank: int = 0
     nonfinite_steps: frozenset[int] = frozenset()
     stall_step: int = 0
+    bitflip_step: int = 0  # before this 1-based step, one bit of a parameter flips on ``rank``
     _step: int = 0  # the current 0-based step, set by before_step
 
     @classmethod
@@ -36,16 +37,23 @@ class FaultInjector:
         # The stall is injected on the first start of the job only.
         first_start = env.get("MCPAR_RESTART_COUNT", "0") in ("", "0")
         stall = int(env.get("MCPAR_FAULT_STALL_STEP", "0") or 0) if first_start else 0
-        if not nonfinite and not stall:
+        flip = int(env.get("MCPAR_FAULT_BITFLIP_STEP", "0") or 0) if first_start else 0
+        if not nonfinite and not stall and not flip:
             return None
         return cls(rank=int(env.get("MCPAR_FAULT_RANK", "0")), nonfinite_steps=nonfinite,
-                    stall_step=stall)
+                    stall_step=stall, bitflip_step=flip)
 
-    def before_step(self, step: int, rank: int) -> None:
-        """Called at the start of every 0-based step on every rank."""
+    def before_step(self, step: int, rank: int,
+                    params: list[torch.nn.Parameter] | None = None) -> None:
+        """Called at the start of every 0-based step on every rank (with its parameters)."""
         self._step = step
         if step + 1 == self.stall_step and rank == self.rank:
             time.sleep(3600)  # this rank hangs; its peers must time out
+        if step + 1 == self.bitflip_step and rank == self.rank and params:
+            # Silent data corruption: an exponent bit of the first parameter's first element.
+            with torch.no_grad():
+                bits = params[0].data.view(-1)[:1].view(torch.int32)
+                bits ^= 1 << 24
 
     def wrap_loss(self, loss_fn: LossFn, rank: int) -> LossFn:
         """``loss_fn``, whose loss is NaN on the faulty rank at the chosen steps."""

@@ -41,6 +41,7 @@ from mcpar.controllers.compute.batch_split import choose_split
 from mcpar.controllers.compute.controller import ComputeController, StepBatch
 from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
+from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMismatch
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
 from mcpar.controllers.memory.recompute import apply_recompute
@@ -231,6 +232,12 @@ class Trainer:
         if resume and self.rank == 0:
             _truncate_metrics(run_dir, self.start_step)
         self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
+        self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
+        # Replicated tensors (none under ZeRO-3, whose parameters are all sharded).
+        self.consistency = ReplicaConsistency(
+            [] if self.store is not None else
+            [(f"{i}.{n}", p) for i, c in enumerate(self.pm.chunks)
+             for n, p in c.named_parameters()], self.comm)
 
     def _setup_topology(self, topology: str) -> None:
         """Split the data axis by node for hierarchical / hybrid all-reduces."""
@@ -376,6 +383,29 @@ class Trainer:
         self.comm.all_reduce(total, axis="world")
         return float(total[0] / total[1])
 
+    def _check_replicas(self, step: int) -> float:
+        """The MemoryController's consistency check; a mismatch is logged and raised (the
+        launcher restarts from the last valid checkpoint). Its seconds."""
+        before = self.consistency.seconds
+        mismatches = self.consistency.check(step)
+        for found in mismatches:
+            self.recovery.log.log("replica_mismatch", echo=True, **found)
+        if not mismatches:
+            self.last_consistent_step = step
+        else:
+            # A save still in flight from before the last passing check holds consistent
+            # replicas: commit it, so the restart resumes there. A later one is left
+            # uncommitted (it may hold the corruption) and is never taken for a checkpoint.
+            pending = self.recovery.pending_step
+            if pending is not None and pending <= self.last_consistent_step:
+                self.recovery.wait()
+            first = mismatches[0]
+            raise ReplicaMismatch(
+                f"step {step}: replicas of {first['tensor']} disagree over '{first['axis']}' "
+                f"(ranks {first['ranks']} differ from the others; {len(mismatches)} tensor(s) "
+                "in all); restarting from the last valid checkpoint")
+        return self.consistency.seconds - before
+
     def _largest_model_state(self) -> dict[str, int]:
         """The model-state bytes (counted from the tensors) of the rank holding the most."""
         held = model_state_bytes(self.pm.params, self.grad_sync, self.optimizer,
@@ -432,7 +462,7 @@ class Trainer:
             synchronize(self.device)
             t0 = time.perf_counter()
             if self.faults is not None:
-                self.faults.before_step(step, self.rank)
+                self.faults.before_step(step, self.rank, self.pm.params)
             result = self.train_step(step)
             synchronize(self.device)
             step_time = time.perf_counter() - t0
@@ -452,6 +482,9 @@ class Trainer:
             }
             if result.moe is not None:
                 record["moe"] = result.moe
+            every = cfg.controllers.memory.consistency_interval
+            if every and (step + 1) % every == 0:  # before a checkpoint could keep a bad replica
+                record["consistency_check_s"] = self._check_replicas(step + 1)
             tokens_per_s_sum += record["tokens_per_s"]
             last = step + 1 == tr.steps
             if last or (tr.eval_interval and (step + 1) % tr.eval_interval == 0):
@@ -497,6 +530,8 @@ class Trainer:
             "flops_per_token": self.spec.flops_per_token(cfg.model),
             "device": self.device.type,
             "comm": self.comm.stats.breakdown(),
+            "consistency": {"checks": self.consistency.checks,
+                            "seconds": self.consistency.seconds},
         }
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)

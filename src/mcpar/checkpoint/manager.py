@@ -344,6 +344,11 @@ class FaultRecoveryManager:
             step, staged, ready, meta, self._async_coord, timing))
         return self.dir / f"step-{step}"
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the asynchronous save still in flight, if any."""
+        return self._pending.step if self._pending is not None else None
+
     def wait(self) -> float:
         """Block until the save in flight (if any) is committed; the seconds waited. Raises
         ``CheckpointSaveError`` (on every rank) if that save failed."""

@@ -188,6 +188,10 @@ class Communicator:
         except RuntimeError as err:
             raise collective_error(op, axis, self._group_ranks(axis), err) from err
 
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis-rank order."""
+        return self._group_ranks(axis)
+
     def _group_ranks(self, axis: str) -> list[int]:
         group = self._group(axis)
         if group is None:
