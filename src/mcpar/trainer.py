@@ -5,14 +5,18 @@ Order of construction (fixed, so every rank builds the same thing):
 2. ParallelDims of the plan's degrees, and its DeviceMesh;
 3. CommunicationController over the mesh's groups, with the plan's data-axis topology;
 4. data: corpus, training and validation streams (layout-independent sample order);
-5. the model, parallelized in a fixed order on the plan's stage cut (``parallel/parallelize.py``);
-6. the gradient sync; dynamic batch splitting, if planned (a new plan); ``plan.json``;
+5. the model, parallelized in a fixed order on the plan's stage cut (``parallel/parallelize.py``),
+   then the MemoryController's activation recompute policy;
+6. the gradient sync (under ZeRO-3, with the MemoryController's parameter store); dynamic batch
+   splitting, if planned (a new plan); ``plan.json``;
 7. the optimizer and the planned gradient exchange (the CommunicationController's);
 8. the ComputeController, with the step's task list from its schedule generator;
 9. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
    optimizer, RNG, data position) before the run logger opens metrics.jsonl;
 10. the loop: the ComputeController runs each step's tasks, the last of which is the update
-    (gradients clipped over the whole mesh, the optimizer step); checkpoints between steps.
+    (gradients clipped over the whole mesh, the optimizer step); every
+    ``consistency_interval`` steps the MemoryController compares the replicas; checkpoints
+    between steps.
 """
 
 from __future__ import annotations
