@@ -39,7 +39,7 @@ from mcpar.comm.communicator import CommHandle
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_exchange import GradExchangePlan, build_grad_exchange
+from mcpar.controllers.communication.grad_exchange import build_grad_exchange
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.controllers.compute.batch_split import choose_split
 from mcpar.controllers.compute.controller import ComputeController, StepBatch
@@ -47,9 +47,9 @@ from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMismatch
 from mcpar.controllers.memory.held import model_state_bytes
+from mcpar.controllers.memory.optimizer import build_optimizer
 from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
 from mcpar.controllers.memory.recompute import apply_recompute
-from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
@@ -57,7 +57,6 @@ from mcpar.faults import FaultInjector
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
-from mcpar.optim.onebit_adam import OneBitAdam
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.pipeline import PipelineExecutor
@@ -77,34 +76,6 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
     floor = opt.lr * opt.min_lr_ratio
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
-    """AdamW's parameter groups: weight decay on matrices only; biases and norms are left
-    alone (GPT-2 practice)."""
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
-                    exchange: GradExchangePlan, comm: CommunicationController,
-                    sync: DataParallelGradSync, store: ParameterStore | None = None,
-                    ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
-    """AdamW; or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
-    is exchanged in 1 bit past its freeze step, through the CommunicationController); or, under
-    ZeRO, the MemoryController's AdamW over this rank's shards. Also the parameters whose
-    gradients the update reads (ZeRO: the shards' pieces)."""
-    opt = cfg.optimization
-    stage = cfg.controllers.memory.zero_stage
-    if stage > 0:
-        zero = ZeroAdamW(sync, comm, stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                         weight_decay=opt.weight_decay, store=store)
-        return zero, list(zero.pieces)
-    groups = decay_groups(params, opt.weight_decay)
-    if exchange.strategy == "onebit":
-        return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                          freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm), params
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2)), params
 
 
 @dataclass
