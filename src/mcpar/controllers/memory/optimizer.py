@@ -2,7 +2,9 @@
 
 Plain AdamW holds a full copy on every rank; under ZeRO it holds this rank's shards (``zero.py``);
 when the CommunicationController's gradient exchange is 1-bit, the optimizer is 1-bit Adam,
-whose momentum exchange is the compression.
+whose momentum exchange is the compression. With offload, the state of either AdamW lives in
+host memory or files and is streamed through the update (``offload.py``; not with 1-bit Adam,
+which ``capabilities.py`` refuses).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.communication.grad_exchange import GradExchangePlan
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+from mcpar.controllers.memory.offload import OffloadAdamW, OffloadSpec
 from mcpar.controllers.memory.param_store import ParameterStore
 from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.optim.onebit_adam import OneBitAdam
@@ -28,6 +31,7 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
 def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
                     exchange: GradExchangePlan, comm: CommunicationController,
                     sync: DataParallelGradSync, store: ParameterStore | None = None,
+                    offload: OffloadSpec | None = None,
                     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
     """AdamW; or, when the planned gradient exchange is 1-bit, 1-bit Adam (AdamW whose momentum
     is exchanged in 1 bit past its freeze step, through the CommunicationController); or, under
@@ -37,10 +41,13 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
     stage = cfg.controllers.memory.zero_stage
     if stage > 0:
         zero = ZeroAdamW(sync, comm, stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                         weight_decay=opt.weight_decay, store=store)
+                         weight_decay=opt.weight_decay, store=store, offload=offload)
         return zero, list(zero.pieces)
     groups = decay_groups(params, opt.weight_decay)
     if exchange.strategy == "onebit":
         return OneBitAdam(groups, comm, axis="dp", lr=opt.lr, betas=(opt.beta1, opt.beta2),
                           freeze_step=opt.freeze_step, dp_algorithm=comm.dp_algorithm), params
+    if offload is not None:
+        return OffloadAdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                            offload=offload), params
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2)), params

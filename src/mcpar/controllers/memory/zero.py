@@ -46,6 +46,7 @@ from mcpar.capabilities import zero_layout_problems
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync, GradBucket
+from mcpar.controllers.memory.offload import OffloadAdamW, OffloadSpec
 from mcpar.controllers.memory.param_store import ParameterStore
 from mcpar.parallel.expert import EXPERT_SHARDED_ATTR
 from mcpar.parallel.tensor import SEQUENCE_PARALLEL_ATTR, TP_SHARDED_ATTR
@@ -83,14 +84,15 @@ def _pieces(bucket: GradBucket, owned: torch.Tensor, rank: int) -> list[ShardPie
     return pieces
 
 
-class ZeroAdamW(torch.optim.AdamW):
+class ZeroAdamW(OffloadAdamW):
     """AdamW over this rank's shard of every gradient bucket; ``step`` also all-gathers the
     updated parameters. Its ``param_groups`` hold the pieces (``ShardPiece``), so clipping and
-    checkpoints see exactly the state this rank owns."""
+    checkpoints see exactly the state this rank owns. With ``offload``, the pieces' state is
+    offloaded and their update streamed (``offload.py``)."""
 
     def __init__(self, sync: DataParallelGradSync, comm: Communicator, stage: int, lr: float,
                  betas: tuple[float, float], weight_decay: float,
-                 store: ParameterStore | None = None):
+                 store: ParameterStore | None = None, offload: OffloadSpec | None = None):
         """``store``: stage 3's parameter store, whose shards the pieces are (the next forward
         gathers them: no all-gather after the step)."""
         self.comm = comm
@@ -120,7 +122,8 @@ class ZeroAdamW(torch.optim.AdamW):
                 # Weight decay on matrices only, as for the unsharded optimizer.
                 (decay if piece.source.dim() >= 2 else no_decay).append(piece)
         super().__init__([{"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+                          {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,
+                         offload=offload)
 
     @property
     def pieces(self) -> list[ShardPiece]:
