@@ -1,0 +1,146 @@
+"""Hugging Face models in: ``model.init_from: hf:DIR`` and ``mcpar import DIR``.
+
+A fresh run with ``model.init_from: hf:DIR`` starts from the weights of a Hugging Face directory
+(config.json and safetensors, one file or sharded with an index) instead of its seeded init, for
+continued pre-training. The model section must describe the same model: ``mcpar import DIR``
+prints the section to paste, and a run whose section differs is refused naming the key and the
+value the directory has. Every rank reads the directory and keeps its own shard, through the
+same index maps that resume uses to reshard (full_state.py), so any layout starts from the same
+full model; a resumed run loads its checkpoint over it.
+
+Supported: ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``GPT2LMHeadModel`` (hf_names.py
+says what each maps to); any other architecture is refused with exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from mcpar.config import ModelConfig
+from mcpar.errors import UserError, problem
+from mcpar.interop.hf_names import KIND_OF_ARCHITECTURE, from_hf, hf_problems, model_keys
+
+PREFIX = "hf:"
+KEY = "model.init_from"
+# Training choices that do not change the imported function (or only from the first update).
+_FREE_KEYS = ("capacity_factor", "router_bias_update_rate")
+
+
+def hf_dir(init_from: str, key: str = KEY) -> Path:
+    if not init_from.startswith(PREFIX):
+        raise UserError(problem(key, f"{init_from!r}: give hf:DIR, a Hugging Face model "
+                                "directory"))
+    return Path(init_from[len(PREFIX):]).expanduser()
+
+
+def read_config(path: Path, key: str = KEY) -> dict[str, Any]:
+    """A supported config.json of ``path``; exit 2 naming the path otherwise."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise UserError(problem(key, f"{path}: no config.json; give a directory written by "
+                                "save_pretrained or mcpar export"))
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(problem(key, f"{file}: not readable JSON ({exc})")) from None
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in KIND_OF_ARCHITECTURE:
+        raise UserError(problem(key, f"{file}: architectures {hf.get('architectures')!r} has "
+                                f"no mcpar model; supported: {sorted(KIND_OF_ARCHITECTURE)}"))
+    bad = hf_problems(hf)
+    if bad:
+        raise UserError([problem(key, f"{file}: {b}: mcpar's model computes something else")
+                         for b in bad])
+    return hf
+
+
+def read_tensors(path: Path, key: str = KEY) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors (one file or an index's shards), fp32."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UserError(problem(key, f"{path}: no model.safetensors nor "
+                                "model.safetensors.index.json; save with safe_serialization"))
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update({k: v.float() for k, v in load_file(str(path / name)).items()})
+    return out
+
+
+def import_section(path: Path, key: str = "DIR") -> dict[str, Any]:
+    """The mcpar ``model`` section for a Hugging Face directory (``mcpar import``)."""
+    return {**model_keys(read_config(path, key)), "init_from": f"{PREFIX}{path}"}
+
+
+def section_problems(cfg: ModelConfig, hf: dict[str, Any]) -> list[str]:
+    """Where the run's model section describes another model than the directory's."""
+    out = []
+    for name, theirs in model_keys(hf).items():
+        ours = getattr(cfg, name)
+        if name == "num_kv_heads":
+            ours = cfg.kv_heads
+        elif name == "ffn_hidden_size":
+            ours = cfg.ffn_size
+        elif name in _FREE_KEYS or (name == "tie_embeddings" and theirs):
+            continue  # untying copies the embedding into the head
+        if ours != theirs:
+            out.append(problem(f"model.{name}", f"{ours!r}, but {KEY} has {theirs!r}; set "
+                               f"it to {theirs!r} (`mcpar import DIR` prints the section)"))
+    return out
+
+
+def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The full parameters (``named_parameters`` names) ``model.init_from`` names."""
+    path = hf_dir(cfg.init_from or "")
+    hf = read_config(path)
+    problems = section_problems(cfg, hf)
+    if problems:
+        raise UserError(problems)
+    tensors = read_tensors(path)
+    if not cfg.tie_embeddings and "lm_head.weight" not in tensors:
+        embed = "transformer.wte.weight" if cfg.kind == "gpt" else "model.embed_tokens.weight"
+        if embed in tensors or "wte.weight" in tensors:
+            tensors["lm_head.weight"] = tensors.get(embed, tensors.get("wte.weight"))
+    try:
+        return from_hf(cfg, tensors)
+    except KeyError as exc:
+        raise UserError(problem(KEY, f"{path}: tensor {exc} is missing")) from None
+
+
+def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any) -> None:
+    """Load ``model.init_from`` into this rank's chunks (its pipeline stages, tensor slices and
+    experts; ``dims``: the run's ParallelDims), before anything else holds the parameters."""
+    from mcpar.checkpoint.reshard import take
+    from mcpar.interop.full_state import layout_maps
+    from mcpar.models.spec import get_model_spec
+
+    model_cfg = cfg.model
+    params = load_init(model_cfg)
+    names = [n for n, _ in get_model_spec(model_cfg.kind).build(model_cfg, 0).named_parameters()]
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise UserError(problem(KEY, f"no tensor for mcpar's {missing[0]}"))
+    full = [params[n].reshape(-1) for n in names]
+    layout = {"pipeline": dims.pp, "tensor": dims.tp, "experts": dims.ep,
+              "virtual_stages": cfg.parallelism.virtual_stages}
+    coord = (dims.axis_rank("pp"), dims.axis_rank("tp"), dims.axis_rank("ep"))
+    maps = layout_maps(model_cfg, layout, coord)
+    local = {f"{i}.{n}": p for i, chunk in enumerate(chunks)
+             for n, p in chunk.named_parameters()}
+    with torch.no_grad():
+        for name, codes in maps.items():
+            local[name].copy_(take(full, codes).to(local[name].dtype))
+
+
+def section_yaml(path: Path) -> str:
+    return yaml.safe_dump({"model": import_section(path)}, sort_keys=False)

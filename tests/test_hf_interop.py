@@ -1,0 +1,171 @@
+"""Hugging Face interop against ``transformers`` (a reference written elsewhere), offline.
+
+Export: a tensor 2 x pipeline 2 run of each family (Llama, its MoE form, GPT), exported, gives
+``AutoModelForCausalLM``'s logits on 4 sequences within 1e-4 (fp32). Import: small random
+Hugging Face Llama and Mixtral models, built here from their config classes, start an mcpar run
+whose first training loss is ``transformers``' loss on the same batch within 1e-4. And the
+refusals (exit 2, naming the key or path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from conftest import TINY, launch_in_process, sets
+
+from mcpar.cli import main
+from mcpar.config import ModelConfig, load_config, to_yaml
+from mcpar.data import BatchStream, load_corpus
+from mcpar.interop.full_state import load_full_state
+from mcpar.interop.hf_names import export_problems
+from mcpar.metrics import read_metrics
+from mcpar.models.spec import get_model_spec
+
+transformers = pytest.importorskip("transformers")
+
+LAYOUT = ["parallelism.tensor=2", "parallelism.pipeline=2", "optimization.micro_batch_size=2",
+          "optimization.global_batch_size=4", "training.dtype=float32"]
+SEQ = 16
+TOL = 1e-4
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mcpar ARGS`` in this process (no workers), its output captured here: usable from a
+    module fixture, where capsys is not."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def _hf_model(family: str, path: Path) -> Path:
+    """A small random Hugging Face model, saved as save_pretrained writes it. Large weights
+    (initializer_range) keep the logits far from uniform, so any mismapped tensor shows."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=SEQ,
+            activation_function="gelu", layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+            initializer_range=0.3))
+    else:
+        common = dict(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.3)
+        model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+                 if family == "llama" else
+                 transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                     **common, num_local_experts=4, num_experts_per_tok=2)))
+    model.save_pretrained(path)
+    return path
+
+
+def _logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, Path]:
+    """A random Hugging Face model of the family, imported (``mcpar import`` and
+    ``model.init_from``) into a 2-step tensor 2 x pipeline 2 run, whose checkpoint is exported;
+    the MoE model sharded into a few files with an index, so that form loads too."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf = _hf_model(request.param, root / "hf-in")
+    printed = _cli("import", str(hf))
+    assert printed.returncode == 0, printed.stderr
+    section = yaml.safe_load(printed.stdout)["model"]
+    assert section["init_from"] == f"hf:{hf}"
+    config = root / "job.yaml"
+    config.write_text(yaml.safe_dump({"model": {"seq_len": SEQ, **section}}))
+    assert launch_in_process(
+        "train", str(config), *sets(*TINY[4:], *LAYOUT, "training.steps=2",
+                                    "optimization.checkpoint.interval=2"),
+        "--nproc", "4", "--run-dir", str(root / "run")) == 0
+    shard = ["--max-shard-mb", "0.05"] if request.param == "mixtral" else []
+    done = _cli("export", str(root / "run"), "--format", "hf", str(root / "hf-out"), *shard)
+    assert done.returncode == 0, done.stderr
+    return {"family": Path(request.param), "hf_in": hf, "run": root / "run",
+            "hf_out": root / "hf-out"}
+
+
+def test_import_first_loss_is_transformers_loss(family_run: dict[str, Path]) -> None:
+    first = read_metrics(family_run["run"])[0]["loss"]
+    job = load_config(family_run["run"] / "config.yaml")
+    corpus = load_corpus(job.data.source, job.data.tokenizer, 256, job.data.val_fraction)
+    inputs, targets = BatchStream(corpus.train, SEQ, 4, job.training.seed).micro_batch(
+        0, 0, 1, 0, 4)
+    # transformers' logits, scored as its own loss does (the next token, averaged): its
+    # labels= form needs one position more than GPT-2's position table holds.
+    logits = _logits(family_run["hf_in"], inputs)
+    reference = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(first - reference) <= TOL, (first, reference)
+    assert abs(reference - math.log(256)) > 0.1  # far from a uniform guess
+
+
+def test_export_gives_transformers_logits(family_run: dict[str, Path]) -> None:
+    state = load_full_state(family_run["run"])
+    cfg = state.model
+    ours = get_model_spec(cfg.kind).build(cfg, 0)
+    ours.load_state_dict({**state.params, **state.buffers}, strict=False)
+    tokens = torch.randint(0, cfg.vocab_size, (4, SEQ),
+                           generator=torch.Generator().manual_seed(7))
+    theirs = _logits(family_run["hf_out"], tokens)
+    with torch.no_grad():
+        assert (ours.eval()(tokens) - theirs).abs().max().item() <= TOL
+    config = json.loads((family_run["hf_out"] / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURES[family_run["family"].name]]
+    # Written after two steps of training: not the weights the run was initialised from.
+    assert (_logits(family_run["hf_in"], tokens) - theirs).abs().max().item() > 1e-3
+    if cfg.kind == "llama_moe":
+        index = json.loads((family_run["hf_out"] / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+
+
+def test_export_of_a_run_without_checkpoint_exits_2(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(None)))
+    proc = _cli("export", str(run), "--format", "hf", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "no valid checkpoint" in proc.stderr
+    assert str(run / "checkpoints") in proc.stderr
+    proc = _cli("export", str(tmp_path), "--format", "hf", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "not an mcpar run directory" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_missing_step_exits_2(family_run: dict[str, Path], tmp_path: Path) -> None:
+    proc = _cli("export", str(family_run["run"]), "--step", "99", "--format", "hf",
+                str(tmp_path / "out"))
+    assert proc.returncode == 2 and "--step" in proc.stderr and "valid steps: [2]" in proc.stderr
+
+
+def test_import_of_another_architecture_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
+    proc = _cli("import", str(tmp_path))
+    assert proc.returncode == 2
+    assert str(tmp_path / "config.json") in proc.stderr and "BertForMaskedLM" in proc.stderr
+
+
+def test_models_without_a_counterpart_are_refused() -> None:
+    """GPT's MoE form has no Hugging Face architecture; the MoE settings Mixtral does not
+    compute are named by key."""
+    assert "model.kind" in export_problems(ModelConfig(kind="moe", num_experts=4), {})[0]
+    moe = ModelConfig(kind="llama_moe", num_experts=4, top_k=2, capacity_factor=1.0,
+                      shared_expert=True)
+    text = "\n".join(export_problems(moe, {"blocks.0.mlp.router.expert_bias":
+                                           torch.tensor([0.0, 0.1, 0.0, 0.0])}))
+    for key in ("model.capacity_factor", "model.shared_expert", "model.router_bias_update_rate"):
+        assert key in text
