@@ -51,9 +51,23 @@ The hierarchical parameter store adds its secondary copy to the parameters (P / 
 parameters in the weights' dtype, k data ranks per node) and, with int8 gradient compression,
 its fp32 error feedback on the 1/k shard to the gradients: both are held between steps.
 
-Other: under ZeRO-3 the gathered layer, the prefetched one and the root parameters (embedding,
-final norm, head: gathered at the start of each forward, freed after its backward); the
-error-feedback buffers of 1-bit Adam and PowerSGD.
+Gathered working set (ZeRO-3): the gathered layer, the prefetched one and the root parameters
+(embedding, final norm, head: gathered at the start of each forward, freed after its backward).
+
+Communication buffers: what the exchange holds besides the model states. The error-feedback
+buffers of 1-bit Adam and PowerSGD; the gradient bucket in flight under ZeRO-2 (the full-size
+bucket a released gradient is copied into before its reduce-scatter: at most ``bucket_mb``, at
+most the rank's gradients; stages 0-1 reduce the gradient buffer in place, nothing extra);
+under ZeRO-3 one layer's full gradient before the store reduces it; and with optimizer offload
+the two streaming groups (one being updated, one moving), each at most ``offload_buffer_mb`` and
+at most the state itself.
+
+Offload (``Offload``): the optimizer state leaves the device; it is reported as an off-device row
+(``MemoryBreakdown.offloaded``), not in the peak. Under fp32 the state moved is the two moments,
+8 B per parameter, the weights and gradients stay fp32 on the device (4 + 4); under bf16 the
+device keeps bf16 weights and gradients (2 + 2) and the fp32 master copy joins the moments off
+the device (12 B), except under ZeRO, whose flat fp32 buffers are the master weights (4 + 4
+stay, 8 move). ZeRO shards what is moved as it shards what stays.
 """
 
 from __future__ import annotations
@@ -65,22 +79,41 @@ from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import RESERVED_BYTES
 from mcpar.sim.workload import GATED_FFN, Layout, ModelShape, rank_layers, stage_blocks
 
-__all__ = ["RESERVED_BYTES", "MemoryBreakdown", "format_bytes", "format_memory_rows",
+__all__ = ["OFF_DEVICE_ROW", "RESERVED_BYTES", "MemoryBreakdown", "Offload", "format_bytes",
+           "format_memory_rows",
            "memory_header", "memory_per_gpu", "params_per_rank", "rank_params", "state_bytes"]
 
 # Row names of the memory every command prints (``mcpar check``, ``mcpar simulate``).
-ROW_NAMES = ("parameters", "gradients", "optimizer state", "activations", "other")
+ROW_NAMES = ("parameters", "gradients", "optimizer state", "activations",
+             "communication buffers", "gathered working set")
+# The off-device row (offload): printed after the total, not part of it.
+OFF_DEVICE_ROW = "optimizer state off device"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Optimizer state moved off the device (``controllers.memory.offload``): where ("cpu" or
+    "nvme") and the bytes of one streaming group (``controllers.memory.offload_buffer_mb``)."""
+    kind: str
+    buffer_bytes: float
 
 
 @dataclass
 class MemoryBreakdown:
     weights: float
     gradients: float
-    optimizer: float
+    optimizer: float  # on the device (0 when offloaded)
     activations: float  # kept for the backward pass, logits included
-    other: float  # gathered ZeRO-3 layers, compression buffers
+    comm_buffers: float = 0.0  # error feedback, buckets in flight, offload streaming buffers
+    gathered: float = 0.0  # ZeRO-3's gathered layers and root parameters
     reserved: float = 0.0  # the device's own (not the job's): see Cluster.reserved_bytes
     params: float = 0.0  # parameters the busiest rank holds (before ZeRO)
+    offloaded: float = 0.0  # optimizer state held off the device (not in the peak)
+
+    @property
+    def other(self) -> float:
+        """Everything but model states and activations (the old single row)."""
+        return self.comm_buffers + self.gathered
 
     @property
     def per_rank(self) -> float:
@@ -95,8 +128,12 @@ class MemoryBreakdown:
     def rows(self) -> list[tuple[str, int]]:
         """(name, bytes) rows in whole bytes, then ("total", their sum)."""
         values = [round(v) for v in (self.weights, self.gradients, self.optimizer,
-                                     self.activations, self.other)]
+                                     self.activations, self.comm_buffers, self.gathered)]
         return list(zip(ROW_NAMES, values, strict=True)) + [("total", sum(values))]
+
+    def off_device_rows(self) -> list[tuple[str, int]]:
+        """The offloaded state, printed below the total (empty without offload)."""
+        return [(OFF_DEVICE_ROW, round(self.offloaded))] if self.offloaded else []
 
 
 def format_bytes(n: float) -> str:
@@ -109,7 +146,7 @@ def format_bytes(n: float) -> str:
 
 def format_memory_rows(rows: list[tuple[str, int]]) -> list[str]:
     """The memory rows as both commands print them: name, size, exact bytes."""
-    return [f"  {name:<16} {format_bytes(value):>12} {value:>18,} B" for name, value in rows]
+    return [f"  {name:<26} {format_bytes(value):>12} {value:>18,} B" for name, value in rows]
 
 
 def memory_header(params: float) -> str:
@@ -117,8 +154,12 @@ def memory_header(params: float) -> str:
     return f"per-rank memory estimate (largest rank, {round(params):,} parameters):"
 
 
-def state_bytes(precision: str, autocast: bool = False) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer) bytes per parameter."""
+def state_bytes(precision: str, autocast: bool = False,
+                offload: bool = False) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes per parameter; with ``offload`` the optimizer's are
+    the bytes moved off the device (bf16: the device keeps 2 + 2, the fp32 master copy moves)."""
+    if offload and precision != "fp32":
+        return 2.0, 2.0, 12.0
     if precision == "fp32" or autocast:
         return 4.0, 4.0, 8.0
     return 2.0, (2.0 if precision == "fp16" else 4.0), 12.0
@@ -160,28 +201,47 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout) -> tuple[float, float
     masks = 1 if m.dropout else 0
     t = lay.tp
     sp = t if lay.seq_parallel else 1
-    x = lay.micro_batch * m.seq_len / lay.cp * m.hidden  # residual-stream elements
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    x = tokens * m.hidden  # residual-stream elements
     ratio_kv = m.kv_heads / m.heads
-    outside = (2 * resid + 2 * a + 2 * masks) * x / sp
+    # Two norms: their fp32 statistics per token (LayerNorm's mean and 1/std; RMSNorm's 1/rms),
+    # and mcpar's RMSNorm, written out in fp32, also keeps its normalized fp32 tensor.
+    mcpar_rmsnorm = lay.autocast and m.ffn_kind in GATED_FFN
+    norms = 2 * tokens * (4 if mcpar_rmsnorm else 8) + (2 * 4 * x if mcpar_rmsnorm else 0)
+    outside = ((2 * resid + 2 * a + 2 * masks) * x + norms) / sp
     ffn_tensors = 3 if m.ffn_kind in GATED_FFN else 2
+    # mcpar's SwiGLU keeps the SiLU's output beside its inputs and product (fused kernels
+    # recompute it), and its rotary embedding keeps a rotated copy of Q and K.
+    ffn_tensors += 1 if mcpar_rmsnorm else 0
+    rotary = 1 + ratio_kv if lay.autocast and not m.learned_positions else 0
     routed = (m.top_k + (1 if m.shared_expert else 0)) if m.is_moe else 1
-    inside = a * x * (1 + 2 * ratio_kv + 1) / t + a * x * ffn_tensors * routed * m.ffn \
+    inside = a * x * (1 + 2 * ratio_kv + 1 + rotary) / t + a * x * ffn_tensors * routed * m.ffn \
         / m.hidden / t
-    scores = 0.0
+    if lay.autocast and lay.precision != "fp32":
+        # Autocast's 16-bit copies of the layer's weights, saved by each matmul's backward.
+        split, _, expert = m.layer_param_split()
+        inside += a * (split / t + expert / t / lay.ep)
     if lay.attention_kind == "unfused":
         per_score = a + (a + 1 if m.dropout else 0)
-        scores = per_score * lay.micro_batch * m.heads / t * (m.seq_len / lay.cp) * m.seq_len
-    full = outside + inside + scores
+        core = per_score * lay.micro_batch * m.heads / t * (m.seq_len / lay.cp) * m.seq_len
+    else:  # the flash kernel's fp32 log-sum-exp per query and head
+        core = 4 * lay.micro_batch * m.heads / t * m.seq_len / lay.cp
+    full = outside + inside + core
     if lay.recompute == "full":
-        return resid * x / sp, full
+        # The block's input is kept; the re-forward rebuilds the rest of its set.
+        return resid * x / sp, full - resid * x / sp
     if lay.recompute == "selective":
-        return outside + inside, scores
+        # The core's inputs (Q, K, V) and output (the projection's input) stay saved by their
+        # neighbours; the re-forward rebuilds the output once more and the core's own.
+        return outside + inside, a * x / t + core
     return full, 0.0
 
 
-def layers_in_flight(m: ModelShape, lay: Layout) -> float:
-    """Layer-micro-batches of activations the first pipeline rank holds at its peak."""
-    per_rank = rank_layers(m, lay)[0]
+def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
+    """Layer-micro-batches of activations pipeline rank `rank` holds at its peak (1F1B: rank r
+    keeps min(pp - r, micro-batches) in flight; the interleaved schedule's figure is the first
+    rank's, taken for every rank)."""
+    per_rank = rank_layers(m, lay)[rank]
     mb = lay.num_microbatches
     if lay.pp == 1:
         return per_rank
@@ -189,7 +249,31 @@ def layers_in_flight(m: ModelShape, lay: Layout) -> float:
         return per_rank * mb
     if lay.vp > 1:
         return min(per_rank * lay.pp * (1 + (lay.pp - 1) / (lay.pp * lay.vp)), per_rank * mb)
-    return per_rank * min(lay.pp, mb)
+    return per_rank * min(lay.pp - rank, mb)
+
+
+def head_activation_bytes(m: ModelShape, lay: Layout) -> float:
+    """What the last stage keeps for one micro-batch beyond its blocks: the final norm's input
+    and statistics, the head's input (and, under autocast, its 16-bit weight copy), and the
+    loss: the fp32 log-probabilities, and at the backward's start the gradient arriving at the
+    log-softmax and the one it returns, all three the logits' size (vocabulary split by tp)."""
+    a = ACT_BYTES[lay.precision]
+    resid = 4 if lay.autocast else a
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    sp = lay.tp if lay.seq_parallel else 1
+    head = (resid * m.hidden + 8) * tokens / sp + a * tokens * m.hidden
+    if lay.autocast and lay.precision != "fp32":
+        head += a * m.vocab * m.hidden / lay.tp
+    return head + 3 * 4.0 * tokens * m.vocab / lay.tp
+
+
+def rank_activations(m: ModelShape, lay: Layout) -> list[float]:
+    """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
+    re-forward working set, and on the rank holding the last stage, its head and loss."""
+    kept, working = activation_bytes_per_layer(m, lay)
+    last = (len(stage_blocks(m, lay)) - 1) % lay.pp
+    return [kept * layers_in_flight(m, lay, r) + working
+            + (head_activation_bytes(m, lay) if r == last else 0.0) for r in range(lay.pp)]
 
 
 def root_params(m: ModelShape, lay: Layout) -> float:
@@ -211,12 +295,17 @@ def store_ranks_per_node(lay: Layout, gpus_per_node: int | None) -> int:
 
 
 def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
-                   gpus_per_node: int | None = None) -> MemoryBreakdown:
+                   gpus_per_node: int | None = None,
+                   offload: Offload | None = None) -> MemoryBreakdown:
     """Memory of the busiest rank of `lay` training `m`: the model states of the pipeline rank
     holding the most of them, the first rank's activations in flight, the last rank's logits,
     and `reserved` bytes of the device's own (0 for the job alone). `gpus_per_node` sizes the
-    parameter store's secondary copy (see ``store_ranks_per_node``)."""
-    w_b, g_b, o_b = state_bytes(lay.precision, lay.autocast)
+    parameter store's secondary copy (see ``store_ranks_per_node``); `offload` moves the
+    optimizer state off the device."""
+    # Under ZeRO the optimizer's pieces are views of fp32 flat buffers: the weights stay fp32
+    # and are the master copy, so offload moves only the moments, as under fp32.
+    w_b, g_b, o_b = state_bytes(lay.precision, lay.autocast,
+                                offload is not None and lay.zero_stage == 0)
     dp_group = lay.dp * lay.cp
     ep_group = max(1, dp_group // lay.ep)
     z = lay.zero_stage
@@ -229,19 +318,26 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
                 sharded(dense, g_b, 2, dp_group) + sharded(expert, g_b, 2, ep_group),
                 sharded(dense, o_b, 1, dp_group) + sharded(expert, o_b, 1, ep_group))
 
-    dense_rank, expert_rank = max(rank_params(m, lay), key=lambda de: sum(states(*de)))
+    # The busiest pipeline rank: the most model states and activations together.
+    acts = rank_activations(m, lay)
+    params = rank_params(m, lay)
+    busiest = max(range(lay.pp), key=lambda r: sum(states(*params[r])) + acts[r])
+    dense_rank, expert_rank = params[busiest]
     weights, grads, optim = states(dense_rank, expert_rank)
+    activations = acts[busiest]
 
-    kept, working = activation_bytes_per_layer(m, lay)
-    tok = lay.micro_batch * m.seq_len / lay.cp
-    logits = 2 * 4.0 * tok * m.vocab / lay.tp  # fp32 logits and their gradient (last rank)
-    activations = kept * layers_in_flight(m, lay) + working + logits
-
-    other = 0.0
+    gathered = comm = offloaded = 0.0
+    if offload is not None:
+        offloaded, optim = optim, 0.0
+        comm += 2 * min(offload.buffer_bytes, offloaded)  # two streaming groups
+    if z == 2 and lay.bucket_mb:
+        comm += min(lay.bucket_mb * 2**20, grads * dp_group)  # one full bucket in flight
     if z >= 3:
+        layer = params_per_rank(m, lay)[2]
         # The gathered block and the prefetched one, and the root parameters, gathered at the
         # start of the forward and held until that micro-batch's backward is done.
-        other += (2 * params_per_rank(m, lay)[2] + root_params(m, lay)) * w_b
+        gathered += (2 * layer + root_params(m, lay)) * w_b
+        comm += layer * g_b  # one block's full gradient, before the store reduces it
         if lay.allocation == "topology_aware":
             # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
             # (k = the node's data ranks), held between steps like the shards, so counted with
@@ -254,8 +350,8 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
                 # gradient state.
                 grads += 4.0 * dense_rank / k
     if lay.compression == "1bit":
-        other += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
+        comm += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
     elif lay.compression == "powersgd":
-        other += 4.0 * (dense_rank + expert_rank)  # error feedback
-    return MemoryBreakdown(weights, grads, optim, activations, other, reserved,
-                           params=dense_rank + expert_rank)
+        comm += 4.0 * (dense_rank + expert_rank)  # error feedback
+    return MemoryBreakdown(weights, grads, optim, activations, comm, gathered, reserved,
+                           params=dense_rank + expert_rank, offloaded=offloaded)

@@ -10,6 +10,11 @@ keeps its headroom instead.
 ``params_per_pipeline_rank`` counts the parameters of each pipeline position exactly from the
 model spec and the ComputeController's stage cut; the simulator's count of the busiest rank is
 the same number (a test checks it).
+
+Offload (``controllers.memory.offload``) is the MemoryController's own setting, priced here from
+the config: the optimizer state leaves the device (an off-device row below the total) and the
+device keeps two streaming groups of ``offload_buffer_mb`` (``OFFLOAD_BUFFER_MB`` when the config
+has no such key).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import (
+    OFF_DEVICE_ROW,
     ROW_NAMES,
     MemoryBreakdown,
+    Offload,
     format_bytes,
     format_memory_rows,
     memory_header,
@@ -30,8 +37,11 @@ from mcpar.sim.memory import (
 )
 from mcpar.topology import ParallelDims
 
-__all__ = ["MemoryEstimate", "estimate_memory", "format_bytes", "memory_breakdown",
-           "params_per_pipeline_rank"]
+__all__ = ["MemoryEstimate", "config_offload", "estimate_memory", "format_bytes",
+           "memory_breakdown", "params_per_pipeline_rank"]
+
+# One streaming group's MiB when the config does not say (``controllers.memory.offload_buffer_mb``).
+OFFLOAD_BUFFER_MB = 64.0
 
 
 @dataclass
@@ -42,21 +52,28 @@ class MemoryEstimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    other_bytes: int = 0  # ZeRO-3 gather buffers, compression error feedback
+    comm_bytes: int = 0  # error feedback, gradient buckets in flight, offload streaming buffers
+    gathered_bytes: int = 0  # ZeRO-3's gathered layers and root parameters
+    offloaded_bytes: int = 0  # optimizer state off the device (not in the total)
 
     @property
     def total_bytes(self) -> int:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.other_bytes)
+                + self.comm_bytes + self.gathered_bytes)
 
     def rows(self) -> list[tuple[str, int]]:
         values = (self.param_bytes, self.grad_bytes, self.optimizer_bytes, self.activation_bytes,
-                  self.other_bytes)
+                  self.comm_bytes, self.gathered_bytes)
         return list(zip(ROW_NAMES, values, strict=True)) + [("total", self.total_bytes)]
 
+    def off_device_rows(self) -> list[tuple[str, int]]:
+        return [(OFF_DEVICE_ROW, self.offloaded_bytes)] if self.offloaded_bytes else []
+
     def report_lines(self) -> list[str]:
-        """The estimate as ``mcpar check`` prints it (``mcpar simulate`` prints the same)."""
-        return [memory_header(self.params_per_rank), *format_memory_rows(self.rows())]
+        """The estimate as ``mcpar check`` prints it (``mcpar simulate`` prints the same rows;
+        the off-device row is the MemoryController's, under offload only)."""
+        return [memory_header(self.params_per_rank),
+                *format_memory_rows(self.rows() + self.off_device_rows())]
 
 
 def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
@@ -66,13 +83,23 @@ def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
     world = dims.dp * dims.tp * dims.pp
     layout = config_layout(cfg, world)
     return memory_per_gpu(config_model(cfg), layout, reserved=0.0,
-                          gpus_per_node=cfg.cluster.ranks_per_node)
+                          gpus_per_node=cfg.cluster.ranks_per_node, offload=config_offload(cfg))
+
+
+def config_offload(cfg: JobConfig) -> Offload | None:
+    """The config's optimizer offload, or None when the state stays on the device."""
+    mem = cfg.controllers.memory
+    if mem.offload == "none":
+        return None
+    mb = getattr(mem, "offload_buffer_mb", None) or OFFLOAD_BUFFER_MB
+    return Offload(mem.offload, mb * 2**20)
 
 
 def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     """Per-rank memory of the busiest rank of a resolved config (``parallelism.data`` and
     ``optimization.gradient_accumulation`` filled)."""
-    rows = dict(memory_breakdown(cfg, dims).rows())
+    breakdown = memory_breakdown(cfg, dims)
+    rows = dict(breakdown.rows())
     return MemoryEstimate(
         num_params=get_model_spec(cfg.model.kind).num_params(cfg.model),
         params_per_rank=max(params_per_pipeline_rank(cfg, dims)),
@@ -80,7 +107,9 @@ def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         grad_bytes=rows["gradients"],
         optimizer_bytes=rows["optimizer state"],
         activation_bytes=rows["activations"],
-        other_bytes=rows["other"],
+        comm_bytes=rows["communication buffers"],
+        gathered_bytes=rows["gathered working set"],
+        offloaded_bytes=round(breakdown.offloaded),
     )
 
 

@@ -16,13 +16,23 @@ saved and restored for its replay, so dropout draws the same masks and the losse
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mcpar.models.gpt import AttentionCore
+
+# The memory measurement's probe of the re-forward's working set (``measure.py``): called with
+# a recomputed module's forward and inputs after its checkpointed forward, at a measured step only.
+_reforward_probe: Callable[[Callable[..., torch.Tensor], tuple], None] | None = None
+
+
+def set_reforward_probe(probe: Callable[[Callable[..., torch.Tensor], tuple], None] | None,
+                        ) -> None:
+    global _reforward_probe
+    _reforward_probe = probe
 
 
 def _recompute_forward(module: nn.Module) -> None:
@@ -31,7 +41,10 @@ def _recompute_forward(module: nn.Module) -> None:
     def run(*args: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to replay
             return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False)
+        out = checkpoint(forward, *args, use_reentrant=False)
+        if _reforward_probe is not None:  # after: the inputs checkpoint keeps are counted then
+            _reforward_probe(forward, args)
+        return out
 
     module.forward = run  # type: ignore[method-assign]
 

@@ -1,0 +1,229 @@
+"""What one training step really uses, per category, to set beside the MemoryController's estimate.
+
+The estimate (``estimate.py``, the cost model's ``sim/memory.py``) is a formula; this is the
+measurement it is checked against, taken at one step of the run (the first one trained), so the
+rest of the run pays nothing for it.
+
+- Model states (parameters, gradients, optimizer state): ``held.py``'s exact count of the tensors
+  this rank holds, each storage once.
+- Activations: the tensors autograd saves for the backward pass, seen through
+  ``torch.autograd.graph.saved_tensors_hooks``: each storage is counted once however many views of
+  it are saved, from the moment it is first saved until the last node saving it has run its
+  backward (the graph drops the packed object, and with it the count); the peak of that sum over
+  the step is the measurement. Parameters (and ZeRO-3's gathered weights, which parameters point
+  into) are left out: they are counted with the model states or the gathered working set. Under
+  recompute, what the step saves is the recomputed modules' inputs (``torch.utils.checkpoint``
+  saves them outside its own hooks, so they are seen here); the re-forward's working set, which
+  checkpoint keeps to itself, is measured by running one recomputed module's forward once more
+  under these hooks (the first one of the step, with the RNG state forked so dropout draws are
+  untouched) and counting the storages it saves that were not saved already. The gradient of the
+  logits, alive while the backward pass starts, is counted when it appears (a hook on the loss's
+  input) on top of what is saved at that moment.
+- Gathered working set (ZeRO-3): the largest sum of the parameters' storages seen while the step
+  saves tensors (the gathered layers and root parameters; the shards are model state).
+- Communication buffers: under ZeRO-2 and 3, the largest gradient bucket (a full-size buffer is
+  filled and reduce-scattered per bucket); error-feedback state of a gradient compressor.
+
+On CUDA the total is also ``torch.cuda.max_memory_allocated`` over the step (``device.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from mcpar.comm.compression_state import CompressionState
+from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+from mcpar.controllers.memory import recompute
+from mcpar.controllers.memory.held import model_state_bytes
+from mcpar.device import peak_memory_since_reset, reset_peak_memory
+
+ROWS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers",
+        "gathered working set")
+
+
+class _Saved:
+    """What the graph keeps instead of a saved tensor: the tensor and a release of its count when
+    the graph drops it."""
+
+    __slots__ = ("meter", "ptr", "tensor")
+
+    def __init__(self, meter: SavedBytes, ptr: int, tensor: torch.Tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self) -> None:
+        self.meter.release(self.ptr)
+
+
+class SavedBytes:
+    """Live bytes of the storages the autograd graph saves (each once), and their peak."""
+
+    def __init__(self, excluded: Callable[[], set[int]], already: set[int] | None = None):
+        self.excluded = excluded  # storages counted elsewhere (parameters)
+        self.already = already or set()  # storages an enclosing meter counts already
+        self.refs: dict[int, list[int]] = {}  # data_ptr -> [bytes, saved references]
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes or ptr in self.already or ptr in self.excluded():
+            return t
+        entry = self.refs.get(ptr)
+        if entry is None:
+            self.refs[ptr] = [nbytes, 1]
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        else:
+            entry[1] += 1
+        return _Saved(self, ptr, t)
+
+    @staticmethod
+    def unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
+
+    def release(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.refs[ptr]
+            self.live -= entry[0]
+
+    def note_transient(self, nbytes: int) -> None:
+        """A tensor alive now beside the saved ones (the logits' gradient)."""
+        self.peak = max(self.peak, self.live + nbytes)
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class MemoryMeter:
+    """Measures the first step of this rank run under ``step()``; later ones run untouched."""
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device):
+        self.params = params
+        self.device = device
+        self.measured = False
+        self.active: SavedBytes | None = None
+        self.activations = 0
+        self.working = 0  # the largest re-forward working set
+        self.gathered = 0
+        self.device_peak = 0
+        self._probed = False
+
+    def _param_storages(self) -> set[int]:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in self.params}
+        self.gathered = max(self.gathered, sum(storages.values()))
+        return set(storages)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if self.measured:
+            yield
+            return
+        self.measured = True
+        self.active = SavedBytes(self._param_storages)
+        self.gathered = 0
+        reset_peak_memory(self.device)
+        recompute.set_reforward_probe(self._probe)
+        try:
+            with self.active.hooks():
+                yield
+        finally:
+            recompute.set_reforward_probe(None)
+            self.activations = self.active.peak + self.working
+            self.device_peak = peak_memory_since_reset(self.device)
+            self.active = None
+
+    def _probe(self, forward: Callable[..., torch.Tensor], args: tuple) -> None:
+        """One recomputed module's forward once more, its new saved storages counted."""
+        if self._probed or self.active is None:
+            return
+        self._probed = True
+        probe = SavedBytes(self._param_storages, already=set(self.active.refs))
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), probe.hooks():
+            out = forward(*args)
+        del out
+        self.working = probe.peak
+
+    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The loss, with the backward's first transients counted while a step is measured: at
+        each node between the loss and the logits, the gradients it takes and gives beside what
+        is saved at that moment (the log-softmax's: its saved output, the gradient arriving and
+        the one leaving, each the logits' size)."""
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            out = loss_fn(logits, targets)
+            meter = self.active
+            if meter is not None and out.grad_fn is not None:
+                for node in _nodes_between(out.grad_fn, logits.grad_fn):
+                    node.register_hook(lambda given, taken, m=meter: m.note_transient(
+                        _new_bytes((*given, *taken), m.refs)))
+            return out
+        return loss
+
+    def rows(self, held: dict[str, int], sync: DataParallelGradSync, zero_stage: int,
+             feedback: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        """Measured bytes per category (and the total) of this rank. ``feedback``: the
+        compressor's error-feedback tensors."""
+        comm = sum(t.untyped_storage().nbytes() for t in feedback)
+        if zero_stage >= 2 and sync.buckets:  # the largest full bucket, filled then reduced
+            comm += max(b.numel * b.params[0].element_size() for b in sync.buckets)
+        rows = {**{k: held.get(k, 0) for k in ROWS[:3]}, "activations": self.activations,
+                "communication buffers": comm,
+                # Outside ZeRO-3 the parameters' storages are the parameters themselves.
+                "gathered working set": self.gathered if zero_stage >= 3 else 0}
+        rows["total"] = sum(rows.values())
+        if self.device.type == "cuda":
+            rows["device peak"] = self.device_peak
+        return rows
+
+
+def trainer_memory(trainer: Any) -> dict[str, dict[str, int]]:
+    """``memory_summary`` of a Trainer (its meter, model states, gradient sync and plan)."""
+    store = trainer.store
+    held = model_state_bytes(trainer.pm.params, trainer.grad_sync, trainer.optimizer,
+                             store.held_tensors() if store is not None else ([], []))
+    feedback = CompressionState(trainer.optimizer, trainer.grad_exchange.compressor).tensors()
+    measured = trainer.meter.rows(held, trainer.grad_sync, trainer.zero_stage,
+                                  [t for t in feedback.values() if t.dim()])
+    estimate = trainer.plan.memory
+    return memory_summary(estimate.rows() + estimate.off_device_rows(), measured, trainer.comm)
+
+
+def _nodes_between(top: Any, bottom: Any) -> list[Any]:
+    """The autograd nodes from ``top`` down to (not including) ``bottom``: the loss's own."""
+    found, todo, seen = [], [top], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node is bottom or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        todo += [n for n, _ in node.next_functions]
+    return found
+
+
+def _new_bytes(tensors: Iterable[torch.Tensor | None], counted: dict[int, list[int]]) -> int:
+    """Bytes of the distinct storages of ``tensors`` not among ``counted``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None}
+    return sum(n for ptr, n in storages.items() if ptr not in counted)
+
+
+def memory_summary(estimate: list[tuple[str, int]], measured: dict[str, int],
+                   comm: CommunicationController) -> dict[str, dict[str, int]]:
+    """``summary.json``'s ``memory``: the estimate and the measurement of the rank whose measured
+    total is the largest, side by side per category."""
+    names = list(measured)
+    rows = comm.all_gather(torch.tensor([measured[n] for n in names], dtype=torch.float64),
+                           axis="world")
+    largest = max(rows, key=lambda row: float(row[names.index("total")]))
+    return {"estimate": dict(estimate),
+            "measured": {n: int(v) for n, v in zip(names, largest.tolist(), strict=True)}}
