@@ -20,13 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import TINY, launch_in_process, sets
+from conftest import REPO, TINY, launch_in_process, sets
 
 from mcpar.cli import main
 from mcpar.config import ModelConfig, load_config, to_yaml
 from mcpar.data import BatchStream, load_corpus
 from mcpar.interop.full_state import load_full_state
-from mcpar.interop.hf_names import export_problems
+from mcpar.interop.hf_import import read_tensors, section_yaml
+from mcpar.interop.hf_names import export_problems, from_hf
 from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
 
@@ -157,6 +158,11 @@ def test_import_of_another_architecture_exits_2(tmp_path: Path) -> None:
     proc = _cli("import", str(tmp_path))
     assert proc.returncode == 2
     assert str(tmp_path / "config.json") in proc.stderr and "BertForMaskedLM" in proc.stderr
+    with contextlib.chdir(REPO):  # the same directory as a run's model.init_from
+        proc = _cli("train", *sets(*TINY, "model.kind=llama", f"model.init_from=hf:{tmp_path}"),
+                    "--nproc", "1", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "model.init_from" in proc.stderr
+    assert "BertForMaskedLM" in proc.stderr
 
 
 def test_models_without_a_counterpart_are_refused() -> None:
@@ -169,3 +175,15 @@ def test_models_without_a_counterpart_are_refused() -> None:
                                            torch.tensor([0.0, 0.1, 0.0, 0.0])}))
     for key in ("model.capacity_factor", "model.shared_expert", "model.router_bias_update_rate"):
         assert key in text
+
+
+def test_mixtral_read_from_either_expert_layout(tmp_path: Path) -> None:
+    """A saved Mixtral holds one tensor per expert; a loaded one (transformers 5) holds the
+    experts fused: both give mcpar the same parameters."""
+    path = _hf_model("mixtral", tmp_path / "mx")
+    cfg = ModelConfig(**{k: v for k, v in yaml.safe_load(section_yaml(path))["model"].items()
+                         if k != "init_from"})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    live = {k: v.detach() for k, v in loaded.state_dict().items()}
+    a, b = from_hf(cfg, read_tensors(path)), from_hf(cfg, live)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -13,6 +13,7 @@ balancer may have moved them between slots).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,9 @@ def load_full_state(run_dir: Path, step: int | None = None) -> FullState:
     meta = read_meta(path)
     cfg = ModelConfig.model_validate(meta["config"]["model"])
     layout = saved_layout(meta)
-    shards = _by_coord(load_tensors(path, "model/"))
+    with warnings.catch_warnings():  # DCP's note that it reads in one process: it is meant to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        shards = _by_coord(load_tensors(path, "model/"))
     maps = {c: layout_maps(cfg, layout, c) for c in shards}
     params = {c: {k: v for k, v in t.items() if k in maps[c]} for c, t in shards.items()}
     model = get_model_spec(cfg.kind).build(cfg, 0)
