@@ -15,6 +15,7 @@ says what each maps to); any other architecture is refused with exit 2.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import yaml
 
 from mcpar.config import ModelConfig
 from mcpar.errors import UserError, problem
-from mcpar.interop.hf_names import KIND_OF_ARCHITECTURE, from_hf, hf_problems, model_keys
+from mcpar.interop.hf_names import KIND_OF_ARCHITECTURE, from_hf, hf_notes, hf_problems, model_keys
 
 PREFIX = "hf:"
 KEY = "model.init_from"
@@ -56,6 +57,8 @@ def read_config(path: Path, key: str = KEY) -> dict[str, Any]:
     if bad:
         raise UserError([problem(key, f"{file}: {b}: mcpar's model computes something else")
                          for b in bad])
+    for note in hf_notes(hf):
+        print(f"mcpar: note: {file}: {note}", file=sys.stderr)
     return hf
 
 

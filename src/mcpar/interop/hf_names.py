@@ -126,6 +126,15 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     return keys
 
 
+def hf_notes(hf: dict[str, Any]) -> list[str]:
+    """What mcpar computes a little differently from a config.json it still accepts."""
+    act = hf.get("activation_function", "gelu")
+    if hf.get("model_type") == "gpt2" and act != "gelu":
+        return [f"activation_function {act!r} is GELU's tanh approximation; mcpar computes the "
+                "exact GELU, so outputs differ slightly from the original model's (about 1e-3)"]
+    return []
+
+
 def hf_problems(hf: dict[str, Any]) -> list[str]:
     """What of a supported config.json mcpar's model does not compute (keys it would ignore)."""
     out = []
