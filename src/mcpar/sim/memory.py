@@ -267,13 +267,30 @@ def head_activation_bytes(m: ModelShape, lay: Layout) -> float:
     return head + 3 * 4.0 * tokens * m.vocab / lay.tp
 
 
-def rank_activations(m: ModelShape, lay: Layout) -> list[float]:
+def rank_activations(m: ModelShape, lay: Layout,
+                     modes: tuple[str, ...] | None = None) -> list[float]:
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
-    re-forward working set, and on the rank holding the last stage, its head and loss."""
-    kept, working = activation_bytes_per_layer(m, lay)
-    last = (len(stage_blocks(m, lay)) - 1) % lay.pp
-    return [kept * layers_in_flight(m, lay, r) + working
-            + (head_activation_bytes(m, lay) if r == last else 0.0) for r in range(lay.pp)]
+    re-forward working set (the largest among its layers), and on the rank holding the last
+    stage, its head and loss. `modes`: each layer's recompute (global order; None: the
+    layout's for every layer)."""
+    sizes = stage_blocks(m, lay)
+    modes = modes or (lay.recompute,) * sum(sizes)
+    per_mode = {mode: activation_bytes_per_layer(m, lay.with_(recompute=mode))
+                for mode in set(modes)}
+    rank_modes: list[list[str]] = [[] for _ in range(lay.pp)]
+    start = 0
+    for stage, n in enumerate(sizes):
+        rank_modes[stage % lay.pp] += modes[start:start + n]
+        start += n
+    out = []
+    for r, held in enumerate(rank_modes):
+        # Micro-batches in flight per layer of this rank (layers are alike).
+        flight = layers_in_flight(m, lay, r) / len(held) if held else 0.0
+        kept = sum(per_mode[mode][0] for mode in held) * flight
+        working = max((per_mode[mode][1] for mode in held), default=0.0)
+        out.append(kept + working
+                   + (head_activation_bytes(m, lay) if r == (len(sizes) - 1) % lay.pp else 0.0))
+    return out
 
 
 def root_params(m: ModelShape, lay: Layout) -> float:
@@ -295,13 +312,14 @@ def store_ranks_per_node(lay: Layout, gpus_per_node: int | None) -> int:
 
 
 def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
-                   gpus_per_node: int | None = None,
-                   offload: Offload | None = None) -> MemoryBreakdown:
+                   gpus_per_node: int | None = None, offload: Offload | None = None,
+                   layer_recompute: tuple[str, ...] | None = None) -> MemoryBreakdown:
     """Memory of the busiest rank of `lay` training `m`: the model states of the pipeline rank
     holding the most of them, the first rank's activations in flight, the last rank's logits,
     and `reserved` bytes of the device's own (0 for the job alone). `gpus_per_node` sizes the
     parameter store's secondary copy (see ``store_ranks_per_node``); `offload` moves the
-    optimizer state off the device."""
+    optimizer state off the device; `layer_recompute`: each layer's recompute mode, when they
+    differ (the MemoryController's placement)."""
     # Under ZeRO the optimizer's pieces are views of fp32 flat buffers: the weights stay fp32
     # and are the master copy, so offload moves only the moments, as under fp32.
     w_b, g_b, o_b = state_bytes(lay.precision, lay.autocast,
@@ -319,7 +337,7 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
                 sharded(dense, o_b, 1, dp_group) + sharded(expert, o_b, 1, ep_group))
 
     # The busiest pipeline rank: the most model states and activations together.
-    acts = rank_activations(m, lay)
+    acts = rank_activations(m, lay, layer_recompute)
     params = rank_params(m, lay)
     busiest = max(range(lay.pp), key=lambda r: sum(states(*params[r])) + acts[r])
     dense_rank, expert_rank = params[busiest]

@@ -13,16 +13,19 @@ the same number (a test checks it).
 
 Offload (``controllers.memory.offload``) is the MemoryController's own setting, priced here from
 the config: the optimizer state leaves the device (an off-device row below the total) and the
-device keeps two streaming groups of ``offload_buffer_mb`` (``OFFLOAD_BUFFER_MB`` when the config
-has no such key).
+streaming goes through two groups of ``offload_buffer_mb`` (``OFFLOAD_BUFFER_MB`` when the config
+has no such key) in host memory: on a CPU device they are the device's, on CUDA they are not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.controllers.memory.recompute import layer_modes
 from mcpar.models.spec import get_model_spec
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import (
@@ -83,7 +86,8 @@ def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
     world = dims.dp * dims.tp * dims.pp
     layout = config_layout(cfg, world)
     return memory_per_gpu(config_model(cfg), layout, reserved=0.0,
-                          gpus_per_node=cfg.cluster.ranks_per_node, offload=config_offload(cfg))
+                          gpus_per_node=cfg.cluster.ranks_per_node, offload=config_offload(cfg),
+                          layer_recompute=layer_modes(cfg))
 
 
 def config_offload(cfg: JobConfig) -> Offload | None:
@@ -92,7 +96,10 @@ def config_offload(cfg: JobConfig) -> Offload | None:
     if mem.offload == "none":
         return None
     mb = getattr(mem, "offload_buffer_mb", None) or OFFLOAD_BUFFER_MB
-    return Offload(mem.offload, mb * 2**20)
+    # The two streaming buffers are host memory: the device's own on a CPU device only.
+    on_host = cfg.training.device == "cuda" or (cfg.training.device == "auto"
+                                                 and torch.cuda.is_available())
+    return Offload(mem.offload, 0.0 if on_host else mb * 2**20)
 
 
 def estimate_memory(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:

@@ -8,6 +8,10 @@
   squared in an unfused kernel (Korthikanti et al. 2022); its cost is a fraction of a block's;
 - ``none``.
 
+``controllers.memory.recompute_blocks`` ([none, selective, full] counts, which the placement to a
+memory budget sets, ``placement.py``) mixes the modes per block: the first blocks of the model,
+on the first pipeline rank, which keeps the most micro-batches in flight, recompute the most.
+
 Mechanism: ``torch.utils.checkpoint`` (non-reentrant) around the module's own ``forward``, set on
 the instance, so the module's hooks (ZeRO-3's gathers, for one) run once around it and are not
 replayed, and the parameter names (checkpoints) do not change. The RNG state of each forward is
@@ -22,7 +26,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mcpar.config import JobConfig
 from mcpar.models.gpt import AttentionCore
+
+MODES = ("none", "selective", "full")
 
 # The memory measurement's probe of the re-forward's working set (``measure.py``): called with
 # a recomputed module's forward and inputs after its checkpointed forward, at a measured step only.
@@ -59,3 +66,24 @@ def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> int:
     for module in targets:
         _recompute_forward(module)
     return len(targets)
+
+
+def layer_modes(cfg: JobConfig) -> tuple[str, ...]:
+    """Each block's recompute mode, in the model's order."""
+    mem = cfg.controllers.memory
+    if mem.recompute_blocks is None:
+        return (mem.activation_checkpointing,) * cfg.model.num_layers
+    none, selective, full = mem.recompute_blocks
+    return ("full",) * full + ("selective",) * selective + ("none",) * none
+
+
+def apply_layer_recompute(chunks: list[nn.Module], layer_ranges: list[tuple[int, int]],
+                          pp_rank: int, pp: int, modes: tuple[str, ...]) -> int:
+    """Set each block of this rank's chunks (chunk j is global stage pp_rank + j pp) to its
+    mode; how many modules now recompute."""
+    count = 0
+    for j, chunk in enumerate(chunks):
+        start = layer_ranges[pp_rank + j * pp][0]
+        for i, block in enumerate(chunk.pieces()[1]):  # type: ignore[operator]
+            count += apply_recompute([block], modes[start + i])
+    return count

@@ -1,0 +1,253 @@
+"""The MemoryController's placement to a memory budget: per block recompute, offload and the ZeRO
+stage of the cheapest plan whose estimated peak per rank fits.
+
+Budget: ``controllers.memory.memory_budget_gb``, else the device's capacity
+(``device.memory_budget_bytes``: 90% of a GPU). Without a budget key the config is kept as given
+while it fits the GPU (a run that fits is not changed behind its author's back), and on a CPU
+device (its share of host RAM is no capacity to place to: a job is often checked on one machine
+and run on another); the search runs when the key is set, or when a GPU cannot hold the config.
+
+Search space (every key the user set in the YAML is kept as set; pydantic's ``model_fields_set``
+tells which were):
+- recompute, per block: counts of blocks with none / selective / full (blocks are alike, so the
+  counts are the plan; the first blocks recompute the most: ``recompute.layer_modes``);
+- offload: none, nvme, and cpu on CUDA (a CPU device has no host to move to); a candidate the
+  run could not train (``capabilities.offload_problems``) is left out;
+- the ZeRO stage 0-3, when the data axis has more than one rank and the layout allows it
+  (``zero.zero_problems``).
+Keys a user set are single points of their axis; ``recompute_blocks`` set by an earlier
+placement (a run directory's resolved config, every key written) is kept the same way.
+
+Cost of a plan: the cost model's step time (``sim.costmodel.simulate`` on the A100-80GB row of its
+hardware table, the job's world in 8-GPU nodes: only the ranking of plans matters here). The
+recompute term is the extra forward work, linear in the blocks of each mode (blocks are alike:
+the step of a mix is the step without recompute plus each mode's share of its all-blocks extra);
+ZeRO's is its extra communication as the cost model prices it; offload's is the offloaded state
+read and written once per step at ``sim.hardware.OFFLOAD_BANDWIDTH``. The plan with the lowest
+cost that fits is chosen (ties: fewer bytes); nothing fits: a UserError naming the budget key and
+what the smallest plan needs.
+
+Dynamic batch splitting (``controllers.compute.batch_splitting: dynamic``) sizes micro-batches to
+the same budget; it is left the whole budget and no placement runs beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from mcpar.capabilities import offload_problems
+from mcpar.config import JobConfig
+from mcpar.controllers.memory.estimate import memory_breakdown
+from mcpar.controllers.memory.recompute import layer_modes
+from mcpar.controllers.memory.zero import zero_problems
+from mcpar.device import memory_budget_bytes, select_device
+from mcpar.errors import UserError, problem
+from mcpar.sim.costmodel import simulate
+from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, load_accelerators, make_cluster
+from mcpar.sim.memory import format_bytes
+from mcpar.topology import ParallelDims
+
+BUDGET_KEY = "controllers.memory.memory_budget_gb"
+REFERENCE_GPU = "a100-80gb"
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the search: its settings, estimated cost (s per step) and peak bytes."""
+
+    zero_stage: int
+    offload: str
+    blocks: tuple[int, int, int]  # blocks with none, selective, full recompute
+    step_s: float
+    peak_bytes: float
+    offloaded_bytes: float = 0.0
+
+    def describe(self) -> str:
+        none, selective, full = self.blocks
+        if none == sum(self.blocks):
+            recompute = "no recompute"
+        else:
+            recompute = ", ".join(f"{n} {mode}" for n, mode in
+                                  ((full, "full"), (selective, "selective"), (none, "none")) if n)
+            recompute = f"recompute {recompute}"
+        return f"ZeRO {self.zero_stage}, offload {self.offload}, {recompute}"
+
+    def settings(self) -> dict[str, object]:
+        """The memory section's keys this plan sets."""
+        none, selective, full = self.blocks
+        uniform = next((m for m, n in zip(MODES, self.blocks, strict=True)
+                        if n == sum(self.blocks)), None)
+        return {"zero_stage": self.zero_stage, "offload": self.offload,
+                "activation_checkpointing": uniform or ("full" if full else "selective"),
+                "recompute_blocks": None if uniform else [none, selective, full]}
+
+    def to_json(self) -> dict[str, object]:
+        return {"zero_stage": self.zero_stage, "offload": self.offload,
+                "recompute_blocks": {"none": self.blocks[0], "selective": self.blocks[1],
+                                     "full": self.blocks[2]},
+                "step_s": self.step_s, "peak_bytes": round(self.peak_bytes),
+                "offloaded_bytes": round(self.offloaded_bytes)}
+
+
+@dataclass
+class Placement:
+    """The chosen plan, the budget, and the cheaper plans that did not fit."""
+
+    chosen: Plan
+    budget: float
+    budget_source: str
+    searched: int
+    rejected: list[Plan] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)  # keys the user set: not searched
+
+    def report_lines(self) -> list[str]:
+        if not self.searched and not self.budget:
+            return [f"memory budget: none set: the config as given; set {BUDGET_KEY} to place "
+                    "recompute, offload and the ZeRO stage to a budget"]
+        if not self.searched:
+            return [f"memory budget: {format_bytes(self.budget)} per rank ({self.budget_source}): "
+                    f"the config as given fits ({format_bytes(self.chosen.peak_bytes)}); set "
+                    f"{BUDGET_KEY} to place to a budget"]
+        lines = [f"memory budget: {format_bytes(self.budget)} per rank ({self.budget_source}); "
+                 f"{self.searched} plans searched"
+                 + (f" (kept as set: {', '.join(self.fixed)})" if self.fixed else ""),
+                 f"  chosen: {self.chosen.describe()}: {format_bytes(self.chosen.peak_bytes)}, "
+                 f"step {self.chosen.step_s * 1e3:.2f} ms (cost model)"]
+        if not self.rejected:
+            lines.append("  why: the cheapest plan searched, and it fits")
+            return lines
+        lines.append(f"  why: the {len(self.rejected)} cheaper plan(s) do not fit, e.g.:")
+        lines += [f"    {p.describe()}: {format_bytes(p.peak_bytes)} > budget, step "
+                  f"{p.step_s * 1e3:.2f} ms" for p in self.rejected[:4]]
+        return lines
+
+    def to_json(self) -> dict[str, object]:
+        return {"budget_bytes": round(self.budget), "budget_source": self.budget_source,
+                "searched": self.searched, "chosen": self.chosen.to_json(),
+                "cheaper_rejected": [p.to_json() for p in self.rejected]}
+
+
+def budget_bytes(cfg: JobConfig, local_world_size: int) -> tuple[float, str]:
+    """The budget and where it comes from."""
+    gb = cfg.controllers.memory.memory_budget_gb
+    if gb:
+        return gb * 2**30, BUDGET_KEY
+    device = select_device(cfg.training.device).torch_device(0)
+    return memory_budget_bytes(device, local_world_size), f"the {device.type} device's capacity"
+
+
+def with_settings(cfg: JobConfig, settings: dict[str, object]) -> JobConfig:
+    mem = cfg.controllers.memory.model_copy(update=settings)
+    return cfg.model_copy(update={"controllers": cfg.controllers.model_copy(
+        update={"memory": mem})})
+
+
+def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[int], list[str],
+                                                                          list[tuple[int, ...]],
+                                                                          list[str]]:
+    """(ZeRO stages, offloads, recompute block counts) to search, and the keys kept as set."""
+    mem = cfg.controllers.memory
+    user = mem.model_fields_set
+    layers = cfg.model.num_layers
+    fixed = sorted(k for k in ("zero_stage", "offload", "activation_checkpointing",
+                               "recompute_blocks") if k in user)
+    stages = [mem.zero_stage]
+    if "zero_stage" not in user and dims.dp > 1:
+        stages = [z for z in range(4)
+                  if not zero_problems(with_settings(cfg, {"zero_stage": z}), dims.dp)]
+    offloads = [mem.offload] if "offload" in user else \
+        ["none", "nvme"] + (["cpu"] if device_type == "cuda" else [])
+    if "recompute_blocks" in user and mem.recompute_blocks is not None:
+        blocks = [tuple(mem.recompute_blocks)]
+    elif "activation_checkpointing" in user:
+        mode = MODES.index(mem.activation_checkpointing)
+        blocks = [tuple(layers if i == mode else 0 for i in range(3))]
+    else:
+        # MoE blocks cannot replay their routing (capabilities.py): no full recompute there.
+        full_max = 0 if cfg.model.is_moe else layers
+        blocks = [(layers - s - f, s, f) for f in range(full_max + 1)
+                  for s in range(layers - f + 1)]
+    return stages, offloads, blocks, fixed
+
+
+def _blocks(cfg: JobConfig) -> tuple[int, int, int]:
+    """The config's blocks per recompute mode (none, selective, full)."""
+    modes = layer_modes(cfg)
+    return modes.count("none"), modes.count("selective"), modes.count("full")
+
+
+def _step_s(cfg: JobConfig, dims: ParallelDims) -> float:
+    world = dims.dp * dims.tp * dims.pp
+    accel = load_accelerators()[REFERENCE_GPU]
+    cluster = make_cluster(accel, world, min(8, world), accel.typical_inter_gbps)
+    return simulate(config_model(cfg), config_layout(cfg, world), cluster,
+                    validate=False).step_s
+
+
+def search(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[Plan], list[str]]:
+    """Every plan of the search space, cheapest first (ties: fewer bytes), and the fixed keys."""
+    stages, offloads, blocks, fixed = _axes(cfg, dims, device_type)
+    layers = cfg.model.num_layers
+    mem_offload = cfg.controllers.memory.offload
+    plans = []
+    for z in stages:
+        base = with_settings(cfg, {"zero_stage": z, "offload": "none",
+                                   "recompute_blocks": None})
+        # Steps with every block in one mode: a mix costs each mode's share of the extra.
+        uniform = {mode: _step_s(with_settings(base, {"activation_checkpointing": mode}), dims)
+                   for mode in MODES}
+        for offload, counts in itertools.product(offloads, blocks):
+            plan = Plan(z, offload, counts, 0.0, 0.0)  # type: ignore[arg-type]
+            candidate = with_settings(cfg, plan.settings())
+            if offload != mem_offload and offload_problems(candidate):
+                continue  # an offload this run cannot use (device, optimizer, checkpoints)
+            mem = memory_breakdown(candidate, dims)
+            step = uniform["none"] + sum(
+                n / layers * (uniform[mode] - uniform["none"])
+                for mode, n in zip(MODES, counts, strict=True))
+            if offload != "none":
+                step += 2 * mem.offloaded / OFFLOAD_BANDWIDTH[offload]  # read and write back
+            plans.append(Plan(z, offload, counts, step, mem.per_rank,  # type: ignore[arg-type]
+                              mem.offloaded))
+    plans.sort(key=lambda p: (p.step_s, p.peak_bytes, p.describe()))
+    return plans, fixed
+
+
+def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = None,
+          ) -> tuple[JobConfig, Placement | None]:
+    """The config with the chosen plan's settings, and the placement (None when dynamic batch
+    splitting owns the budget). Raises UserError when no plan fits."""
+    if cfg.controllers.compute.batch_splitting == "dynamic":
+        return cfg, None
+    device_type = select_device(cfg.training.device).type
+    if cfg.controllers.memory.memory_budget_gb is None:
+        # No budget asked for: the config as given, while it fits a GPU. A CPU's share of host
+        # RAM is no capacity to place to (the job may be checked here and run elsewhere).
+        mem = memory_breakdown(cfg, dims)
+        given = Plan(cfg.controllers.memory.zero_stage, cfg.controllers.memory.offload,
+                     _blocks(cfg), 0.0, mem.per_rank, mem.offloaded)
+        if device_type != "cuda":
+            return cfg, Placement(given, 0.0, "none set", 0)
+        budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
+        if mem.per_rank <= budget:
+            return cfg, Placement(given, budget, source, 0)
+    budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
+    plans, fixed = search(cfg, dims, device_type)
+    fitting = [p for p in plans if p.peak_bytes <= budget]
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.peak_bytes)
+        raise UserError(problem(
+            BUDGET_KEY, f"no plan fits {format_bytes(budget)} per rank ({source}); the smallest "
+            f"of the {len(plans)} searched ({smallest.describe()}) needs "
+            f"{format_bytes(smallest.peak_bytes)} ({round(smallest.peak_bytes):,} B): raise the "
+            "budget to at least that, or use more ranks (parallelism.*), a smaller "
+            "optimization.micro_batch_size"
+            + (", or leave the memory settings to the placement (" + ", ".join(
+                f"controllers.memory.{k}" for k in fixed) + " are set)" if fixed else "")))
+    chosen = fitting[0]
+    rejected = [p for p in plans if p.step_s < chosen.step_s and p.peak_bytes > budget]
+    placed = with_settings(cfg, chosen.settings())
+    return placed, Placement(chosen, budget, source, len(plans), rejected, fixed)
