@@ -58,9 +58,9 @@ Communication buffers: what the exchange holds besides the model states. The err
 buffers of 1-bit Adam and PowerSGD; the gradient bucket in flight under ZeRO-2 (the full-size
 bucket a released gradient is copied into before its reduce-scatter: at most ``bucket_mb``, at
 most the rank's gradients; stages 0-1 reduce the gradient buffer in place, nothing extra);
-under ZeRO-3 one layer's full gradient before the store reduces it; and with optimizer offload
-the two streaming groups (one being updated, one moving), each at most ``offload_buffer_mb`` and
-at most the state itself.
+under ZeRO-3 the largest unit's full gradient (a block, or the root parameters) before the store
+reduces it; and with optimizer offload the two streaming groups (one being updated, one
+moving), each at most ``offload_buffer_mb`` and at most the state itself.
 
 Offload (``Offload``): the optimizer state leaves the device; it is reported as an off-device row
 (``MemoryBreakdown.offloaded``), not in the peak. Under fp32 the state moved is the two moments,
@@ -355,7 +355,9 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
         # The gathered block and the prefetched one, and the root parameters, gathered at the
         # start of the forward and held until that micro-batch's backward is done.
         gathered += (2 * layer + root_params(m, lay)) * w_b
-        comm += layer * g_b  # one block's full gradient, before the store reduces it
+        # The largest unit's full gradient before the store reduces it: a block, or the root
+        # parameters (embedding, position table, final norm, head), one unit of their own.
+        comm += max(layer, root_params(m, lay)) * g_b
         if lay.allocation == "topology_aware":
             # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
             # (k = the node's data ranks), held between steps like the shards, so counted with

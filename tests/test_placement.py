@@ -1,0 +1,113 @@
+"""The MemoryController's placement to a memory budget (``controllers/memory/placement.py``):
+three budgets from "every plan fits" to "only full recompute (with ZeRO) fits", each trained for
+one step at data 2: the chosen plan's measured peak fits the budget, and, enumerating the whole
+searched space, every plan cheaper than the chosen one does not fit; ``mcpar check`` prints the
+choice and why, and a budget nothing fits exits 2 naming the key and what the smallest plan needs.
+
+Offload is left out of the tightest budget: on a CPU device the streaming buffers of nvme
+offload are host memory like the state they replace, so it saves nothing there (the search still
+enumerates it, and prices it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TINY, run_cli_in_process, spawn_workers
+
+from mcpar.config import load_config
+from mcpar.controllers.memory.placement import Plan, search
+from mcpar.launch import DistEnv, find_free_port
+from mcpar.plan import resolve_plan
+from mcpar.trainer import Trainer
+
+WORLD = 2
+BASE = [*TINY, "model.num_layers=4", "model.seq_len=64", "training.steps=1",
+        "optimization.micro_batch_size=4", "optimization.global_batch_size=8",
+        "optimization.checkpoint.interval=0", "controllers.memory.consistency_interval=0",
+        "parallelism.data=2"]
+BUDGET = "controllers.memory.memory_budget_gb"
+
+
+def _space() -> list[Plan]:
+    """Every plan the placement searches for BASE, cheapest first."""
+    cfg = load_config(None, [*BASE, f"{BUDGET}=1"])
+    plans, fixed = search(cfg, resolve_plan(cfg, WORLD).parallel_dims(), "cpu")
+    assert not fixed and len(plans) == 4 * 2 * 15  # ZeRO 0-3 x offload x block counts of 4
+    return plans
+
+
+def _budgets(plans: list[Plan]) -> dict[str, float]:
+    """Everything fits; half-way; only the smallest plan (every block fully recomputed) fits."""
+    peaks = sorted(p.peak_bytes for p in plans)
+    return {"all": peaks[-1] * 1.05, "middle": (peaks[0] + peaks[-1]) / 2,
+            "tightest": peaks[0] * 1.015}
+
+
+def _train_budgets(rank: int, port: int, root: str, budgets: dict[str, float]) -> None:
+    torch.set_num_threads(1)
+    env = DistEnv(rank, WORLD, rank, WORLD, "127.0.0.1", port, "mcpar")
+    for name, budget in budgets.items():
+        cfg = load_config(None, [*BASE, f"{BUDGET}={budget / 2**30!r}"])
+        run_dir = Path(root) / name
+        run_dir.mkdir(exist_ok=True)
+        Trainer(resolve_plan(cfg, WORLD), run_dir, env).train()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Plan], dict[str, float], Path]:
+    plans = _space()
+    budgets = _budgets(plans)
+    root = tmp_path_factory.mktemp("placement")
+    spawn_workers(_train_budgets, args=(find_free_port(), str(root), budgets), nprocs=WORLD)
+    return plans, budgets, root
+
+
+@pytest.mark.parametrize("name", ["all", "middle", "tightest"])
+def test_the_chosen_plan_fits_and_no_cheaper_plan_does(
+        runs: tuple[list[Plan], dict[str, float], Path], name: str) -> None:
+    plans, budgets, root = runs
+    budget = budgets[name]
+    chosen = json.loads((root / name / "plan.json").read_text())["memory_plan"]["chosen"]
+    blocks = chosen["recompute_blocks"]
+    key = (chosen["zero_stage"], chosen["offload"],
+           (blocks["none"], blocks["selective"], blocks["full"]))
+    plan = next(p for p in plans if (p.zero_stage, p.offload, p.blocks) == key)
+    measured = json.loads((root / name / "summary.json").read_text())["memory"]["measured"]
+    print(name, plan.describe(), f"budget {budget:,.0f} B, estimated {plan.peak_bytes:,.0f}, "
+          f"measured {measured['total']:,} B")
+    assert measured["total"] <= budget, (name, measured, budget)
+    cheaper = [p for p in plans if p.step_s < plan.step_s]
+    assert all(p.peak_bytes > budget for p in cheaper), (name, plan.describe())
+    if name == "all":
+        assert plan is plans[0]  # the cheapest of all
+    else:
+        assert cheaper  # the budget rejected something
+    if name == "tightest":  # only the smallest plan fits: every block recomputes in full
+        fitting = [p for p in plans if p.peak_bytes <= budget]
+        assert blocks["full"] == 4 and all(p.blocks == (0, 0, 4) for p in fitting), fitting
+
+
+def test_check_prints_the_choice_and_exits_2_when_nothing_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = _space()
+    budgets = _budgets(plans)
+    config = tmp_path / "job.yaml"
+    config.write_text("model:\n  num_layers: 4\n  hidden_size: 32\n  num_heads: 2\n"
+                      "  seq_len: 64\nparallelism:\n  data: 2\noptimization:\n"
+                      "  micro_batch_size: 4\n  global_batch_size: 8\n")
+    middle = run_cli_in_process(capsys, "check", str(config), "--set",
+                                f"{BUDGET}={budgets['middle'] / 2**30!r}")
+    assert middle.returncode == 0, middle.stderr
+    assert "  chosen: ZeRO " in middle.stdout and "do not fit" in middle.stdout
+    smallest = min(p.peak_bytes for p in plans)
+    refused = run_cli_in_process(capsys, "check", str(config), "--set",
+                                 f"{BUDGET}={smallest * 0.9 / 2**30!r}")
+    assert refused.returncode == 2
+    assert BUDGET in refused.stderr and f"{round(smallest):,} B" in refused.stderr
+    assert "Traceback" not in refused.stderr
