@@ -194,10 +194,13 @@ def params_per_rank(m: ModelShape, lay: Layout) -> tuple[float, float, float]:
     return dense, expert, split / lay.tp + replicated + layer_expert / lay.tp / lay.ep
 
 
-def activation_bytes_per_layer(m: ModelShape, lay: Layout) -> tuple[float, float]:
-    """(kept for backward, working set while recomputing) bytes of one layer, one micro-batch."""
+def activation_bytes_per_layer(m: ModelShape, lay: Layout,
+                               weights16: bool = False) -> tuple[float, float]:
+    """(kept for backward, working set while recomputing) bytes of one layer, one micro-batch.
+    `weights16`: autocast over 16-bit weights (bf16 with offload, whose fp32 masters are off the
+    device): the residual stream is 16-bit and no weight copies are made."""
     a = ACT_BYTES[lay.precision]
-    resid = 4 if lay.autocast else a  # the residual stream (what the norms keep)
+    resid = 4 if lay.autocast and not weights16 else a  # the residual stream (the norms keep)
     masks = 1 if m.dropout else 0
     t = lay.tp
     sp = t if lay.seq_parallel else 1
@@ -217,7 +220,7 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout) -> tuple[float, float
     routed = (m.top_k + (1 if m.shared_expert else 0)) if m.is_moe else 1
     inside = a * x * (1 + 2 * ratio_kv + 1 + rotary) / t + a * x * ffn_tensors * routed * m.ffn \
         / m.hidden / t
-    if lay.autocast and lay.precision != "fp32":
+    if lay.autocast and lay.precision != "fp32" and not weights16:
         # Autocast's 16-bit copies of the layer's weights, saved by each matmul's backward.
         split, _, expert = m.layer_param_split()
         inside += a * (split / t + expert / t / lay.ep)
@@ -252,30 +255,30 @@ def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
     return per_rank * min(lay.pp - rank, mb)
 
 
-def head_activation_bytes(m: ModelShape, lay: Layout) -> float:
+def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
     """What the last stage keeps for one micro-batch beyond its blocks: the final norm's input
     and statistics, the head's input (and, under autocast, its 16-bit weight copy), and the
     loss: the fp32 log-probabilities, and at the backward's start the gradient arriving at the
     log-softmax and the one it returns, all three the logits' size (vocabulary split by tp)."""
     a = ACT_BYTES[lay.precision]
-    resid = 4 if lay.autocast else a
+    resid = 4 if lay.autocast and not weights16 else a
     tokens = lay.micro_batch * m.seq_len / lay.cp
     sp = lay.tp if lay.seq_parallel else 1
     head = (resid * m.hidden + 8) * tokens / sp + a * tokens * m.hidden
-    if lay.autocast and lay.precision != "fp32":
+    if lay.autocast and lay.precision != "fp32" and not weights16:
         head += a * m.vocab * m.hidden / lay.tp
     return head + 3 * 4.0 * tokens * m.vocab / lay.tp
 
 
-def rank_activations(m: ModelShape, lay: Layout,
-                     modes: tuple[str, ...] | None = None) -> list[float]:
+def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None = None,
+                     weights16: bool = False) -> list[float]:
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
     re-forward working set (the largest among its layers), and on the rank holding the last
     stage, its head and loss. `modes`: each layer's recompute (global order; None: the
     layout's for every layer)."""
     sizes = stage_blocks(m, lay)
     modes = modes or (lay.recompute,) * sum(sizes)
-    per_mode = {mode: activation_bytes_per_layer(m, lay.with_(recompute=mode))
+    per_mode = {mode: activation_bytes_per_layer(m, lay.with_(recompute=mode), weights16)
                 for mode in set(modes)}
     rank_modes: list[list[str]] = [[] for _ in range(lay.pp)]
     start = 0
@@ -289,7 +292,8 @@ def rank_activations(m: ModelShape, lay: Layout,
         kept = sum(per_mode[mode][0] for mode in held) * flight
         working = max((per_mode[mode][1] for mode in held), default=0.0)
         out.append(kept + working
-                   + (head_activation_bytes(m, lay) if r == (len(sizes) - 1) % lay.pp else 0.0))
+                   + (head_activation_bytes(m, lay, weights16)
+                      if r == (len(sizes) - 1) % lay.pp else 0.0))
     return out
 
 
@@ -337,7 +341,8 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
                 sharded(dense, o_b, 1, dp_group) + sharded(expert, o_b, 1, ep_group))
 
     # The busiest pipeline rank: the most model states and activations together.
-    acts = rank_activations(m, lay, layer_recompute)
+    weights16 = lay.autocast and w_b == 2  # bf16 offload: the model holds bf16 copies
+    acts = rank_activations(m, lay, layer_recompute, weights16)
     params = rank_params(m, lay)
     busiest = max(range(lay.pp), key=lambda r: sum(states(*params[r])) + acts[r])
     dense_rank, expert_rank = params[busiest]

@@ -3,6 +3,8 @@
 The MemoryController's estimate (``estimate.py``) is a formula; this is the measurement it is
 checked against. Each storage is counted once, whatever views of it exist (a ZeRO stage-1
 gradient shard is a slice of the full gradient buffer; parameters are views of flat buffers).
+Under optimizer offload the state's in-memory part (its streaming buffers, or the host store) is
+counted apart, as "offload buffers".
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def model_state_bytes(params: list[torch.nn.Parameter], sync: DataParallelGradSy
     grads += [p.grad for p in params if p.grad is not None] + stored[1]
     state = [t for s in optimizer.state.values() for t in s.values()
              if isinstance(t, torch.Tensor)]
-    return {"parameters": _storage_bytes([*params, *stored[0]], seen),
+    held = {"parameters": _storage_bytes([*params, *stored[0]], seen),
             "gradients": _storage_bytes(grads, seen),
             "optimizer state": _storage_bytes(state, seen)}
+    if hasattr(optimizer.state, "engine"):
+        # Offloaded (``offload.py``): what the state holds in memory is the stream's buffers
+        # (nvme) or the host store (cpu); the state itself is off the device.
+        held["offload buffers"] = held["optimizer state"]
+        held["optimizer state"] = 0
+    return held
