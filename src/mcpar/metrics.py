@@ -1,16 +1,21 @@
 """The run directory contract (DESIGN.md §4): config.yaml, metrics.jsonl, summary.json.
 
 Only rank 0 writes. Each metrics line is flushed as soon as it is written, so a run that dies keeps
-every step it finished. TensorBoard scalars are optional (``training.tensorboard``).
+every step it finished. Two optional sinks receive every numeric field of each line, nested dicts
+flattened with '/' (``comm_bytes_by_axis/dp``, ``moe/...``): TensorBoard scalars
+(``training.tensorboard``) and Weights & Biases (``training.wandb``; offline mode writes
+``<run_dir>/wandb`` and needs no network).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from mcpar.config import WandbConfig
 from mcpar.errors import UserError, problem
 
 REQUIRED_FIELDS = (
@@ -25,14 +30,46 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-class RunLogger:
-    """Writes metrics.jsonl (and TensorBoard scalars) for rank 0; a no-op on other ranks."""
+def flatten_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every numeric field of ``record`` (booleans as 0/1), nested dicts' keys joined with '/',
+    lists' items by index; 'step' itself is the x axis, not a scalar."""
+    out: dict[str, float] = {}
+    items = record.items() if isinstance(record, dict) else enumerate(record)
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if name == "step":
+            continue
+        if isinstance(value, (dict, list, tuple)):
+            out.update(flatten_scalars(value, f"{name}/"))  # type: ignore[arg-type]
+        elif isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+            out[name] = float(value)
+    return out
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+
+def _open_wandb(run_dir: Path, cfg: WandbConfig) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(problem(
+            "training.wandb.enabled",
+            "the wandb package is not installed; pip install 'mcpar[wandb]' or set "
+            "training.wandb.enabled=false",
+        )) from None
+    (run_dir / "wandb").mkdir(exist_ok=True)
+    return wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir),
+                      name=run_dir.name, reinit=True)
+
+
+class RunLogger:
+    """Writes metrics.jsonl (and TensorBoard / W&B scalars) for rank 0; a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
+                 wandb: WandbConfig | None = None):
         self.run_dir = run_dir
         self.enabled = enabled
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
         self._tb = None
+        self._wandb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +80,8 @@ class RunLogger:
                     "or set training.tensorboard=false",
                 )) from None
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if enabled and wandb is not None and wandb.enabled:
+            self._wandb = _open_wandb(run_dir, wandb)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -50,16 +89,22 @@ class RunLogger:
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tb is None and self._wandb is None:
+            return
+        scalars = flatten_scalars(record)
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,31 @@
+"""``mcpar profile CONFIG [--steps N] [--set ...]``: a short training run, profiled.
+
+It is ``mcpar train`` with ``training.profile`` on: ``N`` steps (default 5), every one of them
+profiled except the first, whose warm-up (allocations, kernel choice, first connections) is no
+part of a steady step; ``--set training.profile.start_step=...`` overrides that.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_STEPS = 5
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("profile", help="train a few steps and write <run_dir>/profile/ "
+                       "(report.html, report.md, plots, traces)")
+    p.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps to run (default 5)")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/<time>)")
+    return p
+
+
+def as_train_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The ``train`` arguments of a ``profile`` command line."""
+    steps = max(1, args.steps)
+    start = 2 if steps > 1 else 1
+    overrides = ["training.profile.enabled=true", f"training.profile.start_step={start}",
+                 f"training.profile.steps={steps - start + 1}", *args.overrides]
+    return argparse.Namespace(**{**vars(args), "overrides": overrides, "steps": steps,
+                                 "resume": False, "stop_after": None})

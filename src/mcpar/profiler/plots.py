@@ -1,0 +1,126 @@
+"""The report's pictures (matplotlib, Agg: no display needed): PNG files in <run_dir>/profile/.
+
+- ``timeline.png``: the last profiled step's tasks per rank, coloured by kind;
+- ``comm_breakdown.png``: each rank's step split into compute, exposed communication, bubble,
+  optimizer, data and idle, and the collectives' seconds per operation and axis;
+- ``memory.png``: memory per category, estimate against measurement, with the capacity;
+- ``curves.png``: loss and tokens/s over the run's steps (metrics.jsonl).
+
+matplotlib is the 'profile' extra; without it the report is written without pictures and says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "recv_activation": "#c44e52",
+           "recv_grad": "#dd8452", "wait_sends": "#937860", "send_activation": "#8172b3",
+           "send_grad": "#8172b3", "sync_grads": "#da8bc3", "wait_grads": "#e377c2",
+           "optimizer_step": "#ccb974", "compute": "#4c72b0", "exposed_comm": "#e377c2",
+           "bubble": "#c44e52", "optimizer": "#ccb974", "data": "#64b5cd", "idle": "#bbbbbb"}
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def timeline(report: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    ranks = report["timeline"]["ranks"]
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(ranks)))
+    seen: set[str] = set()
+    for r, tasks in enumerate(ranks):
+        for t in tasks:
+            if t["end"] <= t["start"]:
+                continue
+            label = None if t["name"] in seen else t["name"]
+            seen.add(t["name"])
+            ax.barh(r, t["end"] - t["start"], left=t["start"], height=0.8,
+                    color=COLOURS.get(t["name"], "#999999"), label=label)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step's start")
+    ax.set_title(f"Tasks of step {report['timeline']['step']}, per rank")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
+    return _save(fig, path)
+
+
+def comm_breakdown(report: dict[str, Any], path: Path) -> Path:
+    from mcpar.profiler.timeline import CATEGORIES
+
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
+    split = report["split"]
+    bottom = [0.0] * len(split)
+    for cat in CATEGORIES:
+        values = [row[cat] for row in split]
+        left.bar([f"rank {row['rank']}" for row in split], values, bottom=bottom, label=cat,
+                 color=COLOURS[cat])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    left.set_ylabel("seconds per step")
+    left.set_title("Step time split")
+    left.legend(fontsize=7)
+    rows = report["collectives"] or [{"op": "none", "axis": "", "time_s": 0.0}]
+    right.barh([f"{r['op']} [{r['axis']}]" for r in rows], [r["time_s"] for r in rows],
+               color="#e377c2")
+    right.set_xlabel("seconds per step (per rank, hidden or not)")
+    right.set_title("Collectives")
+    return _save(fig, path)
+
+
+def memory(report: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    est, meas = report["memory"]["estimate"], report["memory"]["measured"]
+    names = [n for n in dict.fromkeys([*est, *meas]) if n != "total"]
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    xs = range(len(names))
+    gib = 2.0**30
+    ax.bar([x - 0.2 for x in xs], [est.get(n, 0) / gib for n in names], 0.4, label="estimate")
+    ax.bar([x + 0.2 for x in xs], [meas.get(n, 0) / gib for n in names], 0.4, label="measured")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GiB (largest rank)")
+    cap = report["memory"]["capacity_bytes"]
+    ax.set_title(f"Memory per category (capacity {cap / gib:.1f} GiB; measured total "
+                 f"{meas.get('total', 0) / gib:.3f} GiB)")
+    ax.legend()
+    return _save(fig, path)
+
+
+def curves(metrics: list[dict[str, Any]], path: Path) -> Path:
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3))
+    steps = [m["step"] for m in metrics]
+    left.plot(steps, [m["loss"] for m in metrics], marker=".")
+    left.set_xlabel("step")
+    left.set_ylabel("loss")
+    right.plot(steps, [m["tokens_per_s"] for m in metrics], marker=".", color="#55a868")
+    right.set_xlabel("step")
+    right.set_ylabel("tokens/s")
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    _plt().close(fig)
+    return path
+
+
+def write_all(report: dict[str, Any], metrics: list[dict[str, Any]], out: Path) -> list[Path]:
+    return [timeline(report, out / "timeline.png"),
+            comm_breakdown(report, out / "comm_breakdown.png"),
+            memory(report, out / "memory.png"), curves(metrics, out / "curves.png")]

@@ -1,0 +1,45 @@
+"""What the plan predicted for this run: the cost model (``mcpar simulate``) on this job's config.
+
+On CUDA the cluster is the hardware table's row for this GPU; on CPU it is the machine's saved
+local profile (``mcpar simulate --cluster local`` measures and saves it once). Without one the
+report says how to get it, rather than stopping the run for a minute of measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+
+def predicted(cfg: Any, world_size: int, device: torch.device) -> tuple[dict | None, str]:
+    """The prediction's figures and where they come from, or None and why not."""
+    from mcpar.sim.costmodel import simulate
+    from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
+    from mcpar.sim.hardware import GPU_ALIASES, cluster_preset
+    from mcpar.sim.localprofile import load_local_cluster, profile_path
+
+    try:
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device).lower()
+            alias = next((a for a in sorted(GPU_ALIASES, key=len, reverse=True) if a in name),
+                         None)
+            if alias is None:
+                return None, f"no hardware-table row for {name}"
+            cluster = cluster_preset(f"{alias}x{world_size}")
+            source = f"cost model, {cluster.accel.name} x {world_size}"
+        else:
+            if not profile_path().is_file():
+                return None, ("no local profile of this machine: run `mcpar simulate --cluster "
+                              "local CONFIG` once to measure it")
+            cluster = replace(load_local_cluster(), num_gpus=world_size)
+            source = f"cost model, local profile ({profile_path()})"
+        precision = {"float32": "fp32", "bfloat16": "bf16"}[cfg.training.dtype]
+        layout = config_layout(cfg, world_size, None, precision)
+        pred = simulate(config_model(cfg), layout, cluster, where="config", names=CONFIG_KEYS)
+    except Exception as err:  # a prediction is a comparison, never a reason to fail the run
+        return None, f"the cost model could not price this job ({err})"
+    return {"step_s": pred.step_s, "comm_share": pred.comm_fraction,
+            "bubble": pred.bubble_fraction, "tokens_per_s": pred.tokens_per_s,
+            "mfu": pred.mfu, "memory_bytes": float(pred.memory.total)}, source

@@ -1,0 +1,153 @@
+"""The trainer's profiler hooks: MFU on every step, and a profiled window of steps.
+
+The trainer calls :meth:`RunProfiler.before_step`, :meth:`RunProfiler.after_step` and
+:meth:`RunProfiler.finish`; everything else lives here, so that the training loop keeps three
+lines. Outside the window nothing is recorded and no range is opened: the Communicator and the
+ComputeController's tracing flags stay off, the Communicator keeps no wait list, so a run
+without ``training.profile`` pays one multiplication per step (the MFU).
+
+Inside the window each rank keeps, per step: the ComputeController's task log, the main thread's
+blocking collectives (``CommStats.waits``), the time before the first task (data loading), the
+step time and the step's collective books; a torch.profiler trace runs over the window when
+``training.profile.trace`` is on. At the end of the run every rank's record is gathered to rank
+0, which writes ``<run_dir>/profile/`` (``report.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcpar.profiler.mfu import Peak, device_peak, mfu
+from mcpar.profiler.trace import WindowTrace
+
+
+class RunProfiler:
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        cfg = trainer.cfg
+        prof = cfg.training.profile
+        self.window = (range(prof.start_step, prof.start_step + prof.steps) if prof.enabled
+                       else range(0))
+        self.trace_on = prof.trace
+        self.flops_per_token = float(trainer.spec.flops_per_token(cfg.model))
+        self.peak: Peak | None = None
+        self.steps: list[dict[str, Any]] = []
+        self.mfu_sum, self.mfu_steps = 0.0, 0
+        self._t0 = 0.0
+        self._trace: WindowTrace | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return self.trainer.run_dir / "profile"
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def before_step(self, step: int) -> None:
+        if self.peak is None:
+            self.peak = self._measure_peak()
+        if step + 1 == self.window.start:
+            self._tracing(True)
+        self._t0 = time.perf_counter()
+
+    def after_step(self, step: int, record: dict[str, Any]) -> None:
+        """Adds the step's MFU to ``record`` (before it is logged); in the window, keeps the
+        step's timeline."""
+        assert self.peak is not None
+        record["mfu"] = mfu(self.flops_per_token, record["tokens_per_s"], self.peak)
+        self.mfu_sum += record["mfu"]
+        self.mfu_steps += 1
+        if step + 1 not in self.window:
+            return
+        self.steps.append(self._step_record(record))
+        if self._trace is not None:
+            self._trace.step()
+        if step + 1 == self.window[-1]:
+            self._tracing(False)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Adds the run's MFU to ``summary``; writes the report if a window was profiled."""
+        assert self.peak is not None or self.mfu_steps == 0
+        if self.peak is not None:
+            summary["mfu"] = {
+                "mean": self.mfu_sum / max(1, self.mfu_steps),
+                "flops_per_token": self.flops_per_token, "peak": self.peak.to_json(),
+                "formula": "flops_per_token x tokens_per_s / (peak per device x devices)",
+            }
+        if not self.window:
+            return
+        self._tracing(False)  # a run shorter than its window
+        ranks = self._gather(self._rank_record())
+        if self.trainer.rank == 0:
+            from mcpar.profiler.report import write_report
+
+            write_report(self.out_dir, ranks, summary, self.trainer)
+
+    # --- internals -----------------------------------------------------------------------------
+    def _measure_peak(self) -> Peak:
+        t = self.trainer
+        world = t.dims.world_size
+        if t.device.type == "cuda":
+            return device_peak(t.device, t.cfg.training.dtype, world)
+        # Every rank measures at once, as they compute during training (ranks sharing cores
+        # share them here too); the job's peak is the sum.
+        t.comm.barrier()
+        mine = device_peak(t.device, t.cfg.training.dtype, 1)
+        total = torch.tensor([mine.flops_per_device], dtype=torch.float64)
+        t.comm.all_reduce(total, axis="world")
+        return Peak(float(total.item()) / world, world, mine.source)
+
+    def _tracing(self, on: bool) -> None:
+        t = self.trainer
+        t.comm.trace_ranges = t.compute.trace_ranges = on
+        t.comm.stats.waits = [] if on else None
+        if on and self.trace_on and self._trace is None:
+            self._trace = WindowTrace(t.device)
+        elif not on and self._trace is not None:
+            self._trace.stop(self.out_dir, t.rank)
+            self._trace = None
+
+    def _step_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        t = self.trainer
+        start = t.compute.step_start
+        waits = [(w1 - start, w2 - start) for op, _, w1, w2 in (t.comm.stats.waits or [])
+                 if op != "recv"]
+        return {
+            "step": record["step"], "step_s": record["step_time_s"],
+            "data_s": start - self._t0,
+            "tasks": [{"name": r.name, "chunk": r.chunk, "micro": r.micro, "start": r.start,
+                       "end": r.end} for r in t.compute.task_log],
+            "waits": waits, "comm": t.comm.stats.breakdown("step"),
+            "tokens_per_s": record["tokens_per_s"], "loss": record["loss"],
+            "mfu": record["mfu"], "moe": record.get("moe"),
+        }
+
+    def _rank_record(self) -> dict[str, Any]:
+        t = self.trainer
+        axes = {row["axis"] for s in self.steps for row in s["comm"]}
+        return {"rank": t.rank, "steps": self.steps,
+                "axis_sizes": {a: t.comm.axis_size(a) for a in sorted(axes)},
+                "peak_mem_bytes": _peak_memory(t.device)}
+
+    def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's record, on every rank, in rank order (JSON bytes over the world)."""
+        t = self.trainer
+        if t.dims.world_size == 1:
+            return [mine]
+        data = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
+        sizes = t.comm.all_gather(torch.tensor([data.numel()], device=t.device), axis="world")
+        width = int(max(int(s.item()) for s in sizes))
+        padded = torch.zeros(width, dtype=torch.uint8, device=t.device)
+        padded[:data.numel()] = data.to(t.device)
+        rows = t.comm.all_gather(padded, axis="world")
+        return [json.loads(bytes(row[:int(n.item())].cpu().tolist()).decode())
+                for row, n in zip(rows, sizes, strict=True)]
+
+
+def _peak_memory(device: torch.device) -> int:
+    from mcpar.device import peak_memory_bytes
+
+    return int(peak_memory_bytes(device))
