@@ -6,3 +6,7 @@
 - ``bandwidth``, ``mfu``, ``timeline``: the definitions the figures follow (nccl-tests'
   algbw/busbw, model FLOPs utilisation, the step-time split).
 """
+
+from mcpar.profiler.api import CommunicationProfiler, CommunicationReport, MCPProfiler
+
+__all__ = ["CommunicationProfiler", "CommunicationReport", "MCPProfiler"]

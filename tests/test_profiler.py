@@ -1,0 +1,144 @@
+"""The profiler's definitions on known inputs: nccl-tests' algbw/busbw, the step-time split,
+the pipeline bubble of an ideal 1F1B timeline, MFU, and the metrics sinks (TensorBoard scalars
+of every numeric field, W&B's clear refusal when it is not installed)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mcpar.comm.communicator import broadcast_bytes, ring_all_gather_bytes, ring_all_reduce_bytes
+from mcpar.config import WandbConfig
+from mcpar.errors import UserError
+from mcpar.metrics import RunLogger, flatten_scalars
+from mcpar.profiler.bandwidth import bandwidth, from_sent
+from mcpar.profiler.mfu import Peak, device_peak, mfu
+from mcpar.profiler.timeline import CATEGORIES, pipeline_bubble, split_step, theoretical_bubble
+
+
+@pytest.mark.parametrize(("op", "n", "factor"), [
+    ("all_reduce", 4, 1.5), ("all_reduce", 2, 1.0), ("all_gather", 8, 0.875),
+    ("reduce_scatter", 4, 0.75), ("all_to_all", 2, 0.5), ("broadcast", 8, 1.0),
+    ("send", 2, 1.0)])
+def test_algbw_busbw_follow_nccl_tests(op: str, n: int, factor: float) -> None:
+    # 1 GB in 0.5 s: algbw = S / t = 2 GB/s, busbw = algbw x the collective's factor.
+    bw = bandwidth(op, 1e9, 0.5, n)
+    assert bw.algbw == pytest.approx(2e9)
+    assert bw.busbw == pytest.approx(2e9 * factor)
+
+
+def test_bandwidth_from_the_communicators_books() -> None:
+    # The Communicator counts the bytes each rank sends under the ring; S is recovered from them.
+    size, n = 4 << 20, 4
+    cases = [("all_reduce", ring_all_reduce_bytes(size, n), size),
+             ("all_gather", ring_all_gather_bytes(size // n, n), size),
+             ("broadcast", broadcast_bytes(size, n), size)]
+    for op, sent, expected in cases:
+        bw = from_sent(op, sent, 2.0, n)
+        assert bw.size_bytes == pytest.approx(expected), op
+        assert bw.algbw == pytest.approx(expected / 2.0), op
+    # A ring all-reduce's bus bandwidth is what each rank pushes through its link.
+    assert from_sent("all_reduce", 3e6, 1.0, 2).busbw == pytest.approx(3e6)
+
+
+def test_step_split_adds_up_and_counts_waits_inside_tasks_as_communication() -> None:
+    tasks = [{"name": "forward", "start": 0.0, "end": 0.3},
+             {"name": "recv_grad", "start": 0.3, "end": 0.4},
+             {"name": "backward", "start": 0.4, "end": 1.0},
+             {"name": "wait_grads", "start": 1.0, "end": 1.5},
+             {"name": "optimizer_step", "start": 1.5, "end": 1.8}]
+    waits = [(0.1, 0.15), (1.6, 1.7)]  # a tensor-parallel collective; the gradient norm's
+    split = split_step(tasks, waits, data_s=0.05, step_s=2.0)
+    assert set(split) == set(CATEGORIES)
+    assert split["compute"] == pytest.approx(0.85)
+    assert split["exposed_comm"] == pytest.approx(0.5 + 0.05 + 0.1)
+    assert split["bubble"] == pytest.approx(0.1)
+    assert split["optimizer"] == pytest.approx(0.2)
+    assert split["data"] == pytest.approx(0.05)
+    assert sum(split.values()) == pytest.approx(2.0)
+
+
+def _ideal_1f1b(p: int, m: int, f: float, b: float) -> list[list[dict]]:
+    """Each rank's forward/backward intervals of an ideal 1F1B step (equal stages), as the
+    ComputeController logs them, with the waits as receive tasks."""
+    fwd_end: dict[tuple[int, int], float] = {}
+    bwd_end: dict[tuple[int, int], float] = {}
+    ranks: list[list[dict]] = [[] for _ in range(p)]
+    # Event-driven: each rank runs its 1F1B order; a task starts when its input is ready.
+    order = {s: [("f", i) for i in range(min(p - s, m))] for s in range(p)}
+    for s in range(p):
+        fw, bw = min(p - s, m), 0
+        while bw < m:
+            order[s].append(("b", bw))
+            bw += 1
+            if fw < m:
+                order[s].append(("f", fw))
+                fw += 1
+    clock = dict.fromkeys(range(p), 0.0)
+    pending = {s: list(order[s]) for s in range(p)}
+    while any(pending.values()):
+        for s in range(p):
+            while pending[s]:
+                kind, i = pending[s][0]
+                dep = (fwd_end.get((s - 1, i)) if s > 0 else 0.0) if kind == "f" else \
+                    (bwd_end.get((s + 1, i)) if s < p - 1 else fwd_end.get((s, i)))
+                if dep is None:
+                    break
+                start = max(clock[s], dep)
+                if start > clock[s]:
+                    ranks[s].append({"name": "recv_grad" if kind == "b" else "recv_activation",
+                                     "start": clock[s], "end": start})
+                end = start + (f if kind == "f" else b)
+                ranks[s].append({"name": "forward" if kind == "f" else "backward",
+                                 "start": start, "end": end})
+                (fwd_end if kind == "f" else bwd_end)[(s, i)] = end
+                clock[s] = end
+                pending[s].pop(0)
+    return ranks
+
+
+def test_pipeline_bubble_of_an_ideal_schedule_is_the_theory() -> None:
+    for p, m in ((4, 8), (2, 4), (4, 4)):
+        measured = pipeline_bubble(_ideal_1f1b(p, m, 0.01, 0.02))
+        assert measured == pytest.approx(theoretical_bubble(p, m), abs=1e-9), (p, m)
+    assert pipeline_bubble([[{"name": "forward", "start": 0.0, "end": 1.0}]]) == 0.0
+
+
+def test_mfu_against_a_measured_cpu_peak() -> None:
+    import torch
+
+    peak = device_peak(torch.device("cpu"), "float32", devices=2)
+    assert "measured" in peak.source and peak.flops_per_device > 1e8
+    assert peak.total == pytest.approx(2 * peak.flops_per_device)
+    assert mfu(1e6, 1e3, Peak(1e10, 2, "x")) == pytest.approx(0.05)
+
+
+def test_every_numeric_field_is_a_scalar(tmp_path) -> None:
+    record = {"step": 3, "loss": 2.5, "mfu": 0.1, "skipped": False,
+              "comm_bytes_by_axis": {"dp": 10.0, "world": 2.0}, "note": "text",
+              "moe": {"imbalance": 1.2, "layers": [{"max": 5, "tokens_per_expert": [1, 2]}]}}
+    flat = flatten_scalars(record)
+    assert flat["comm_bytes_by_axis/dp"] == 10.0 and flat["mfu"] == 0.1
+    assert flat["moe/layers/0/tokens_per_expert/1"] == 2.0 and flat["skipped"] == 0.0
+    assert "step" not in flat and "note" not in flat
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=True)
+    logger.log(record)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"mfu", "comm_bytes_by_axis/dp", "comm_bytes_by_axis/world", "moe/imbalance"} <= tags
+    assert events.Scalars("comm_bytes_by_axis/dp")[0].step == 3
+
+
+def test_wandb_asked_for_but_not_installed_names_the_key(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(UserError) as err:
+        RunLogger(tmp_path, enabled=True, tensorboard=False, wandb=WandbConfig(enabled=True))
+    assert "training.wandb.enabled" in str(err.value.problems)
+    # Off (the default) it is never imported.
+    RunLogger(tmp_path, enabled=True, tensorboard=False, wandb=WandbConfig()).close()
