@@ -99,6 +99,7 @@ class StreamTimes:
     """Seconds spent per kind of work, summed over steps (read/write: the I/O thread)."""
 
     steps: int = 0
+    init_s: float = 0.0  # writing the initial master weights (once, before the first step)
     read_s: float = 0.0
     write_s: float = 0.0
     update_s: float = 0.0
@@ -150,7 +151,7 @@ def adamw_update(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     step_size = lr / (1 - beta1 ** step)
-    denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    denom = v.sqrt().div_((1 - beta2 ** step) ** 0.5).add_(eps)  # one temporary, not two
     w.addcdiv_(m, denom, value=-step_size)
 
 
@@ -207,7 +208,9 @@ class OffloadEngine:
             self.host = host_empty(total, torch.float32, pin).zero_()
             self.buffers = []
         if self.fields == 3:
+            t0 = time.perf_counter()
             self._store_masters()
+            self.times = StreamTimes(init_s=time.perf_counter() - t0)  # the steps' own below
 
     # --- the store -------------------------------------------------------------------------------
     def buffer_bytes(self) -> int:
