@@ -38,8 +38,13 @@ def comm_share(split: list[dict[str, Any]]) -> float:
 
 
 def collectives(ranks: list[dict]) -> list[dict[str, Any]]:
-    """Per (operation, axis, codec), per rank and step (the mean over the ranks that issue it):
-    calls, bytes sent, seconds, group size n, and nccl-tests' algbw / busbw."""
+    """Per (operation, axis, codec), per rank and step: calls, bytes sent and seconds (means
+    over the ranks that issue it), the group size n, and nccl-tests' algbw / busbw.
+
+    The bandwidths use the *shortest* rank's time: a collective completes for every rank
+    together, so the rank that joined it last measured the collective itself, while the
+    others' time also holds their wait for it (skew between ranks, which the straggler
+    section reports). nccl-tests starts its ranks together and needs no such care."""
     acc: dict[tuple[str, str, str], list[list[float]]] = defaultdict(list)
     for rank in ranks:
         steps = max(1, len(rank["steps"]))
@@ -55,10 +60,12 @@ def collectives(ranks: list[dict]) -> list[dict[str, Any]]:
     rows = []
     for (op, axis, codec), per_rank in sorted(acc.items()):
         calls, sent, seconds, n = (_mean([r[i] for r in per_rank]) for i in range(4))
-        bw = from_sent(op, sent, seconds, int(n))
+        fastest = min(r[2] for r in per_rank)
+        bw = from_sent(op, sent, fastest, int(n))
         rows.append({"op": op, "axis": axis, "codec": codec, "n": int(n), "calls": calls,
-                     "bytes": sent, "time_s": seconds, "size_bytes": bw.size_bytes,
-                     "algbw": bw.algbw, "busbw": bw.busbw})
+                     "bytes": sent, "time_s": seconds, "time_s_min": fastest,
+                     "time_s_per_rank": [r[2] for r in per_rank],
+                     "size_bytes": bw.size_bytes, "algbw": bw.algbw, "busbw": bw.busbw})
     return rows
 
 

@@ -69,14 +69,16 @@ def build_sections(r: dict[str, Any], images: dict[str, str]) -> list[Section]:
         "Per rank and step. bytes: what this rank sent under the ring algorithms; S: the "
         "collective's size; algbw = S / t and busbw = algbw x factor (2(n-1)/n all-reduce, "
         "(n-1)/n all-gather, reduce-scatter and all-to-all, 1 otherwise), as nccl-tests "
-        "defines them, in GB/s (1e9). An asynchronous collective's time runs from its launch "
-        "to its completion, so queueing behind another one lowers its bandwidth."]
+        "defines them, in GB/s (1e9), over the time of the rank that joined last (min ms: the "
+        "others' time holds their wait for it). An asynchronous collective's time runs from "
+        "its launch to its completion, so queueing behind another one lowers its bandwidth."]
     s["communication"].tables = [(
-        ["op", "axis", "codec", "n", "calls", "bytes sent", "S", "time ms", "algbw GB/s",
-         "busbw GB/s"],
+        ["op", "axis", "codec", "n", "calls", "bytes sent", "S", "mean ms", "min ms",
+         "algbw GB/s", "busbw GB/s"],
         [[c["op"], c["axis"], c["codec"], str(c["n"]), f"{c['calls']:.1f}",
           f"{c['bytes']:.3g}", f"{c['size_bytes']:.3g}", f"{c['time_s'] * 1e3:.2f}",
-          f"{c['algbw'] / GB:.4f}", f"{c['busbw'] / GB:.4f}"] for c in r["collectives"]])]
+          f"{c['time_s_min'] * 1e3:.2f}", f"{c['algbw'] / GB:.4f}", f"{c['busbw'] / GB:.4f}"]
+         for c in r["collectives"]])]
     mem = r["memory"]
     names = [n for n in dict.fromkeys([*mem["estimate"], *mem["measured"]])]
     s["memory"].paras = [

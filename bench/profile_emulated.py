@@ -1,0 +1,114 @@
+"""The profiler's figures against the wire: a 2-node job over an emulated 100 Mbit/s link.
+
+Why
+    The report's communication share and bus bandwidth are only worth reading if they are
+    true. This runs one data-parallel job (mcpar's default GPT, one sequence per rank, flat
+    all-reduce, 1 rank per node) twice with ``training.profile`` on: over the shaped link
+    between two network namespaces, and with both ranks in one unshaped namespace
+    (loopback), through ``emulated_cluster.py``'s machinery (torchrun per node, static
+    rendezvous). Two independent checks:
+
+    1. share: the report's exposed-communication share of the shaped job against
+       ``1 - T_loopback / T_shaped`` (the step time the link adds, over the step time), from
+       the two jobs' step times in metrics.jsonl; target: within 5 points.
+    2. busbw: the report's bus bandwidth of the inter-node all-reduce (axis 'dp') against the
+       link's rate (100 Mbit/s = 12.5 MB/s); target: within 15%.
+
+How to run (root: network namespaces)
+    python bench/profile_emulated.py [--repeats 3] [--steps 12]
+        [--out bench/data/profile_emulated.json]
+
+    Prints the JSON on stdout and writes it to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import emulated_cluster as ec
+
+import netcluster
+
+RATE_BYTES_PER_S = {"100mbit": 12.5e6}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--first", type=int, default=5, help="first profiled (and measured) step")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def run_pair(args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str, Any]:
+    window = args.steps - args.first + 1
+    ec_args = ec.parse_args([
+        "--variants", "mcpar_flat,loopback_flat", "--steps", str(args.steps),
+        "--warmup", str(args.first - 1), "--compress-start", "1", "--timeout", "400",
+        "--mcpar-set", "training.profile.enabled=true",
+        "--mcpar-set", f"training.profile.start_step={args.first}",
+        "--mcpar-set", f"training.profile.steps={window}",
+        "--mcpar-set", "training.profile.trace=false"])
+    variants = ec.build_variants(ec_args)
+    out: dict[str, Any] = {}
+    for name in ("mcpar_flat", "loopback_flat"):
+        res = ec.run_variant(variants[name], ec_args, workdir, repeat)
+        if not res.get("ok"):
+            raise SystemExit(f"{name} failed: {res.get('error')}")
+        report = json.loads((workdir / f"{name}-{repeat}" / "profile" / "report.json")
+                            .read_text())["report"]
+        dp = next(c for c in report["collectives"]
+                  if c["op"] == "all_reduce" and c["axis"] == "dp")
+        out[name] = {"step_time_s_mean": res["step_time_s_mean"],
+                     "measured_steps": res["measured_steps"],
+                     "report_comm_share": report["comm_share"],
+                     "report_step_s": report["throughput"]["step_s"],
+                     "split": report["split"], "dp_all_reduce": dp,
+                     "link": res.get("link"), "loadavg_1m": res.get("loadavg_1m_after")}
+    shaped, loop = out["mcpar_flat"], out["loopback_flat"]
+    independent = 1 - loop["step_time_s_mean"] / shaped["step_time_s_mean"]
+    busbw = shaped["dp_all_reduce"]["busbw"]
+    return {**out, "independent_share": independent,
+            "share_diff_points": 100 * (shaped["report_comm_share"] - independent),
+            "busbw_bytes_per_s": busbw, "link_bytes_per_s": RATE_BYTES_PER_S["100mbit"],
+            "busbw_vs_link": busbw / RATE_BYTES_PER_S["100mbit"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ok, why = netcluster.available()
+    if not ok:
+        print(f"profile_emulated: cannot build the emulated cluster: {why}", file=sys.stderr)
+        return 2
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="profile-emulated-") as tmp:
+        for repeat in range(args.repeats):
+            runs.append(run_pair(args, Path(tmp), repeat))
+            r = runs[-1]
+            share = r["mcpar_flat"]["report_comm_share"]
+            print(f"profile_emulated: repeat {repeat}: share {share:.3f}"
+                  f" vs independent {r['independent_share']:.3f}; busbw "
+                  f"{r['busbw_bytes_per_s'] / 1e6:.2f} MB/s", file=sys.stderr, flush=True)
+    result = {
+        "benchmark": "profile_emulated", "rate": "100mbit", "steps": args.steps,
+        "profiled_steps": [args.first, args.steps], "runs": runs,
+        "median_share_diff_points": statistics.median(r["share_diff_points"] for r in runs),
+        "median_busbw_vs_link": statistics.median(r["busbw_vs_link"] for r in runs),
+        "targets": {"share_diff_points": "|.| <= 5", "busbw_vs_link": "0.85 .. 1.15"},
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
