@@ -17,9 +17,13 @@ Each block's MLP is a ``MoELayer``:
   tokens of one rank's micro-batch, in token order; the rest are dropped (their residual passes
   unchanged) and counted. ``None`` is dropless.
 - ``Experts``: E bias-free GELU MLPs stored as two stacked weights ``[E, hidden, ffn]`` and
-  ``[E, ffn, hidden]``; rows are sorted by expert and each expert runs one matmul pair on its
-  rows. Expert parallelism (parallel/expert.py) swaps this module for one that holds a subset of
-  the experts and exchanges the rows with all-to-all; nothing here knows about it.
+  ``[E, ffn, hidden]``; rows are sorted by expert. Where the device and torch have it (CUDA,
+  ``device.grouped_mm_unavailable``), all experts run as one grouped matmul per weight, whose
+  group offsets stay on the device (no host synchronization per layer, no graph break under
+  ``torch.compile``); elsewhere each expert runs one matmul pair on its rows in a Python loop,
+  the fallback and the reference the grouped path is tested against. Expert parallelism
+  (parallel/expert.py) swaps this module for one that holds a subset of the experts and
+  exchanges the rows with all-to-all; nothing here knows about it.
 - optional shared expert: a dense MLP every token goes through (gpt.py's ``MLP``).
 
 The top-k outputs of a token are combined in a fixed order (slot k = 0, 1, ...) whatever the
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.config import ModelConfig
+from mcpar.device import autocast_dtype, grouped_mm, grouped_mm_unavailable
 from mcpar.models.gpt import (
     ATTENTION_TENSOR_PARALLEL,
     GPT,
@@ -90,9 +95,68 @@ class Router(nn.Module):
         return weights, chosen, scores
 
 
-def expert_mlps(rows: torch.Tensor, counts: list[int], fc_weight: torch.Tensor,
+# Which expert kernel runs: "auto" (grouped where ``grouped_mm_unavailable`` allows), or forced
+# ("grouped" | "loop") by a test or a benchmark comparing the two on one device.
+_KERNEL = {"mode": "auto"}
+
+
+def set_expert_kernel(mode: str) -> None:
+    if mode not in ("auto", "grouped", "loop"):
+        raise ValueError(f"expert kernel {mode!r}: auto, grouped or loop")
+    _KERNEL["mode"] = mode
+
+
+def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
+    return autocast_dtype(rows.device.type) or rows.dtype
+
+
+def expert_kernel(device_type: str, dtype: torch.dtype, widths: tuple[int, ...] = ()) -> str:
+    """"grouped" or "loop": what ``expert_mlps`` runs for rows of ``dtype`` on this device.
+    ``widths``: the weights' matrix sizes (the grouped kernel wants 16-byte aligned strides)."""
+    mode = _KERNEL["mode"]
+    if mode != "auto":
+        return mode
+    if any(w * torch.finfo(dtype).bits % 128 for w in widths):
+        return "loop"
+    return "loop" if grouped_mm_unavailable(device_type, dtype) else "grouped"
+
+
+def describe_expert_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """One line for the log: which kernel the experts use here, and why not grouped."""
+    if expert_kernel(device_type, dtype) == "grouped":
+        return f"MoE experts: one grouped matmul per weight ({device_type}, {dtype})"
+    why = grouped_mm_unavailable(device_type, dtype) or "the matrices are not 16-byte aligned"
+    return f"MoE experts: Python loop over the experts (fallback: {why})"
+
+
+def expert_mlps(rows: torch.Tensor, counts: list[int] | torch.Tensor, fc_weight: torch.Tensor,
                 proj_weight: torch.Tensor) -> torch.Tensor:
-    """Run expert i's MLP on the i-th run of ``counts[i]`` rows (rows sorted by expert).
+    """Run expert i's MLP on the i-th run of ``counts[i]`` rows (rows sorted by expert):
+    one grouped matmul per weight where available, else the loop (``loop_expert_mlps``).
+    ``counts`` may be a device tensor: the grouped path never reads it on the host."""
+    dtype = _compute_dtype(rows)
+    widths = (fc_weight.shape[-2], fc_weight.shape[-1])
+    if expert_kernel(rows.device.type, dtype, widths) == "grouped":
+        return grouped_expert_mlps(rows, counts, fc_weight, proj_weight)
+    return loop_expert_mlps(rows, counts if isinstance(counts, list) else counts.tolist(),
+                            fc_weight, proj_weight)
+
+
+def grouped_expert_mlps(rows: torch.Tensor, counts: list[int] | torch.Tensor,
+                        fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """All experts' MLPs as two grouped matmuls; the groups end at ``cumsum(counts)``. An
+    expert with no rows is an empty group; the output stays connected to ``rows``."""
+    dtype = _compute_dtype(rows)
+    if isinstance(counts, list):
+        counts = torch.tensor(counts, dtype=torch.int32).to(rows.device, non_blocking=True)
+    offsets = counts.cumsum(0).to(torch.int32)
+    hidden = F.gelu(grouped_mm(rows.to(dtype), fc_weight.to(dtype), offsets))
+    return grouped_mm(hidden, proj_weight.to(dtype), offsets)
+
+
+def loop_expert_mlps(rows: torch.Tensor, counts: list[int], fc_weight: torch.Tensor,
+                     proj_weight: torch.Tensor) -> torch.Tensor:
+    """Expert i's MLP on its rows, one expert at a time: the fallback and the reference.
 
     An expert with no rows still runs (on an empty matrix): the output must stay connected to
     ``rows`` in the autograd graph, or under expert parallelism a rank that received nothing
@@ -125,7 +189,8 @@ class Experts(nn.Module):
                 expert_index: torch.Tensor) -> torch.Tensor:
         """Rows ``tokens[token_index[i]]`` through expert ``expert_index[i]``, in entry order."""
         order = torch.argsort(expert_index, stable=True)
-        counts = torch.bincount(expert_index, minlength=self.num_experts).tolist()
+        # Left on the device: the grouped kernel takes them as offsets, the loop reads them.
+        counts = torch.bincount(expert_index, minlength=self.num_experts)
         out = expert_mlps(tokens[token_index[order]], counts, self.fc.weight, self.proj.weight)
         return out[torch.argsort(order)]
 
