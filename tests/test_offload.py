@@ -84,6 +84,26 @@ def test_checkpoints_cross_the_offload(runs: dict[str, Path], tmp_path: Path, sa
     assert max(abs(r["loss"] - straight[r["step"] - 1]) for r in records[10:]) <= 1e-6
 
 
+def test_bf16_copies_checkpoint_the_fp32_master_and_resume_bitwise(tmp_path: Path) -> None:
+    """bf16: the model trains on bf16 copies, the offloaded state holds the fp32 masters;
+    a checkpoint saves the masters (float32 model tensors) and resumes bit for bit."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    bf16 = [*NVME, "training.dtype=bfloat16", "training.steps=4",
+            "optimization.checkpoint.interval=2"]
+    straight = _train(tmp_path / "straight", *bf16)
+    saved = FileSystemReader(str(tmp_path / "straight" / "checkpoints" / "step-2"))
+    model = {k: v for k, v in saved.read_metadata().state_dict_metadata.items()
+             if k.startswith("model/") and not k.endswith("/index")}
+    assert model and all(v.properties.dtype == torch.float32 for v in model.values()), model
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-4")
+    records = _train(run_dir, *bf16, resume=True)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in records] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in straight]
+
+
 def _model_params() -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 16))
@@ -168,8 +188,9 @@ def test_adamw_update_is_torchs_elementwise() -> None:
     ([*NVME, "optimization.optimizer=onebit_adam", "optimization.freeze_step=4"],
      "controllers.memory.offload"),
     (["controllers.memory.offload_dir=/tmp"], "controllers.memory.offload_dir"),
-    ([*NVME, "training.dtype=bfloat16"], "controllers.memory.offload"),
-], ids=["cpu_on_cpu", "onebit", "dir_without_nvme", "bf16_masters_with_checkpoints"])
+    ([*NVME, "controllers.compute.scheduler=greedy", "model.kind=moe", "model.num_experts=2",
+      "parallelism.experts=2"], "controllers.memory.offload"),
+], ids=["cpu_on_cpu", "onebit", "dir_without_nvme", "expert_migration"])
 def test_what_offload_cannot_do_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                            settings: list[str], key: str) -> None:
     proc = run_cli_in_process(capsys, "train", *sets(*BASE, *settings), "--nproc", "2",

@@ -32,11 +32,14 @@ Checkpoints
     ``optimizer.state`` is a mapping that reads a parameter's state (``step``, ``exp_avg``,
     ``exp_avg_sq``, shaped like the parameter) from the store when asked, and takes whatever is
     assigned or changed in place back into the store before the next step: a checkpoint holds
-    the same logical state as without offload, so either side resumes the other.
+    the same logical state as without offload, so either side resumes the other. With bf16
+    copies, the parameters hold their fp32 masters for the time of a save or restore
+    (``checkpoint_parameters``), so checkpoints hold the master weights, not the copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, MutableMapping
@@ -281,6 +284,32 @@ class OffloadEngine:
             for group, span in self.spans_of[p]:
                 self._field_io(group, span, f, flat[span.lo:span.hi], write=True)
 
+    @contextlib.contextmanager
+    def master_parameters(self, write_back: bool = False) -> Iterator[None]:
+        """bf16 copies only: the parameters hold their fp32 master weights for the time of a
+        checkpoint save, so that checkpoints hold the master (or, ``write_back``, of a restore:
+        the masters are then taken from what was loaded) and are bf16 copies again after."""
+        if self.fields != 3:
+            yield
+            return
+        unique = list({id(p): p for p in self.params}.values())
+        with torch.no_grad():
+            for p in unique:
+                master = torch.empty(p.numel(), dtype=torch.float32)
+                for group, span in self.spans_of[p]:
+                    self._field_io(group, span, 2, master[span.lo:span.hi], write=False)
+                p.data = master.view(p.shape).to(p.device)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p in unique:
+                    if write_back:
+                        flat = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+                        for group, span in self.spans_of[p]:
+                            self._field_io(group, span, 2, flat[span.lo:span.hi], write=True)
+                    p.data = p.data.to(torch.bfloat16)
+
     # --- the step --------------------------------------------------------------------------------
     def step(self, hyper: Hyper) -> None:
         """One AdamW step of every parameter with a gradient, streamed group by group."""
@@ -429,6 +458,15 @@ def plan_offload(cfg: JobConfig, params: list[torch.nn.Parameter], run_dir: Path
             for p in unique:
                 p.data = p.data.to(torch.bfloat16)
     return spec
+
+
+def checkpoint_parameters(spec: OffloadSpec | None,
+                          ) -> Callable[[bool], contextlib.AbstractContextManager[None]] | None:
+    """With bf16 copies, what a checkpoint saves and restores the parameters through (the
+    fp32 master weights: ``OffloadEngine.master_parameters``); None otherwise."""
+    if spec is None or not spec.masters or spec.engine is None:
+        return None
+    return spec.engine.master_parameters
 
 
 class OffloadAdamW(torch.optim.AdamW):
