@@ -142,3 +142,27 @@ def test_wandb_asked_for_but_not_installed_names_the_key(tmp_path, monkeypatch) 
     assert "training.wandb.enabled" in str(err.value.problems)
     # Off (the default) it is never imported.
     RunLogger(tmp_path, enabled=True, tensorboard=False, wandb=WandbConfig()).close()
+
+
+def test_datasheet_peak_of_a_known_gpu() -> None:
+    from mcpar.profiler.mfu import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H200", "bfloat16") == (989e12, "H200-141GB datasheet bf16")
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "float32")[0] == 156e12  # TF32
+    assert datasheet_peak("Some GPU", "bfloat16") is None
+
+
+def test_profile_refuses_zero_steps(capsys) -> None:
+    from conftest import run_cli_in_process
+
+    proc = run_cli_in_process(capsys, "profile", "--steps", "0")
+    assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_wandb_offline_writes_a_local_run(tmp_path) -> None:
+    pytest.importorskip("wandb", reason="the optional 'wandb' extra is not installed")
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=False, wandb=WandbConfig(enabled=True))
+    logger.log({"step": 1, "loss": 3.0, "comm_bytes_by_axis": {"dp": 8.0}})
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0

@@ -57,7 +57,7 @@ def _open_wandb(run_dir: Path, cfg: WandbConfig) -> Any:
         )) from None
     (run_dir / "wandb").mkdir(exist_ok=True)
     return wandb.init(project=cfg.project, mode=cfg.mode, dir=str(run_dir),
-                      name=run_dir.name, reinit=True)
+                      name=run_dir.name)
 
 
 class RunLogger:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from mcpar.errors import UserError, problem
+
 DEFAULT_STEPS = 5
 
 
@@ -23,7 +25,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def as_train_args(args: argparse.Namespace) -> argparse.Namespace:
     """The ``train`` arguments of a ``profile`` command line."""
-    steps = max(1, args.steps)
+    if args.steps < 1:
+        raise UserError(problem("--steps", f"{args.steps} steps: give at least 1 (the first is "
+                                "warm-up; 2 or more profile a steady step)"))
+    steps = args.steps
     start = 2 if steps > 1 else 1
     overrides = ["training.profile.enabled=true", f"training.profile.start_step={start}",
                  f"training.profile.steps={steps - start + 1}", *args.overrides]
