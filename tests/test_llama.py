@@ -44,8 +44,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pipeline2_interleaved": (2, ["parallelism.pipeline=2", "parallelism.virtual_stages=2",
                                   "parallelism.schedule=interleaved_1f1b",
                                   "optimization.micro_batch_size=2"]),
+    "data2_tensor2_pipeline2": (8, ["parallelism.data=2", "parallelism.tensor=2",
+                                    "parallelism.pipeline=2", "optimization.micro_batch_size=2"]),
     "moe_experts2": (2, [*MOE, "parallelism.data=2", "parallelism.experts=2",
                          "optimization.micro_batch_size=4"]),
+    "moe_experts2_tensor2": (4, [*MOE, "parallelism.data=2", "parallelism.experts=2",
+                                 "parallelism.tensor=2", "optimization.micro_batch_size=4"]),
 }
 
 
