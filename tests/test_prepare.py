@@ -197,6 +197,24 @@ def test_tokenizer_file_in_training_and_its_errors(
     proc = run_cli_in_process(capsys, "prepare", str(tmp_path / "bad.jsonl"), "--tokenizer",
                               str(tokenizer), "--out", str(tmp_path / "o2"), "--quiet")
     assert proc.returncode == 2 and 'no "text" string' in proc.stderr
+    # An unreadable tokenizer file (not JSON; not UTF-8) is refused by prepare and by train,
+    # each naming its key and the file.
+    broken, binary = tmp_path / "broken" / "tokenizer.json", tmp_path / "binary.json"
+    broken.parent.mkdir()
+    broken.write_text('{"model": ')
+    binary.write_bytes(b"\xff\xfe\x00tokenizer")
+    # (the broken file is named through its directory, as a save_pretrained output is)
+    for spec, bad, needle in ((broken.parent, broken, "not a valid Hugging Face tokenizer.json"),
+                              (binary, binary, "cannot read")):
+        proc = run_cli_in_process(capsys, "prepare", str(corpus), "--tokenizer", str(spec),
+                                  "--out", str(tmp_path / "o3"))
+        assert proc.returncode == 2 and "--tokenizer: " in proc.stderr, proc.stderr
+        assert needle in proc.stderr and str(bad) in proc.stderr
+        train = sets(*TINY, f"data.source={corpus}", f"data.tokenizer={spec}")
+        proc = run_cli_in_process(capsys, "train", *train, "--nproc", "1", "--steps", "1",
+                                  "--run-dir", str(tmp_path / "run-bad-tok"))
+        assert proc.returncode == 2 and "data.tokenizer: " in proc.stderr, proc.stderr
+        assert needle in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_damaged_shard_directories_are_refused(
@@ -216,9 +234,10 @@ def test_damaged_shard_directories_are_refused(
     index = out / f"{shard_name(0)}.idx"
     saved = index.read_bytes()
     index.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
-    refused("fails its checksum")
+    refused(f"the index '{index}' fails its checksum")
     index.unlink()
     refused("cannot read shard")
+    refused(str(index))
     index.write_bytes(saved)
     manifest = out / "manifest.json"
     body = manifest.read_text()
