@@ -59,10 +59,10 @@ def write_config(tmp_path: Path, name: str) -> tuple[Path, int]:
 
 
 def memory_block(stdout: str) -> list[str]:
-    """The header and the six rows both commands print."""
+    """The header and the seven rows both commands print."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("per-rank memory"))
-    return lines[start:start + 7]
+    return lines[start:start + 8]
 
 
 def row_bytes(block: list[str]) -> dict[str, int]:
@@ -85,8 +85,8 @@ def test_check_and_simulate_print_the_same_memory(name: str, tmp_path: Path,
     check_block, sim_block = memory_block(check.stdout), memory_block(sim.stdout)
     assert check_block == sim_block
     rows = row_bytes(check_block)
-    assert list(rows) == ["parameters", "gradients", "optimizer state", "activations", "other",
-                          "total"]
+    assert list(rows) == ["parameters", "gradients", "optimizer state", "activations",
+                          "communication buffers", "gathered working set", "total"]
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") > 0
     # The simulator adds only the GPU's own reserve on top.
     reserve = re.search(r"memory per GPU: [\d.]+ GiB \+ ([\d.]+) reserved", sim.stdout)
@@ -126,18 +126,22 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     its 5 blocks (the cut leaves the head's rank one) for min(pp, 4) = 2 micro-batches, each
     block 64 bytes per residual element (16 outside tensor parallelism: two norm inputs and the
     attention and MLP inputs; 48 inside: Q, K, V, projection input, two 4h-wide MLP tensors),
-    plus the last rank's fp32 logits and their gradient; 4 + 4 + 8 bytes per parameter of the
-    busiest rank."""
+    the two LayerNorms' fp32 statistics (8 bytes per token each) and the flash kernel's fp32
+    log-sum-exp (per query and head); 4 + 4 + 8 bytes per parameter. The last rank (one block,
+    the head, three fp32 logit-sized tensors of the loss) holds less in all, so the first rank's
+    figures are the estimate."""
     path, _ = write_config(tmp_path, "pipeline2-1f1b")
     plan = resolve_plan(load_config(str(path)), None)
     assert [b - a for a, b in plan.stage_cut] == [5, 1]
-    b, s, h, v = 4, 128, 128, 8192
+    b, s, h = 4, 128, 128
     x = b * s * h
-    activations = 5 * 2 * 64 * x + 2 * 4 * b * s * v
-    params = max(params_per_pipeline_rank(plan.config, plan.parallel_dims()))
+    heads = plan.config.model.num_heads
+    activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s)
+    params = params_per_pipeline_rank(plan.config, plan.parallel_dims())[0]
     assert plan.memory.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
                                   ("optimizer state", 8 * params),
-                                  ("activations", activations), ("other", 0),
+                                  ("activations", activations),
+                                  ("communication buffers", 0), ("gathered working set", 0),
                                   ("total", 16 * params + activations)]
 
 
@@ -150,10 +154,20 @@ def test_autocast_keeps_fp32_weights_and_residual_stream() -> None:
                 for c in (fp32, bf16))
     assert (m16.weights, m16.gradients, m16.optimizer) == (m32.weights, m32.gradients,
                                                            m32.optimizer)
-    x = 16 * 128 * 128  # micro-batch x seq x hidden
-    logits = 2 * 4 * 16 * 128 * 256
-    assert m32.activations == 4 * 64 * x + logits
-    assert m16.activations == 4 * (2 * 4 + 2 * 2 + 2 * (1 + 2 + 1) + 2 * 2 * 4) * x + logits
+    b, s, h, v, heads = 16, 128, 128, 256, 8  # micro-batch, seq, hidden, vocab, heads
+    tokens = b * s
+    x = tokens * h
+    loss = 3 * 4 * tokens * v  # fp32 log-probabilities, the gradient arriving and leaving
+    extras = 2 * 8 * tokens + 4 * b * heads * s  # LayerNorm statistics, flash log-sum-exp
+
+    def head(a: int) -> int:  # the final norm's fp32 input and statistics, the head's input
+        return (4 * h + 8) * tokens + a * tokens * h
+
+    assert m32.activations == 4 * (64 * x + extras) + head(4) + loss
+    # bf16 adds autocast's 16-bit weight copies (each layer's matrices and the head's).
+    split = config_model(bf16).layer_param_split()[0]
+    assert m16.activations == 4 * ((2 * 4 + 2 * 2 + 2 * (1 + 2 + 1) + 2 * 2 * 4) * x + extras
+                                    + 2 * split) + head(2) + 2 * v * h + loss
 
 
 def test_default_simulate_on_this_machine_matches_check(

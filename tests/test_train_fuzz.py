@@ -46,6 +46,7 @@ PLAUSIBLE: dict[str, list[Any]] = {
     "controllers.compute.scheduler": ["static", "greedy", "reinforcement"],
     "controllers.memory.zero_stage": [0, 1, 3],
     "controllers.memory.offload": ["none", "cpu", "nvme"],
+    "controllers.memory.offload_dir": ["{tmp}/blocker/offload"],
     "controllers.communication.compression": ["none", "fp16", "1bit", "powersgd"],
     "controllers.communication.topology": ["flat", "hierarchical", "hybrid", "ring"],
     "optimization.optimizer": ["adamw", "onebit_adam", "sgd"],
@@ -136,7 +137,8 @@ def test_bad_configs_through_train_never_start_a_worker_or_trace(
         plan = resolve_plan(load_config(run_dir / "config.yaml"), 2)
         assert to_yaml(plan.config) == written, case
         accepted.append(raw)
-    assert codes[2] >= 150 and codes[0] >= 2, codes
+    # Most draws are mistakes (NVMe offload and ZeRO-3 now train, so a few more are accepted).
+    assert codes[2] >= 140 and codes[0] >= 2, codes
     assert time.monotonic() - start < 60
     for raw in rng.sample(accepted, 1):
         path = files / "accepted.yaml"

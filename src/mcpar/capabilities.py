@@ -23,7 +23,6 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
     ctl = cfg.controllers
     checks: list[tuple[str, object, object]] = [
         # (key, value in the config, the value that works today)
-        ("controllers.memory.offload", ctl.memory.offload, "none"),
     ]
     problems = [
         problem(key, f"{value!r} is not available for training in this version; use {works!r}")
@@ -40,7 +39,43 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         problems += zero_layout_problems(0, 1, compression=wire.compression,
                                          allocation=ctl.memory.allocation,
                                          weight_gather=wire.weight_gather)
-    return problems + expert_problems(cfg) + environment_problems(cfg)
+    return problems + expert_problems(cfg) + offload_problems(cfg) + environment_problems(cfg)
+
+
+def offload_problems(cfg: JobConfig) -> list[str]:
+    """Offload settings a run cannot honour (the offload_dir's path: ``path_checks.py``)."""
+    mem, key = cfg.controllers.memory, "controllers.memory.offload"
+    if mem.offload == "none":
+        return [problem("controllers.memory.offload_dir", "applies to offload 'nvme', and "
+                        "offload is 'none'; remove offload_dir or set offload 'nvme'")
+                ] if mem.offload_dir is not None else []
+    problems = []
+    if mem.offload == "cpu" and (cfg.training.device == "cpu" or (
+            cfg.training.device == "auto" and not _cuda_visible())):
+        problems.append(problem(key, "'cpu' is not available on a CPU device: it moves the "
+                                "optimizer state from the device to host memory, where this "
+                                "run's state already lives (nothing to move); use 'nvme' "
+                                "(state in files) or 'none'"))
+    if mem.offload_dir is not None and mem.offload != "nvme":
+        problems.append(problem("controllers.memory.offload_dir", f"applies to offload 'nvme', "
+                                f"and offload is {mem.offload!r}; remove offload_dir or set "
+                                "offload 'nvme'"))
+    if (cfg.optimization.optimizer == "onebit_adam"
+            or cfg.controllers.communication.compression == "1bit"):
+        problems.append(problem(key, f"{mem.offload!r} offloads AdamW's state, and 1-bit Adam "
+                                "(optimization.optimizer onebit_adam or compression 1bit) keeps "
+                                "state of its own on the device; use offload 'none' with 1-bit "
+                                "Adam, or AdamW"))
+    if cfg.controllers.compute.scheduler != "static":
+        problems.append(problem(key, f"{mem.offload!r}: the expert load balancer moves experts "
+                                "with their optimizer state, which is offloaded; use "
+                                "controllers.compute.scheduler 'static' or offload 'none'"))
+    return problems
+
+
+def _cuda_visible() -> bool:
+    import torch  # the device check of training.device 'auto' (device.select_device)
+    return torch.cuda.is_available()
 
 
 def environment_problems(cfg: JobConfig) -> list[str]:

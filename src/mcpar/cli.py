@@ -1,4 +1,5 @@
-"""The ``mcpar`` command line: ``train``, ``check`` and ``prepare`` (plus the sim's commands).
+"""The ``mcpar`` command line: ``train``, ``check`` and ``prepare`` (plus the sim's commands, and
+``export``, ``import`` and ``generate``, whose work is in mcpar.interop and mcpar.generate).
 
 User errors (bad config, bad path, impossible layout) print one line per problem and exit with
 code 2, without a traceback. Outside torchrun/SLURM, ``train`` validates everything in this process
@@ -37,6 +38,7 @@ from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launc
 from mcpar.models.spec import get_model_spec
 from mcpar.path_checks import path_problems, storage_error_line
 from mcpar.plan import JobPlan, resolve_plan
+from mcpar.profiler import command as profile_command
 from mcpar.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.sim.cli import add_subcommands as add_sim_subcommands
 from mcpar.sim.cli import run as run_sim_command
@@ -65,12 +67,56 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                        help="stop after STEP, saving a checkpoint, without changing the schedule")
 
+    common(profile_command.add_subcommand(sub))  # `profile`: a profiled run (mcpar.profiler)
     check = sub.add_parser("check", help="validate a config and print the resolved plan")
     check.add_argument("config", help="YAML config")
     common(check)
+    _add_interop_subcommands(sub)  # `export`, `import`, `generate`
     add_sim_subcommands(sub)  # `simulate` and `plan`: the cost model (mcpar.sim)
     prepare.add_subcommand(sub)  # `prepare`: text to token shards (mcpar.prepare)
     return parser
+
+
+def _add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model")
+    export.add_argument("run_dir", help="run directory of a `mcpar train`")
+    export.add_argument("out", help="output directory (new or empty)")
+    export.add_argument("--format", choices=["hf"], required=True)
+    export.add_argument("--step", type=int, default=None, help="default: the newest valid")
+    export.add_argument("--max-shard-mb", type=float, default=2048.0,
+                        help="safetensors file size above which weights are sharded")
+    imp = sub.add_parser("import", help="print the model section for a Hugging Face directory")
+    imp.add_argument("hf_dir", help="Hugging Face model directory (config.json, safetensors)")
+    gen = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
+    gen.add_argument("run_dir", help="run directory of a `mcpar train`")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0: the whole vocabulary")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--step", type=int, default=None, help="default: the newest valid")
+    gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+
+def cmd_interop(args: argparse.Namespace) -> int:
+    """``export``, ``import`` and ``generate``: parse here, work in mcpar.interop / generate."""
+    if args.command == "export":
+        from mcpar.interop.hf_export import export_hf
+
+        print(export_hf(Path(args.run_dir), Path(args.out), args.step,
+                        int(args.max_shard_mb * (1 << 20))))
+    elif args.command == "import":
+        from mcpar.interop.hf_import import section_yaml
+
+        print(section_yaml(Path(args.hf_dir)), end="")
+    else:
+        from mcpar.generate import Sampling, generate
+
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k or None, args.seed)
+        text, step = generate(Path(args.run_dir), args.prompt, sampling, args.device, args.step)
+        print(f"mcpar generate: step {step} of {args.run_dir}", file=sys.stderr)
+        print(text)
+    return 0
 
 
 def _load(args: argparse.Namespace) -> JobConfig:
@@ -202,6 +248,10 @@ def _validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
     problems = unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
+    if cfg.model.init_from:  # the workers load it: a bad one is refused before they start
+        from mcpar.interop.hf_import import check_init_from
+
+        check_init_from(cfg.model)
     return plan
 
 
@@ -293,6 +343,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         + f" (single process: {est.num_params:,})",
     ]
     lines += est.report_lines()
+    if plan.memory_plan is not None:  # the MemoryController's placement to the budget
+        lines += plan.memory_plan.report_lines()
     lines += plan.placement.report_lines()
     pending = unsupported_settings(cfg)
     if pending:
@@ -307,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "profile":
+            return cmd_train(profile_command.as_train_args(args))
         if args.command == "prepare":
             return prepare.run(args)
+        if args.command in ("export", "import", "generate"):
+            return cmd_interop(args)
         if args.command in ("simulate", "plan"):
             # A config's layout is resolved by the plan, as for check and train.
             return run_sim_command(args, lambda cfg, world: resolve_plan(cfg, world).config)

@@ -143,14 +143,28 @@ class MemoryControllerConfig(_Section):
         "store, a node-local copy of each gathered layer so backward gathers stay in the node."
     )
     offload: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="Where optimizer state and cold parameters may be offloaded."
+        "none", description="Where the AdamW state lives, streamed through the update group by "
+        "group: 'cpu' host memory (CUDA only), 'nvme' files under offload_dir. fp32: the two "
+        "moments move (8 B/param); bfloat16 without ZeRO: the model keeps bf16 copies and the "
+        "offloaded state also holds the fp32 master weights (12 B/param)."
     )
+    offload_dir: str | None = Field(
+        None, description="offload 'nvme': directory of the state files (one per rank, "
+        "unlinked once open); default <run dir>/offload.")
+    offload_buffer_mb: float = Field(
+        64.0, gt=0.0, le=1e6, description="Offload: state per streamed group (MiB); nvme keeps "
+        "two such buffers in host memory.")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
                             "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recompute in the backward pass: 'selective' rebuilds "
         "each attention core (softmax(qk^T)v and its dropout), 'full' each block."
     )
+    recompute_blocks: list[int] | None = Field(
+        None, min_length=3, max_length=3, description="Blocks per recompute mode, [none, "
+        "selective, full], summing to model.num_layers; the first blocks of the model recompute "
+        "the most. Set by the MemoryController's placement to a memory budget when it mixes "
+        "modes; none: every block follows activation_checkpointing.")
     consistency_interval: int = Field(
         100, ge=0, le=MAX_STEPS, description="Steps between checks that replicated tensors "
         "(data, tensor, expert replicas) still agree bit for bit; a mismatch restarts from the "
@@ -158,7 +172,9 @@ class MemoryControllerConfig(_Section):
     memory_budget_gb: float | None = Field(
         None, gt=0.0, le=1e6,
         description="Memory per rank that plans may use; default 90% of a GPU, "
-        "or the worker's share of 80% of host RAM.",
+        "or the worker's share of 80% of host RAM. The MemoryController places to it: per "
+        "block recompute, offload and the ZeRO stage (those not set) of the cheapest plan that "
+        "fits (mcpar check prints the choice); dynamic batch splitting sizes micro-batches to it.",
     )
 
 
@@ -315,6 +331,19 @@ class OptimizationConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
 
+class ProfileConfig(_Section):  # a profiled window of a run: <run_dir>/profile/ (mcpar.profiler)
+    enabled: bool = Field(False, description="Profile `steps` steps from `start_step` on.")
+    start_step: int = Field(2, ge=1, le=MAX_STEPS, description="First profiled step (1-based).")
+    steps: int = Field(3, ge=1, le=MAX_STEPS, description="Steps in the profiled window.")
+    trace: bool = Field(True, description="A torch.profiler trace per rank (+ CUDA snapshot).")
+
+
+class WandbConfig(_Section):  # Weights & Biases sink of metrics.jsonl (the 'wandb' extra)
+    enabled: bool = Field(False, description="Log every metrics field to Weights & Biases.")
+    project: str = Field("mcpar", min_length=1, max_length=128, description="W&B project.")
+    mode: Literal["offline", "online"] = Field("offline", description="offline: no network.")
+
+
 class TrainingConfig(_Section):
     steps: int = Field(300, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
     seed: int = Field(
@@ -349,6 +378,13 @@ class TrainingConfig(_Section):
     log_interval: int = Field(1, ge=1, le=MAX_STEPS, description="Write metrics every N steps.")
     tensorboard: bool = Field(False, description="Also log scalars to <run_dir>/tensorboard.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
+    compile: bool = Field(
+        False, description="torch.compile each transformer block (after the parallelisms and "
+        "recompute; CPU: inductor's C++ backend, which needs a C++ compiler). The first step's "
+        "compile time is logged as compile_s, apart from step_time_s.",
+    )
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
 class JobConfig(_Section):

@@ -167,6 +167,11 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = Field(
         False, description="Share the token embedding with the output head (pipeline 1 only)."
     )
+    init_from: str | None = Field(
+        None, min_length=4, max_length=4096,
+        description="hf:DIR: a fresh run starts from the weights of a Hugging Face directory "
+        "(Llama, Mixtral or GPT-2) instead of the seeded init; the section must describe its "
+        "model (`mcpar import DIR` prints it).")
 
     @model_validator(mode="before")
     @classmethod

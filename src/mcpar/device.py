@@ -41,8 +41,10 @@ def select_device(requested: str) -> DeviceInfo:
         ))
     if requested == "cuda" or (requested == "auto" and has_cuda):
         why = "asked for" if requested == "cuda" else "auto: CUDA is available"
-        return DeviceInfo("cuda", "cpu:gloo,cuda:nccl",
-                          f"cuda ({torch.cuda.device_count()} visible, {why})")
+        # MCPAR_DIST_BACKEND=gloo: several ranks on one GPU (bench/gpu_check.py), which NCCL
+        # refuses; gloo carries CUDA tensors through host memory.
+        backend = os.environ.get("MCPAR_DIST_BACKEND") or "cpu:gloo,cuda:nccl"
+        return DeviceInfo("cuda", backend, f"cuda ({torch.cuda.device_count()} visible, {why})")
     why = "asked for" if requested == "cpu" else "auto: no CUDA device visible"
     return DeviceInfo("cpu", "gloo", f"cpu ({why})")
 
@@ -114,6 +116,24 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor; page-locked (``pin``) when it feeds a CUDA device, so that copies to and
+    from the device are DMA and can run asynchronously."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for ``peak_memory_since_reset`` (CUDA; nothing to reset on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_since_reset(device: torch.device) -> int:
+    """Device memory allocated at its peak since ``reset_peak_memory``; 0 on CPU, whose
+    resident set size holds more than tensors (the measurement counts tensors there)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so step timings are true on CUDA."""
     if device.type == "cuda":
@@ -126,3 +146,86 @@ def memory_budget_bytes(device: torch.device, local_world_size: int) -> float:
         return 0.9 * torch.cuda.get_device_properties(device).total_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 0.8 * host / max(1, local_world_size)
+
+
+# --- What differs between the torch versions mcpar supports (pyproject's range) -------------
+# The single-tensor collectives took their ``_single`` names in torch 2.13 (before:
+# all_gather_into_tensor, reduce_scatter_tensor, same arguments); mcpar calls the new names, which
+# an older torch gets here as aliases of the old functions.
+for _new, _old in (("all_gather_single", "all_gather_into_tensor"),
+                   ("reduce_scatter_single", "reduce_scatter_tensor")):
+    if not hasattr(torch.distributed, _new) and hasattr(torch.distributed, _old):
+        setattr(torch.distributed, _new, getattr(torch.distributed, _old))
+
+# torch's grouped matmul: public as F.grouped_mm in recent releases, private (torch._grouped_mm)
+# before, CUDA-only (SM >= 80, bfloat16) in older ones; a CPU kernel exists in newer ones.
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm",
+                                                                          None)
+_grouped_mm_checked: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``rows[offsets[i-1]:offsets[i]] @ weights[i]`` for every group i, in one kernel."""
+    assert _GROUPED_MM is not None
+    return _GROUPED_MM(rows, weights, offs=offsets)
+
+
+def grouped_mm_unavailable(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why the MoE experts do not run as one grouped matmul here; None when they do.
+
+    CUDA: a trial forward and backward at ``dtype`` once per process (older torch or GPUs
+    reject some dtypes). CPU: the loop is used, as torch's CPU grouped kernel measured slower
+    than a loop of matmuls (0.15 s vs 0.10 s for 8 experts, 4096 x 256 x 1024 rows, 1 thread)."""
+    key = (device_type, dtype)
+    if key not in _grouped_mm_checked:
+        if _GROUPED_MM is None:
+            why: str | None = f"torch {torch.__version__} has no grouped matmul"
+        elif device_type != "cuda":
+            why = f"{device_type}: torch's grouped kernel is not faster than the loop there"
+        else:
+            try:
+                rows = torch.randn(16, 16, device="cuda", dtype=dtype, requires_grad=True)
+                w = torch.randn(2, 16, 16, device="cuda", dtype=dtype, requires_grad=True)
+                offsets = torch.tensor([8, 16], device="cuda", dtype=torch.int32)
+                grouped_mm(rows, w, offsets).sum().backward()
+                why = None
+            except (RuntimeError, NotImplementedError) as e:
+                why = f"cuda {dtype}: {str(e).splitlines()[0][:160]}"
+        _grouped_mm_checked[key] = why
+    return _grouped_mm_checked[key]
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on this device type now; None outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def adamw_options(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation: fused (one kernel for all parameters) on CUDA; on CPU the
+    default (foreach), which the tests' bit-exact parities are written against."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with ``torch.compile`` so far (the graph
+    capture with its forward compile, and the backward compile run lazily at the first
+    backward pass); 0 where this torch keeps no such record."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(sum(compilation_time_metrics.get(key, ()))
+                     for key in ("_compile.compile_inner", "backward._backward_impl")))
+
+
+def allow_recompiles(limit: int) -> None:
+    """Let one compiled function keep ``limit`` graphs (named ``recompile_limit``, formerly
+    ``cache_size_limit``), never lowering torch's default."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(limit, getattr(config, name)))

@@ -69,6 +69,9 @@ def path_problems(cfg: JobConfig, run_dir: Path) -> list[str]:
              writable_dir_problem("--run-dir", run_dir)]
     if ckpt.dir is not None:
         found.append(writable_dir_problem("optimization.checkpoint.dir", Path(ckpt.dir)))
+    offload_dir = cfg.controllers.memory.offload_dir
+    if offload_dir is not None and cfg.controllers.memory.offload == "nvme":
+        found.append(writable_dir_problem("controllers.memory.offload_dir", Path(offload_dir)))
     # data.cache_dir is not checked here: a complete cache may be read-only; the loader names
     # the key when it must write a new entry and cannot.
     return [p for p in found if p is not None]

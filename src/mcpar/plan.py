@@ -30,6 +30,7 @@ from mcpar.controllers.communication.grad_exchange import (
 from mcpar.controllers.compute.schedules import schedule_problems
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory
+from mcpar.controllers.memory.placement import Placement, place
 from mcpar.controllers.memory.zero import MemoryPlacement, plan_placement, zero_problems
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
@@ -56,6 +57,8 @@ class JobPlan:
     memory: MemoryEstimate  # the largest rank's
     placement: MemoryPlacement  # what each rank holds of every parameter group (ZeRO)
     batch_splitting: str  # how the micro-batch count was chosen: 'fixed' or 'dynamic'
+    # The MemoryController's placement to the memory budget (None beside dynamic splitting).
+    memory_plan: Placement | None = None
 
     def parallel_dims(self) -> ParallelDims:
         """A new ParallelDims of this plan's degrees (it holds the process groups it builds)."""
@@ -96,6 +99,7 @@ class JobPlan:
             "memory": {"params_per_rank": self.memory.params_per_rank,
                        **{name: value for name, value in self.memory.rows()}},
             "memory_placement": self.placement.to_json(),
+            **({"memory_plan": self.memory_plan.to_json()} if self.memory_plan else {}),
         }
 
 
@@ -170,16 +174,18 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
                                                "global_batch_size": global_batch}),
     })
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, world_size=dp * tp * pp)
+    # Recompute per block, offload and ZeRO stage to the memory budget (what the user left unset).
+    resolved, memory_plan = place(resolved, dims)
     return JobPlan(
         config=resolved, world_size=dims.world_size, dp=dp, tp=tp, pp=pp, ep=par.experts,
         virtual_stages=par.virtual_stages, sequence_parallel=par.sequence_parallel,
         micro_batch_size=opt.micro_batch_size, num_microbatches=num_micro,
         global_batch_size=global_batch, schedule=par.schedule if pp > 1 else None,
         stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
-        grad_exchange=plan_grad_exchange(cfg, dp),
+        grad_exchange=plan_grad_exchange(resolved, dp),
         memory=estimate_memory(resolved, dims),
-        placement=plan_placement(cfg, dp, par.experts),
-        batch_splitting=cfg.controllers.compute.batch_splitting,
+        placement=plan_placement(resolved, dp, par.experts),
+        batch_splitting=cfg.controllers.compute.batch_splitting, memory_plan=memory_plan,
     )
 
 

@@ -47,21 +47,26 @@ from mcpar.controllers.compute.expert_balance import MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMismatch
 from mcpar.controllers.memory.held import model_state_bytes
+from mcpar.controllers.memory.measure import MemoryMeter, trainer_memory
+from mcpar.controllers.memory.offload import checkpoint_parameters, plan_offload
 from mcpar.controllers.memory.optimizer import build_optimizer
 from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
-from mcpar.controllers.memory.recompute import apply_recompute
+from mcpar.controllers.memory.recompute import apply_layer_recompute, layer_modes
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
 from mcpar.faults import FaultInjector
+from mcpar.interop.hf_import import init_shards
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.spec import get_model_spec
+from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.plan import JobPlan, resolve_plan
+from mcpar.profiler.session import RunProfiler
 from mcpar.topology import detect_node_of_rank
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
@@ -136,14 +141,22 @@ class Trainer:
 
         self.spec = get_model_spec(cfg.model.kind)
         self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(plan.stage_cut))
+        if cfg.model.init_from:  # a Hugging Face model's weights (a resume then loads over them)
+            init_shards(cfg, self.pm.chunks, self.dims)
         # The MemoryController's activation policy, last of the parallelize order (PP -> TP/SP
         # -> EP -> memory): the blocks (or attention cores) that rebuild in the backward pass.
-        apply_recompute([b for chunk in self.pm.chunks for b in chunk.pieces()[1]],
-                        cfg.controllers.memory.activation_checkpointing)
+        apply_layer_recompute(self.pm.chunks, self.pm.layer_ranges, self.dims.axis_rank("pp"),
+                              self.dims.pp, layer_modes(cfg))  # per block (placement.py)
+        notes = finish_blocks(self.pm.chunks, cfg, self.device)  # torch.compile: last
+        if self.rank == 0 and notes:
+            print("\n".join(f"mcpar: {n}" for n in notes), flush=True)
+        self.meter = MemoryMeter(self.pm.params, self.device)  # measures the first step run
         comm_plan = plan.grad_exchange
         # ZeRO (the MemoryController's placement): buckets reduce-scattered into shards over
         # the data axis (experts: their replicas); stage 2 keeps no full gradient.
         self.zero_stage = cfg.controllers.memory.zero_stage
+        # Offload, before the gradient buffers: with bf16 it makes the parameters bf16 copies.
+        offload = plan_offload(cfg, self.pm.params, run_dir, self.rank, self.device)
         shards = tuple((self.comm.axis_size(a), self.comm.axis_rank(a)) for a in ("dp", "edp"))
         self.store: ParameterStore | None = None
         if self.zero_stage == 3:  # parameters sharded too, gathered per layer
@@ -170,7 +183,7 @@ class Trainer:
             write_json_atomic(run_dir / "plan.json", plan.to_json())
         self.optimizer, self.update_params = build_optimizer(self.pm.params, cfg, comm_plan,
                                                              self.comm, self.grad_sync,
-                                                             self.store)
+                                                             self.store, offload)
         self.grad_exchange, exchange_text = build_grad_exchange(
             comm_plan, cfg, self.comm, self.grad_sync, self.optimizer, tr.seed)
         if self.store is not None:  # the store reduces each layer's gradients and frees it
@@ -180,7 +193,8 @@ class Trainer:
         self.executor = PipelineExecutor(
             self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
             plan.num_microbatches, self.activation_shape(plan.micro_batch_size),
-            faults.wrap_loss(self.pm.loss_fn, self.rank) if faults else self.pm.loss_fn,
+            self.meter.wrap_loss(faults.wrap_loss(self.pm.loss_fn, self.rank) if faults
+                                 else self.pm.loss_fn),
             self.device, forward_context=lambda: autocast(self.device, cfg.training.dtype),
         )
         self.compute = ComputeController(
@@ -200,13 +214,16 @@ class Trainer:
         self.recovery = FaultRecoveryManager(
             cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
             self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state,
-            full_params=self.store.full_parameters if self.store is not None else None)
+            full_params=(self.store.full_parameters if self.store is not None
+                         else checkpoint_parameters(offload)))
         if env is not None and cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
         self.start_step = self.recovery.restore() if resume else 0
         if resume and self.rank == 0:
             _truncate_metrics(run_dir, self.start_step)
-        self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard)
+        self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard,
+                                wandb=tr.wandb)
+        self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
         self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
         # Replicated tensors (none under ZeRO-3, whose parameters are all sharded).
         self.consistency = ReplicaConsistency(
@@ -270,7 +287,8 @@ class Trainer:
         self.pm.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
-        result = self.compute.run_step(step, self._step_batch(step))
+        with self.meter.step():
+            result = self.compute.run_step(step, self._step_batch(step))
         assert isinstance(result, StepResult)
         self.train_stream.advance()
         return result
@@ -433,14 +451,17 @@ class Trainer:
         tokens_per_s_sum, loss, val_loss = 0.0, float("nan"), None
         steps_run, interval = 0, cfg.optimization.checkpoint.interval
         for step in range(self.start_step, tr.steps):
+            self.profiler.before_step(step)
             self.comm.stats.reset_step()
             synchronize(self.device)
             t0 = time.perf_counter()
+            compiled = compile_seconds()
             if self.faults is not None:
                 self.faults.before_step(step, self.rank, self.pm.params)
             result = self.train_step(step)
             synchronize(self.device)
-            step_time = time.perf_counter() - t0
+            compile_s = compile_seconds() - compiled  # logged apart from the step's time
+            step_time = time.perf_counter() - t0 - compile_s
             loss, peak_mem, stop = result.loss, result.peak_mem_bytes, result.stop_requested
             self.max_params_per_rank = result.max_params_per_rank
             steps_run += 1
@@ -455,6 +476,9 @@ class Trainer:
                 "exposed_comm_s": self.compute.exposed_comm_s(),
                 "skipped": result.skipped,
             }
+            if compile_s > 0:
+                record["compile_s"] = compile_s
+            self.profiler.after_step(step, record)  # adds "mfu"
             if result.moe is not None:
                 record["moe"] = result.moe
             every = cfg.controllers.memory.consistency_interval
@@ -492,6 +516,7 @@ class Trainer:
         summary = {
             "final_step": tr.steps, "final_loss": loss, "final_val_loss": val_loss,
             "model_state_bytes": self._largest_model_state(),
+            "memory": trainer_memory(self),  # estimate and measurement per category
             "mean_tokens_per_s": tokens_per_s_sum / max(1, steps_run),
             "resumed_from_step": self.start_step,
             "layout": {"data": self.dims.dp, "tensor": self.dims.tp, "pipeline": self.dims.pp,
@@ -508,6 +533,7 @@ class Trainer:
             "consistency": {"checks": self.consistency.checks,
                             "seconds": self.consistency.seconds},
         }
+        self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
             print(f"mcpar: done: {tr.steps} steps, loss {loss:.4f}, val loss {val_loss:.4f}, "

@@ -63,6 +63,9 @@ class CommStats:
         default_factory=lambda: defaultdict(CommCounter)
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The profiler's (mcpar.profiler): this step's blocking collectives on the main thread,
+    # (op, axis, start, end) on perf_counter's clock; None (not kept) unless it is profiling.
+    waits: list[tuple[str, str, float, float]] | None = None
 
     def record(self, key: tuple[str, str, str], nbytes: float, seconds: float) -> None:
         # Completion callbacks of async work run on the backend's thread.
@@ -92,6 +95,8 @@ class CommStats:
     def reset_step(self) -> None:
         with self._lock:
             self.step = defaultdict(CommCounter)
+        if self.waits is not None:
+            self.waits = []
 
     def breakdown(self, which: str = "total") -> list[dict[str, object]]:
         """Rows {op, axis, codec, bytes, time_s, calls} for reports."""
@@ -157,6 +162,8 @@ class Communicator:
         self.dims = dims
         self.stats = CommStats()
         self._thread: ThreadPoolExecutor | None = None
+        # Set by the profiler: each collective is a named range of the torch.profiler trace.
+        self.trace_ranges = False
 
     def run_async(self, fn) -> CommHandle:  # type: ignore[no-untyped-def]
         """Run `fn` (a sequence of blocking collectives) on the controller's one communication
@@ -184,7 +191,11 @@ class Communicator:
         """Turn a backend failure into one that names the operation, the mesh axis and the
         group's ranks (a timeout means a peer of this group stalled or died)."""
         try:
-            yield
+            if self.trace_ranges:
+                with torch.profiler.record_function(f"mcpar.{op}[{axis}]"):
+                    yield
+            else:
+                yield
         except RuntimeError as err:
             raise collective_error(op, axis, self._group_ranks(axis), err) from err
 
@@ -214,7 +225,10 @@ class Communicator:
                 return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
             future.add_done_callback(done)
             return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
-        self.stats.record(key, nbytes, time.perf_counter() - start)
+        end = time.perf_counter()
+        self.stats.record(key, nbytes, end - start)
+        if self.stats.waits is not None and threading.current_thread() is threading.main_thread():
+            self.stats.waits.append((key[0], key[1], start, end))
         return CommHandle(None)
 
     def all_reduce(self, tensor: torch.Tensor, axis: str = "dp", op: str = "sum",

@@ -102,6 +102,22 @@ def section_problems(cfg: ModelConfig, hf: dict[str, Any]) -> list[str]:
     return out
 
 
+def check_init_from(cfg: ModelConfig) -> None:
+    """Refuse a bad ``model.init_from`` before any worker starts (exit 2 naming the key): the
+    form, the directory's config.json and architecture, the run's model section against it, and
+    that its weights files are there (they are read by the workers)."""
+    if not cfg.init_from:
+        return
+    path = hf_dir(cfg.init_from)
+    problems = section_problems(cfg, read_config(path))
+    if problems:
+        raise UserError(problems)
+    if not ((path / "model.safetensors").is_file()
+            or (path / "model.safetensors.index.json").is_file()):
+        raise UserError(problem(KEY, f"{path}: no model.safetensors nor "
+                                "model.safetensors.index.json; save with safe_serialization"))
+
+
 def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The full parameters (``named_parameters`` names) ``model.init_from`` names."""
     path = hf_dir(cfg.init_from or "")

@@ -35,6 +35,13 @@ GIB = 2.0**30
 # fragmentation. A CPU worker has none of these (the local profile's reserve is 0).
 RESERVED_BYTES = 2.0 * GIB
 
+# Where offloaded optimizer state streams to and from, bytes/s per rank and direction (the
+# MemoryController's placement prices offload with them). cpu: PCIe 4.0 x16, 32 GB/s per
+# direction in the specification, about 25 GB/s reached by pinned-memory copies. nvme: a PCIe 4.0
+# NVMe SSD, about 7 GB/s sequential read and 5 GB/s write in vendors' datasheets; 3.5 GB/s is
+# taken for a step that both reads and writes.
+OFFLOAD_BANDWIDTH = {"cpu": 25e9, "nvme": 3.5e9}
+
 # Dense FP8 tensor-core peaks (TFLOP/s) from the datasheets; hardware.csv has no fp8 column.
 FP8_PEAK_TFLOPS = {"H100-80GB": 1979.0, "H200-141GB": 1979.0}
 

@@ -19,6 +19,7 @@ expert load-balancing policy (``load_balance.py``, ``expert_balance.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +80,7 @@ class ComputeController:
         self._losses: list[float] = []
         self._result: object = None
         self._start = 0.0
+        self.trace_ranges = False  # set by the profiler: each task a named range of its trace
         grad_sync.on_launch = self._log_reduce_start
 
     def submit_task(self, task: Task) -> None:
@@ -89,7 +91,9 @@ class ComputeController:
         while self._queue:
             task = self._queue.popleft()
             begin = time.perf_counter() - self._start
-            self._run(task)
+            with (torch.profiler.record_function(f"mcpar.{task}") if self.trace_ranges
+                  else contextlib.nullcontext()):
+                self._run(task)
             self.task_log.append(TaskRecord(task.kind.value, task.chunk, task.micro, begin,
                                             time.perf_counter() - self._start))
 
@@ -128,6 +132,11 @@ class ComputeController:
             self.executor.abort()
             raise
         return self._result
+
+    @property
+    def step_start(self) -> float:
+        """perf_counter() when the last step's first task began (the task log's zero)."""
+        return self._start
 
     def exposed_comm_s(self) -> float:
         """Seconds of the last step spent waiting for gradient reductions after the compute

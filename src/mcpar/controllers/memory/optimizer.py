@@ -18,6 +18,7 @@ from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.controllers.memory.offload import OffloadAdamW, OffloadSpec
 from mcpar.controllers.memory.param_store import ParameterStore
 from mcpar.controllers.memory.zero import ZeroAdamW
+from mcpar.device import adamw_options
 from mcpar.optim.onebit_adam import OneBitAdam
 
 
@@ -50,4 +51,6 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
     if offload is not None:
         return OffloadAdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2),
                             offload=offload), params
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2)), params
+    # Fused (one kernel for every parameter) on CUDA, device.adamw_options.
+    options = adamw_options(params[0].device) if params else {}
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), **options), params
