@@ -116,7 +116,8 @@ def analyse(ranks: list[dict], summary: dict[str, Any], ctx: dict[str, Any]) -> 
                    "capacity_bytes": ctx["capacity_bytes"],
                    "utilisation": measured_total / ctx["capacity_bytes"]
                    if ctx["capacity_bytes"] else 0.0,
-                   "peak_per_rank": {r["rank"]: r["peak_mem_bytes"] for r in ranks}},
+                   "peak_per_rank": {r["rank"]: r["peak_mem_bytes"] for r in ranks},
+                   "over_step": {r["rank"]: r.get("memory_over_step", []) for r in ranks}},
         "throughput": {"tokens_per_s": tokens_per_s, "step_s": step_s,
                        "mfu": _mean([s["mfu"] for s in window]), **summary.get("mfu", {})},
         "bubble": bubble(ranks, ctx["pp"], ctx["microbatches"], ctx["virtual"]),

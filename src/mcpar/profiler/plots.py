@@ -3,7 +3,8 @@
 - ``timeline.png``: the last profiled step's tasks per rank, coloured by kind;
 - ``comm_breakdown.png``: each rank's step split into compute, exposed communication, bubble,
   optimizer, data and idle, and the collectives' seconds per operation and axis;
-- ``memory.png``: memory per category, estimate against measurement, with the capacity;
+- ``memory.png``: memory per category, estimate against measurement, with the capacity; and
+  the memory allocated over the last profiled step, per rank (from the trace's allocator events);
 - ``curves.png``: loss and tokens/s over the run's steps (metrics.jsonl).
 
 matplotlib is the 'profile' extra; without it the report is written without pictures and says so.
@@ -41,7 +42,7 @@ def _plt() -> Any:
 def timeline(report: dict[str, Any], path: Path) -> Path:
     plt = _plt()
     ranks = report["timeline"]["ranks"]
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.45 * len(ranks)))
     seen: set[str] = set()
     for r, tasks in enumerate(ranks):
         for t in tasks:
@@ -53,9 +54,9 @@ def timeline(report: dict[str, Any], path: Path) -> Path:
                     color=COLOURS.get(t["name"], "#999999"), label=label)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the step's start")
+    ax.set_xlabel("seconds since each rank's own step start")
     ax.set_title(f"Tasks of step {report['timeline']['step']}, per rank")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     return _save(fig, path)
 
 
@@ -86,7 +87,8 @@ def memory(report: dict[str, Any], path: Path) -> Path:
     plt = _plt()
     est, meas = report["memory"]["estimate"], report["memory"]["measured"]
     names = [n for n in dict.fromkeys([*est, *meas]) if n != "total"]
-    fig, ax = plt.subplots(figsize=(10, 3.5))
+    fig, (ax, over) = plt.subplots(1, 2, figsize=(12, 3.8),
+                                   gridspec_kw={"width_ratios": [3, 2]})
     xs = range(len(names))
     gib = 2.0**30
     ax.bar([x - 0.2 for x in xs], [est.get(n, 0) / gib for n in names], 0.4, label="estimate")
@@ -94,9 +96,22 @@ def memory(report: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("GiB (largest rank)")
     cap = report["memory"]["capacity_bytes"]
-    ax.set_title(f"Memory per category (capacity {cap / gib:.1f} GiB; measured total "
-                 f"{meas.get('total', 0) / gib:.3f} GiB)")
+    ax.set_title(f"Per category (capacity {cap / gib:.1f} GiB; measured total "
+                 f"{meas.get('total', 0) / gib:.3f} GiB)", fontsize=9)
     ax.legend()
+    series = report["memory"].get("over_step", {})
+    for rank, points in series.items():
+        if points:
+            over.plot([p[0] for p in points], [p[1] / 2**20 for p in points],
+                      label=f"rank {rank}", linewidth=1)
+    if any(series.values()):
+        over.legend(fontsize=7)
+    else:
+        over.text(0.5, 0.5, "no trace (training.profile.trace: false)", ha="center",
+                  transform=over.transAxes)
+    over.set_xlabel("ms since the step's start")
+    over.set_ylabel("MiB allocated since the window opened")
+    over.set_title("Over the last profiled step", fontsize=9)
     return _save(fig, path)
 
 

@@ -11,6 +11,7 @@ import base64
 import html
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,9 @@ def build_sections(r: dict[str, Any], images: dict[str, str]) -> list[Section]:
         f"{thr['tokens_per_s']:.0f} tokens/s; MFU {_pct(thr['mfu'])}.",
     ]
     s["step-time"].paras = ["Seconds per step, mean over the window. exposed_comm: "
-                            "communication not hidden behind compute; bubble: waiting for "
-                            "another pipeline stage; idle: the rest."]
+                            "communication not hidden behind compute, including a rank's wait "
+                            "at a collective for a slower rank (see Stragglers); bubble: "
+                            "waiting for another pipeline stage; idle: the rest."]
     s["step-time"].tables = [(
         ["rank", "step ms", *CATEGORIES, "comm share"],
         [[str(row["rank"]), f"{row['step_s'] * 1e3:.1f}",
@@ -142,7 +144,9 @@ def to_markdown(sections: list[Section]) -> str:
 
 def to_html(sections: list[Section], out_dir: Path) -> str:
     def para(text: str) -> str:
-        parts = html.escape(text).split("**")
+        # The markdown the sections use: **bold** and `code`.
+        text = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+        parts = text.split("**")
         return "<p>" + "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts)) + "</p>"
 
     body = ["<h1>mcpar profile report</h1>"]

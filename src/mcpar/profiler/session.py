@@ -40,6 +40,7 @@ class RunProfiler:
         self.mfu_sum, self.mfu_steps = 0.0, 0
         self._t0 = 0.0
         self._trace: WindowTrace | None = None
+        self.memory_over_step: list[tuple[float, float]] = []  # from the trace, when on
 
     @property
     def out_dir(self) -> Path:
@@ -51,6 +52,8 @@ class RunProfiler:
             self.peak = self._measure_peak()
         if step + 1 == self.window.start:
             self._tracing(True)
+        if self._trace is not None:
+            self._trace.begin_step(step + 1)
         self._t0 = time.perf_counter()
 
     def after_step(self, step: int, record: dict[str, Any]) -> None:
@@ -64,7 +67,7 @@ class RunProfiler:
             return
         self.steps.append(self._step_record(record))
         if self._trace is not None:
-            self._trace.step()
+            self._trace.end_step()
         if step + 1 == self.window[-1]:
             self._tracing(False)
 
@@ -108,6 +111,7 @@ class RunProfiler:
             self._trace = WindowTrace(t.device)
         elif not on and self._trace is not None:
             self._trace.stop(self.out_dir, t.rank)
+            self.memory_over_step = self._trace.memory
             self._trace = None
 
     def _step_record(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +134,8 @@ class RunProfiler:
         axes = {row["axis"] for s in self.steps for row in s["comm"]}
         return {"rank": t.rank, "steps": self.steps,
                 "axis_sizes": {a: t.comm.axis_size(a) for a in sorted(axes)},
-                "peak_mem_bytes": _peak_memory(t.device)}
+                "peak_mem_bytes": _peak_memory(t.device),
+                "memory_over_step": self.memory_over_step}
 
     def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's record, on every rank, in rank order (JSON bytes over the world)."""
