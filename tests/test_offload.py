@@ -86,11 +86,12 @@ def test_checkpoints_cross_the_offload(runs: dict[str, Path], tmp_path: Path, sa
 
 def test_bf16_copies_checkpoint_the_fp32_master_and_resume_bitwise(tmp_path: Path) -> None:
     """bf16: the model trains on bf16 copies, the offloaded state holds the fp32 masters;
-    a checkpoint saves the masters (float32 model tensors) and resumes bit for bit."""
+    a checkpoint saves the masters (float32 model tensors) and resumes bit for bit. Run at
+    pipeline 2: the stages exchange the bf16 residual stream (training and validation)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     bf16 = [*NVME, "training.dtype=bfloat16", "training.steps=4",
-            "optimization.checkpoint.interval=2"]
+            "optimization.checkpoint.interval=2", "parallelism.data=1", "parallelism.pipeline=2"]
     straight = _train(tmp_path / "straight", *bf16)
     saved = FileSystemReader(str(tmp_path / "straight" / "checkpoints" / "step-2"))
     model = {k: v for k, v in saved.read_metadata().state_dict_metadata.items()

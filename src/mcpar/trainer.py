@@ -196,6 +196,9 @@ class Trainer:
             self.meter.wrap_loss(faults.wrap_loss(self.pm.loss_fn, self.rank) if faults
                                  else self.pm.loss_fn),
             self.device, forward_context=lambda: autocast(self.device, cfg.training.dtype),
+            # The residual stream's dtype: fp32 under autocast, bf16 when offload keeps bf16
+            # copies of the weights.
+            activation_dtype=self.pm.params[0].dtype,
         )
         self.compute = ComputeController(
             step_tasks(plan.schedule or "1f1b", self.dims.axis_rank("pp"), self.dims.pp,
@@ -343,14 +346,15 @@ class Trainer:
             if stage == 0:
                 x = inputs
             else:
-                x = torch.empty(shape, device=self.device)
+                x = torch.empty(shape, dtype=self.executor.activation_dtype, device=self.device)
                 self.comm.recv(x, (stage - 1) % pp, axis="pp", tag=EVAL_TAG_BASE + stage)
             with autocast(self.device, self.cfg.training.dtype):
                 out = self.pm.chunks[stage // pp](x)
             if stage == num_stages - 1:
                 loss = self.pm.loss_fn(out, targets).item()
             else:
-                pending.append(self.comm.send(out.float(), (stage + 1) % pp, axis="pp",
+                out = out.to(self.executor.activation_dtype)
+                pending.append(self.comm.send(out, (stage + 1) % pp, axis="pp",
                                               tag=EVAL_TAG_BASE + stage + 1))
         for handle in pending:
             handle.wait()
@@ -478,9 +482,9 @@ class Trainer:
             }
             if compile_s > 0:
                 record["compile_s"] = compile_s
-            self.profiler.after_step(step, record)  # adds "mfu"
             if result.moe is not None:
                 record["moe"] = result.moe
+            self.profiler.after_step(step, record)  # adds "mfu"
             every = cfg.controllers.memory.consistency_interval
             if every and (step + 1) % every == 0:  # before a checkpoint could keep a bad replica
                 record["consistency_check_s"] = self._check_replicas(step + 1)
