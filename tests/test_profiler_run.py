@@ -1,8 +1,8 @@
 """`mcpar profile` end to end on two workers: report.md and a self-contained report.html with
 every section and every picture a decodable embedded PNG, the PNGs, one Chrome trace per rank in
 the trace-event format Perfetto reads (with the controllers' tasks and collectives as named
-ranges), per-step MFU in metrics.jsonl and summary.json; and report.html rendered by headless
-Chromium (skipped, saying why, where Chromium is not installed)."""
+ranges), per-step MFU in metrics.jsonl and summary.json, the load of each expert (a MoE model);
+and report.html rendered by headless Chromium (skipped, saying why, where it is not installed)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from mcpar.profiler.report import SECTIONS
 from mcpar.profiler.timeline import CATEGORIES
 
 PIL = pytest.importorskip("PIL.Image")
+MOE = ["model.kind=moe", "model.num_experts=4", "model.top_k=2"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     run_dir = tmp_path_factory.mktemp("profile") / "run"
     with contextlib.chdir(REPO):
-        code = main(["profile", *sets(*TINY), "--nproc", "2", "--steps", "3",
+        # A MoE model, so that the report's expert-load section has something to show.
+        code = main(["profile", *sets(*TINY, *MOE), "--nproc", "2", "--steps", "3",
                      "--run-dir", str(run_dir)])
     assert code == 0
     return run_dir
@@ -107,6 +109,9 @@ def test_mfu_per_step_and_the_step_split(profiled: Path) -> None:
     assert 0 < report["comm_share"] < 1
     dp = next(c for c in report["collectives"] if c["op"] == "all_reduce" and c["axis"] == "dp")
     assert dp["n"] == 2 and dp["busbw"] > 0 and dp["bytes"] > 0
+    # Every token goes to top_k experts of each layer.
+    assert len(report["moe"]) == 2 and all(len(row) == 4 for row in report["moe"])
+    assert all(sum(row) == 2 * records[-1]["tokens"] for row in report["moe"])
     # Memory over the last profiled step, from the trace's allocator events: it rises with the
     # activations of the forward pass and falls back through the backward pass.
     points = report["memory"]["over_step"]["0"]
