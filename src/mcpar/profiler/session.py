@@ -142,13 +142,13 @@ class RunProfiler:
         t = self.trainer
         if t.dims.world_size == 1:
             return [mine]
-        data = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
         sizes = t.comm.all_gather(torch.tensor([data.numel()], device=t.device), axis="world")
         width = int(max(int(s.item()) for s in sizes))
         padded = torch.zeros(width, dtype=torch.uint8, device=t.device)
         padded[:data.numel()] = data.to(t.device)
         rows = t.comm.all_gather(padded, axis="world")
-        return [json.loads(bytes(row[:int(n.item())].cpu().tolist()).decode())
+        return [json.loads(row[:int(n.item())].cpu().numpy().tobytes().decode())
                 for row, n in zip(rows, sizes, strict=True)]
 
 
