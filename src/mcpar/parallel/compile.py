@@ -12,10 +12,17 @@ sequence and expert parallelism and the MemoryController's recompute have been a
 - the blocks are alike, so they share their compiled graphs (one compile, not one per block);
   only the embedding and the head, run once per micro-batch, stay eager.
 
-Graphs are static (``dynamic=False``): a micro-batch's shape is fixed by the plan, and a
-different shape (an evaluation batch) compiles its own graph once. The first step's compile
+Graphs are static (``dynamic=False``): a micro-batch's shape is fixed by the plan. Evaluation
+(no gradients) runs the blocks eagerly: a few batches per evaluation interval would not repay
+compiling a forward-only graph of every shape they come in. The first step's compile
 time is logged apart from the step times (``compile_s`` in metrics.jsonl, step 1), measured by
 ``device.compile_seconds``.
+
+Collectives run eagerly (``torch.compiler.disable`` on the Communicator's collective methods,
+and on the expert-parallel shard's forward, whose all-to-all sizes are read on the host): traced,
+their timing code (``time.perf_counter``) breaks the graph and the resumed code guards on the
+float it returned, so every call would compile anew until dynamo gave up on the block. A
+collective is a graph break either way; this makes it a clean one.
 
 Also here: which kernel the MoE experts run (``models.moe.describe_expert_kernel``), decided
 before compilation so that the grouped-matmul probe never runs inside a traced function.
@@ -23,14 +30,18 @@ before compilation so that the grouped-matmul probe never runs inside a traced f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.device import allow_recompiles, compile_seconds
 from mcpar.models.moe import MoELayer, describe_expert_kernel
+from mcpar.parallel.expert import ShardedExperts
 
-__all__ = ["compile_blocks", "compile_seconds", "finish_blocks"]
+__all__ = ["compile_blocks", "compile_modules", "compile_seconds", "finish_blocks"]
 
 
 def finish_blocks(chunks: list[nn.Module], cfg: JobConfig, device: torch.device) -> list[str]:
@@ -48,10 +59,46 @@ def finish_blocks(chunks: list[nn.Module], cfg: JobConfig, device: torch.device)
 
 def compile_blocks(chunks: list[nn.Module]) -> int:
     """Set a compiled ``forward`` on every block of ``chunks``; how many blocks."""
-    blocks = [block for chunk in chunks for block in chunk.pieces()[1]]  # type: ignore[operator]
-    # Each block may guard on its own instance, and training and evaluation differ: room for
-    # a graph per block and mode, so that no block falls back to eager silently.
-    allow_recompiles(2 * len(blocks) + 8)
+    return compile_modules([block for chunk in chunks
+                            for block in chunk.pieces()[1]])  # type: ignore[operator]
+
+
+def compile_modules(blocks: list[nn.Module]) -> int:
+    """Compile each module's ``forward`` in place (also the benchmarks' DDP peer's blocks, so
+    that both sides compile the same way); how many."""
+    # Each block may guard on its own instance: room for a graph per block, so that no block
+    # falls back to eager silently.
+    allow_recompiles(len(blocks) + 8)
+    _collectives_run_eagerly()
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=False)  # type: ignore[method-assign]
+        for module in block.modules():
+            if isinstance(module, ShardedExperts):
+                module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
+        block.forward = _compiled_when_training(block.forward)  # type: ignore[method-assign]
     return len(blocks)
+
+
+def _compiled_when_training(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    compiled = torch.compile(forward, dynamic=False)
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        return compiled(*args) if torch.is_grad_enabled() else forward(*args)
+
+    run.compiled = compiled  # type: ignore[attr-defined]
+    return run
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_along",
+                "reduce_scatter_along", "all_to_all_single", "all_to_all_single_async",
+                "all_to_all_rows", "all_gather_into", "reduce_scatter_into", "send", "recv",
+                "barrier", "run_async")
+
+
+def _collectives_run_eagerly() -> None:
+    """Once per process: dynamo calls the Communicator's collectives without tracing them."""
+    for name in _COLLECTIVES:
+        method = getattr(Communicator, name, None)
+        if method is not None and not getattr(method, "_mcpar_eager", False):
+            eager = torch.compiler.disable(method)
+            eager._mcpar_eager = True  # type: ignore[attr-defined]
+            setattr(Communicator, name, eager)
