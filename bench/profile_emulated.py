@@ -24,6 +24,7 @@ How to run (root: network namespaces)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--first", type=int, default=5, help="first profiled (and measured) step")
     p.add_argument("--out", default=None)
+    p.add_argument("--keep-runs", default=None, help="keep the run directories here")
     return p.parse_args(argv)
 
 
@@ -71,7 +73,8 @@ def run_pair(args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str, 
                      "report_comm_share": report["comm_share"],
                      "report_step_s": report["throughput"]["step_s"],
                      "split": report["split"], "dp_all_reduce": dp,
-                     "link": res.get("link"), "loadavg_1m": res.get("loadavg_1m_after")}
+                     "link": res.get("link"), "loadavg_1m": res.get("loadavg_1m_after"),
+                     "link_health": res.get("link_health"), "elapsed_s": res.get("elapsed_s")}
     shaped, loop = out["mcpar_flat"], out["loopback_flat"]
     independent = 1 - loop["step_time_s_mean"] / shaped["step_time_s_mean"]
     busbw = shaped["dp_all_reduce"]["busbw"]
@@ -88,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile_emulated: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
     runs = []
-    with tempfile.TemporaryDirectory(prefix="profile-emulated-") as tmp:
+    if args.keep_runs:
+        Path(args.keep_runs).mkdir(parents=True, exist_ok=True)
+    workdir = (contextlib.nullcontext(tempfile.mkdtemp(prefix="profile-emulated-",
+                                                      dir=args.keep_runs))
+               if args.keep_runs else tempfile.TemporaryDirectory(prefix="profile-emulated-"))
+    with workdir as tmp:
         for repeat in range(args.repeats):
             runs.append(run_pair(args, Path(tmp), repeat))
             r = runs[-1]
