@@ -83,6 +83,12 @@ class RunProfiler:
         if not self.window:
             return
         self._tracing(False)  # a run shorter than its window
+        if not self.steps:  # every rank ran the same steps: they all return here
+            if self.trainer.rank == 0:
+                print(f"mcpar: training.profile.start_step {self.window.start} is past the "
+                      f"run's last step ({summary['final_step']}): no profile written; lower "
+                      "training.profile.start_step", flush=True)
+            return
         ranks = self._gather(self._rank_record())
         if self.trainer.rank == 0:
             from mcpar.profiler.report import write_report
