@@ -138,6 +138,14 @@ def expert_mlps(rows: torch.Tensor, counts: list[int] | torch.Tensor, fc_weight:
     widths = (fc_weight.shape[-2], fc_weight.shape[-1])
     if expert_kernel(rows.device.type, dtype, widths) == "grouped":
         return grouped_expert_mlps(rows, counts, fc_weight, proj_weight)
+    return _loop_eagerly(rows, counts, fc_weight, proj_weight)
+
+
+@torch.compiler.disable
+def _loop_eagerly(rows: torch.Tensor, counts: list[int] | torch.Tensor, fc_weight: torch.Tensor,
+                  proj_weight: torch.Tensor) -> torch.Tensor:
+    """The loop, never traced by ``torch.compile``: its row counts are data, on which a compiled
+    graph would specialize, compiling anew for every routing until dynamo gave up."""
     return loop_expert_mlps(rows, counts if isinstance(counts, list) else counts.tolist(),
                             fc_weight, proj_weight)
 
