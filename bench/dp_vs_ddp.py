@@ -57,13 +57,14 @@ from bench_workers import run_worker, settings_problem
 from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
+from mcpar.controllers.memory.optimizer import decay_groups
 from mcpar.data import BatchStream
 from mcpar.device import autocast, keep_freed_host_memory, synchronize
 from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
-from mcpar.trainer import Trainer, decay_groups, lr_at
+from mcpar.trainer import Trainer, lr_at
 
 # DESIGN.md §5: fp32 loss parity, |Δ mean loss| <= 1e-4 over the first 20 steps.
 LOSS_PARITY_FP32 = 1e-4

@@ -49,10 +49,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mcpar.config import JobConfig, load_config
+from mcpar.controllers.memory.optimizer import decay_groups
 from mcpar.data import BatchStream, load_corpus
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
-from mcpar.trainer import decay_groups, lr_at
+from mcpar.trainer import lr_at
 
 POLL_S = 0.2
 
