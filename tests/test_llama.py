@@ -2,8 +2,8 @@
 parallelism against the single-process run (DESIGN.md §5; issue 20, must-show 1 and 5).
 
 The parity runs train a 4-layer Llama with grouped-query attention (4 heads, 2 key/value heads)
-on the same global batch of 8 sequences for 10 steps; each layout's per-step loss must match the
-single-process run's within 1e-4.
+on the same global batch of 8 sequences for 20 steps; each layout's per-step loss must match the
+single-process run's within 1e-4 over the first 10 steps and 1e-3 through 20.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mcpar.parallel.tensor import apply_tensor_parallel
 from mcpar.sim.fromconfig import config_model
 from mcpar.sim.workload import MODEL_PRESETS
 
-STEPS = 10
+STEPS = 20
 MODEL = [
     "model.kind=llama", "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
     "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
@@ -72,7 +72,8 @@ def test_loss_parity(references: dict[str, list[dict]], name: str, tmp_path: Pat
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(reference, records, strict=True)]
     print(f"{name}: max |dloss| {max(diffs):.2e} over {STEPS} steps")
-    assert max(diffs) <= 1e-4, f"{name}: per-step |dloss| {diffs}"
+    assert max(diffs[:10]) <= 1e-4, f"{name}: per-step |dloss| {diffs}"
+    assert max(diffs) <= 1e-3, f"{name}: per-step |dloss| {diffs}"  # fp32 order drifts slowly
     assert records[-1]["loss"] < records[0]["loss"]  # it trained
 
 

@@ -59,6 +59,7 @@ from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
 from mcpar.launch import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
+from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.grad_norm import clip_grad_norm
@@ -147,7 +148,10 @@ class Trainer:
         # -> EP -> memory): the blocks (or attention cores) that rebuild in the backward pass.
         apply_layer_recompute(self.pm.chunks, self.pm.layer_ranges, self.dims.axis_rank("pp"),
                               self.dims.pp, layer_modes(cfg))  # per block (placement.py)
-        notes = finish_blocks(self.pm.chunks, cfg, self.device)  # torch.compile: last
+        # The experts' kernel is probed before compiling (the probe must not be traced).
+        dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
+        notes = [describe_expert_kernel(self.device.type, dtype)] if cfg.model.is_moe else []
+        notes += finish_blocks(self.pm.chunks, cfg, self.device)  # torch.compile: last
         if self.rank == 0 and notes:
             print("\n".join(f"mcpar: {n}" for n in notes), flush=True)
         self.meter = MemoryMeter(self.pm.params, self.device)  # measures the first step run

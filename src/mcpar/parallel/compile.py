@@ -24,8 +24,8 @@ their timing code (``time.perf_counter``) breaks the graph and the resumed code 
 float it returned, so every call would compile anew until dynamo gave up on the block. A
 collective is a graph break either way; this makes it a clean one.
 
-Also here: which kernel the MoE experts run (``models.moe.describe_expert_kernel``), decided
-before compilation so that the grouped-matmul probe never runs inside a traced function.
+The MoE experts' kernel (``models.moe.describe_expert_kernel``) is decided by the trainer
+before this step, so that the grouped-matmul probe never runs inside a traced function.
 """
 
 from __future__ import annotations
@@ -38,23 +38,21 @@ from torch import nn
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.device import allow_recompiles, compile_seconds
-from mcpar.models.moe import MoELayer, describe_expert_kernel
 from mcpar.parallel.expert import ShardedExperts
 
 __all__ = ["compile_blocks", "compile_modules", "compile_seconds", "finish_blocks"]
 
 
 def finish_blocks(chunks: list[nn.Module], cfg: JobConfig, device: torch.device) -> list[str]:
-    """Compile this rank's blocks when ``training.compile`` is set; the log lines to print."""
-    notes = []
-    if any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()):
-        dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
-        notes.append(describe_expert_kernel(device.type, dtype))
-    if cfg.training.compile:
-        count = compile_blocks(chunks)
-        notes.append(f"torch.compile: {count} blocks of this rank compiled one by one "
-                     f"({device.type}; the first step's compile time is logged as compile_s)")
-    return notes
+    """Compile this rank's blocks when ``training.compile`` is set; the log lines to print.
+    (A MoE model's expert kernel is chosen before this: ``models.moe.describe_expert_kernel``,
+    called by the trainer, so that the grouped-matmul probe never runs inside a traced
+    function.)"""
+    if not cfg.training.compile:
+        return []
+    count = compile_blocks(chunks)
+    return [f"torch.compile: {count} blocks of this rank compiled one by one "
+            f"({device.type}; the first step's compile time is logged as compile_s)"]
 
 
 def compile_blocks(chunks: list[nn.Module]) -> int:
