@@ -39,7 +39,10 @@ class Peak:
 def measured_matmul_flops(seconds: float = 0.25, size: int = 512) -> float:
     """The best fp32 matmul rate this process's threads sustain (FLOP/s): square matmuls of
     ``size``, repeated for about ``seconds``; the fastest batch of ten counts."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    # A generator of its own: the run's RNG stream (dropout, data order, checkpoints' rng/)
+    # must not depend on whether the peak was measured.
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
     a @ b  # warm-up: the first call allocates and picks a kernel
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -81,7 +84,8 @@ def device_peak(device: torch.device, dtype: str, devices: int) -> Peak:
 
 
 def _measured_cuda(device: torch.device, size: int = 4096) -> float:
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the run's RNG stream alone
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
     (a @ a).sum().item()
     start = time.perf_counter()
     for _ in range(20):
