@@ -73,6 +73,12 @@ def _shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_ran
             # Sharding only slices tensors; no collective runs, so no controller is needed.
             apply_tensor_parallel(chunk, spec.tensor_parallel, None,  # type: ignore[arg-type]
                                   tp_rank, tp, False)
+    return index_codes(chunks)
+
+
+def index_codes(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Each chunk's parameters (shared ones once) as their index codes, keyed like a rank's
+    saved model tensors: ``"<chunk>.<parameter name>"``."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for index, chunk in enumerate(chunks):

@@ -22,7 +22,7 @@ import torch
 
 from mcpar.checkpoint.files import find_latest_valid, list_checkpoints, verify_checkpoint
 from mcpar.checkpoint.manager import checkpoint_dir, read_meta, saved_layout
-from mcpar.checkpoint.reshard import ELEMENT_BITS, _index_model, assemble, shard_maps
+from mcpar.checkpoint.reshard import ELEMENT_BITS, _index_model, assemble, index_codes, shard_maps
 from mcpar.config import JobConfig, ModelConfig, load_config
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import UserError, problem
@@ -94,14 +94,7 @@ def layout_maps(cfg: ModelConfig, layout: dict[str, int], coord: Coord
                                   coord[1], tp, False)
         apply_expert_parallel(chunk, spec.expert_parallel, None,  # type: ignore[arg-type]
                               coord[2], ep, coord[1], tp)
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for index, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out[f"{index}.{name}"] = p.detach().to(torch.int64)
-    return out
+    return index_codes(chunks)
 
 
 def _by_coord(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.Tensor]]:
