@@ -22,12 +22,6 @@ from mcpar.topology import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Under `pytest -n 2` two test processes share the cores with the ranks they launch: one
-    # compute thread each, or an in-process test's OpenMP threads spin against the other
-    # worker's ranks (such tests ran 5-10x slower with two).
-    torch.set_num_threads(1)
-
 # A model small enough that a 20-step multi-process run takes seconds on 2 cores.
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=32",

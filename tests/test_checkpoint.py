@@ -337,6 +337,8 @@ def test_stalled_rank_times_out_names_it_and_the_job_restarts(straight: dict[str
     # barrier would add a second timeout).
     assert "all_reduce on axis 'dp'" in restart["cause"] and "barrier" not in restart["cause"]
     (save_4,) = [e for e in events if e["event"] == "save" and e.get("step") == 4]
-    assert restart["time"] - save_4["time"] < 5 + 2 + 3 + 2
+    # 4 s for the steps themselves on two busy cores (the suite runs two test files at once):
+    # still under the 5 s a second timeout would add.
+    assert restart["time"] - save_4["time"] < 5 + 2 + 3 + 4
     assert step_losses(run) == step_losses(straight["data2"])
     assert elapsed < 60
