@@ -10,14 +10,21 @@ round-robin ``--repeats`` times (the median run of each is reported):
 - ``on``: ``training.profile`` over every step after the first, torch.profiler trace
   included, and the report written at the end (its time is outside the steps).
 
-tokens/s is the mean over steps after ``--warmup`` of metrics.jsonl. A fourth, paired
-measurement runs one job of ``--paired-steps`` steps whose hooks run on every other step only,
-and compares the two halves' step times (``paired_hooks_vs_none_in_one_run``). On a shared machine
-run-to-run noise exceeds 1%, so the hooks' own time is also measured directly: the seconds
-spent inside ``before_step`` + ``after_step`` in the median step (``hook_s_per_step``; the
-window's start and end, once per run, show in ``hook_s_max``), against the step time: that
-fraction is the overhead of profiling off. Profiling on also slows the steps themselves
-(torch.profiler records every operator): that is in its tokens/s, not in the hooks.
+tokens/s is the mean over steps after ``--warmup`` of metrics.jsonl. On a shared machine
+run-to-run noise exceeds 1%, so three finer measures follow:
+
+- the hooks' own time, timed directly: the seconds inside ``before_step`` + ``after_step`` in
+  the median step (``hook_s_per_step``; the window's start and end, once per run, show in
+  ``hook_s_max``) against the step time (metrics' step_time_s excludes the hooks);
+- one job of ``--paired-steps`` steps whose hooks run on every other step only, a paired
+  comparison that cancels the machine's drifts: the two halves' step times (the hooks' effect
+  on the step itself) and whole iterations, hooks included, each with a bootstrap 95% interval
+  of the median pair ratio. Iterations include the logging and are the noisier;
+- ``off_overhead_upper_bound``: the hooks' timed share of a step plus the upper end of the
+  paired steps' interval: what profiling off can cost at most.
+
+Profiling on also slows the steps themselves (torch.profiler records every operator): that is
+in its tokens/s, not in the hooks.
 
     python bench/profile_overhead.py [--repeats 5] [--steps 30]
         [--out bench/data/profile_overhead.json]
@@ -30,6 +37,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -79,9 +87,14 @@ class TimedProfiler(RunProfiler):
 
 class AlternateProfiler(RunProfiler):
     """The real hooks on even steps, none on odd ones: a paired comparison in one run, which
-    cancels the machine's slow drifts that separate runs suffer."""
+    cancels the machine's slow drifts that separate runs suffer. ``stamps`` holds the time at
+    which each step's iteration began: metrics' step_time_s excludes the hooks (they run before
+    and after the timed step), an iteration (stamp to next stamp) includes them."""
+
+    stamps: list[float] = []
 
     def before_step(self, step: int) -> None:
+        AlternateProfiler.stamps.append(time.perf_counter())
         if step % 2 == 0 or self.peak is None:
             super().before_step(step)
 
@@ -93,6 +106,7 @@ class AlternateProfiler(RunProfiler):
 def paired(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run_dir = root / "paired"
     trainer_module.RunProfiler = AlternateProfiler
+    AlternateProfiler.stamps = []
     argv = ["train", "--run-dir", str(run_dir), "--nproc", "1"]
     for s in [*JOB, f"training.steps={args.paired_steps}", *args.overrides]:
         argv += ["--set", s]
@@ -103,10 +117,30 @@ def paired(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     on = [r["step_time_s"] for r in steps if r["step"] % 2 == 1]
     off = [r["step_time_s"] for r in steps if r["step"] % 2 == 0]
     pairs = [a / b for a, b in zip(on, off, strict=False)]
+    # Whole iterations, hooks included: iteration k (0-based) runs from stamp k to stamp k+1;
+    # even k ran the hooks. Pair each even iteration with the odd one after it.
+    stamps = AlternateProfiler.stamps
+    start = args.warmup + args.warmup % 2  # first even 0-based iteration after the warm-up
+    iters = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][start:]
+    iter_pairs = [iters[i] / iters[i + 1] for i in range(0, len(iters) - 1, 2)]
+    low, high = bootstrap_median_interval(iter_pairs)
     return {"steps": args.paired_steps, "mean_step_s_hooks": statistics.fmean(on),
             "mean_step_s_no_hooks": statistics.fmean(off),
             "median_pair_ratio_hooks_over_none": statistics.median(pairs),
-            "mean_ratio": statistics.fmean(on) / statistics.fmean(off)}
+            "median_pair_ratio_95ci": list(bootstrap_median_interval(pairs)),
+            "mean_ratio": statistics.fmean(on) / statistics.fmean(off),
+            "iteration_pairs": len(iter_pairs),
+            "median_iteration_ratio_hooks_over_none": statistics.median(iter_pairs),
+            "median_iteration_ratio_95ci": [low, high]}
+
+
+def bootstrap_median_interval(values: list[float], resamples: int = 2000,
+                              seed: int = 0) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of ``values``."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def run(variant: str, args: argparse.Namespace, root: Path, repeat: int) -> dict[str, Any]:
@@ -168,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         "on_hook_fraction_of_step": statistics.median(
             r["hook_fraction_of_step"] for r in runs["on"]),
         "paired_hooks_vs_none_in_one_run": pair,
+        # What profiling off can cost at most (95%): the hooks' own time, timed directly, plus
+        # what they do to the timed step (the paired steps' interval's upper end). The rest of
+        # an iteration (logging, metrics) is the same code with or without the hooks.
+        "off_overhead_upper_bound": (pair["median_pair_ratio_95ci"][1] - 1
+                                     + statistics.median(r["hook_fraction_of_step"]
+                                                         for r in runs["off"])),
         "runs": runs,
     }
     text = json.dumps(result, indent=1)
