@@ -13,6 +13,7 @@ fails with all its problems at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from mcpar.config_model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
 from mcpar.errors import problem
@@ -176,19 +177,28 @@ def stage_blocks(m: ModelShape, lay: Layout) -> list[int]:
     stages, since the end stages also carry the embedding and the head."""
     if lay.stages:
         return list(lay.stages)
-    stages = lay.pp * lay.vp
-    base, extra = divmod(m.layers, stages)
+    return list(_even_split(m.layers, lay.pp * lay.vp))
+
+
+# Cached: the planner and the calibration's fits price the same few splits millions of times.
+@lru_cache(maxsize=4096)
+def _even_split(layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(layers, stages)
     order = sorted(range(stages), key=lambda i: abs(i - (stages - 1) / 2))
     counts = [base] * stages
     for i in order[:extra]:
         counts[i] += 1
-    return counts
+    return tuple(counts)
 
 
 def rank_layers(m: ModelShape, lay: Layout) -> list[float]:
     """Layers held by each pipeline rank (all its vp stages)."""
-    counts = stage_blocks(m, lay)
-    return [float(sum(counts[r::lay.pp])) for r in range(lay.pp)]
+    return list(_per_rank(tuple(stage_blocks(m, lay)), lay.pp))
+
+
+@lru_cache(maxsize=4096)
+def _per_rank(counts: tuple[int, ...], pp: int) -> tuple[float, ...]:
+    return tuple(float(sum(counts[r::pp])) for r in range(pp))
 
 
 def model_problems(m: ModelShape, where: str) -> list[str]:
