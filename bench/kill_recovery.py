@@ -9,8 +9,8 @@ What it measures
     logged step is ``>= kill step`` *and* the first checkpoint is committed (a ``step-N`` folder
     holding its manifest: saves are asynchronous by default and can commit a few steps after
     their step), and SIGKILLs that rank's worker process (found through ``/proc`` by its
-    command line ``-m mcpar.worker <run dir>`` and its ``RANK`` environment variable, like
-    ``tests/test_checkpoint.py::_worker_pids``; only a first-start worker,
+    command line ``-m mcpar.worker <run dir>`` and its rank, ``mcpar.launch.local_worker_pids``;
+    only a first-start worker,
     ``MCPAR_RESTART_COUNT=0``, is ever killed). Nothing else is done to the job: the mcpar
     launcher must notice the death, tear the job down and restart it by itself from the newest
     valid checkpoint (``optimization.checkpoint.max_restarts``, 3 by default with checkpoints
@@ -61,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from mcpar.launch import local_worker_pids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,32 +170,9 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of this run's first-start workers (``MCPAR_RESTART_COUNT`` 0), via /proc.
-
-    Matches like ``tests/test_checkpoint.py::_worker_pids`` (``mcpar.worker`` and the run dir in
-    the command line, not a zombie, ``RANK`` from the environment); a process whose parent is
-    itself a matching worker (a forked helper, which inherits both) is left out.
-    """
-    candidates: dict[int, tuple[int, int]] = {}  # pid -> (ppid, rank)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
-                continue
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            if fields[0] == "Z":
-                continue
-            environ = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0")
-                           if b"=" in v)
-        except OSError:
-            continue
-        if environ.get(b"MCPAR_RESTART_COUNT", b"0") not in (b"", b"0") or b"RANK" not in environ:
-            continue
-        candidates[int(entry.name)] = (int(fields[1]), int(environ[b"RANK"]))
-    return {rank: pid for pid, (ppid, rank) in candidates.items() if ppid not in candidates}
+    """RANK -> pid of the job's live workers of its first start (``mcpar.launch``'s
+    ``local_worker_pids``)."""
+    return local_worker_pids(run_dir, first_start_only=True)
 
 
 def run_reference(run_dir: Path, nproc: int, settings: list[str]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.launch import local_worker_pids
 from mcpar.metrics import read_metrics
 from mcpar.topology import ParallelDims
 
@@ -111,22 +112,7 @@ def recovery_events(run_dir: Path) -> list[dict]:
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
     """RANK -> pid of the live mcpar workers of the job whose run directory is ``run_dir``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"mcpar.worker" not in cmdline or str(run_dir).encode() not in cmdline:
-                continue
-            if (entry / "stat").read_text().split()[2] == "Z":
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        found[next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK="))] = \
-            int(entry.name)
-    return found
+    return local_worker_pids(run_dir)
 
 
 def spawn_workers(fn: Callable[..., None], args: tuple = (), nprocs: int = 1,

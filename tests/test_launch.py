@@ -304,3 +304,48 @@ def test_the_cli_reports_a_workers_user_error_with_exit_2(
     assert cli.main(["train"]) == 2
     err = capsys.readouterr().err
     assert err == "mcpar: error: cluster.ranks_per_node: uneven; use a divisor\n"
+
+
+def test_forked_workers_train_bitwise_like_fresh_ones_and_are_found_by_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mcpar's workers fork from one zygote that imported torch once (``mcpar.zygote``): the
+    same losses, bit for bit, as workers started afresh (MCPAR_FORK_WORKERS=0), each worker in a
+    session of its own, named by its rank and found by ``local_worker_pids``."""
+    import contextlib
+    import threading
+
+    from conftest import TINY, sets, step_losses
+
+    from mcpar.cli import main
+    from mcpar.launch import local_worker_pids
+
+    args = [*sets(*TINY, "training.steps=4"), "--nproc", "2"]
+
+    def run(name: str) -> tuple[Path, dict[int, bytes]]:
+        """Train; each worker's rank -> its parent's command line, seen while it ran."""
+        run_dir, parents = tmp_path / name, {}
+
+        def watch() -> None:
+            while len(parents) < 2 and not (run_dir / "summary.json").exists():
+                pids = local_worker_pids(run_dir)
+                for rank, pid in pids.items():
+                    with contextlib.suppress(OSError, ValueError):
+                        stat = Path(f"/proc/{pid}/stat").read_text()
+                        ppid = stat[stat.rindex(")") + 2:].split()[1]
+                        parents[rank] = Path(f"/proc/{ppid}/cmdline").read_bytes()
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        assert main(["train", *args, "--run-dir", str(run_dir)]) == 0
+        watcher.join()
+        return run_dir, parents
+
+    forked, forked_parents = run("forked")
+    assert sorted(forked_parents) == [0, 1]
+    assert all(b"mcpar.zygote" in cmdline for cmdline in forked_parents.values())
+    monkeypatch.setenv("MCPAR_FORK_WORKERS", "0")
+    fresh, fresh_parents = run("fresh")
+    assert sorted(fresh_parents) == [0, 1]
+    assert not any(b"mcpar.zygote" in cmdline for cmdline in fresh_parents.values())
+    assert step_losses(forked) == step_losses(fresh)

@@ -13,6 +13,10 @@ does not give cheaply:
   workers resume from the newest valid checkpoint themselves; an elastic agent restarting on its
   own would fight that.
 
+mcpar's own workers (``-m mcpar.worker``) are forked by one ``mcpar.zygote`` process per start
+of the job, which imported torch and mcpar once, instead of N fresh interpreters importing them
+at once on the same cores (3-4 s of CPU each); ``MCPAR_FORK_WORKERS=0`` starts fresh ones.
+
 Under ``torchrun`` or SLURM the CLI does not launch anything: ``detect_env`` reads what those
 launchers set and the workers use it as is.
 """
@@ -25,6 +29,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -245,7 +250,7 @@ def _pick_first(failures: list[WorkerFailure]) -> WorkerFailure:
     return min(failures, key=lambda f: (f.signal_name is None and f.error is None, f.rank))
 
 
-def _name_stalled_ranks(first: WorkerFailure, procs: list[subprocess.Popen[bytes]],
+def _name_stalled_ranks(first: WorkerFailure, procs: list[Worker],
                         err_files: list[str], poll_interval_s: float,
                         settle_s: float = 2.0) -> WorkerFailure:
     """A collective timed out: the ranks of the job that did not time out themselves are the
@@ -267,13 +272,124 @@ def _name_stalled_ranks(first: WorkerFailure, procs: list[subprocess.Popen[bytes
     return dataclasses.replace(first, error=(first.error or "") + note)
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def local_worker_pids(run_dir: str | os.PathLike[str],
+                      first_start_only: bool = False) -> dict[int, int]:
+    """RANK -> pid of the live local workers of the job whose run directory is ``run_dir``
+    (fault drills and their tests kill them): ``mcpar.worker`` and the run dir in the command
+    line, not a zombie, the rank from ``RANK`` in the environment a fresh worker was started
+    with or from the name (``mcpar-rank<R>``) a forked one gives itself; the zygote (no rank)
+    and processes a worker forked (their parent matches too) are left out.
+    ``first_start_only``: only workers of the job's first start (``MCPAR_RESTART_COUNT`` 0)."""
+    candidates: dict[int, tuple[int, int]] = {}  # pid -> (ppid, rank)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            if b"mcpar.worker" not in cmdline or os.fsencode(run_dir) not in cmdline:
+                continue
+            with open(f"{entry.path}/stat") as f:
+                stat = f.read()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            with open(f"{entry.path}/environ", "rb") as f:
+                environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if fields[0] == "Z" or (first_start_only and environ.get(b"MCPAR_RESTART_COUNT", b"0")
+                                not in (b"", b"0")):
+            continue
+        if b"RANK" in environ:
+            rank = int(environ[b"RANK"])
+        elif comm.startswith("mcpar-rank") and comm[len("mcpar-rank"):].isdigit():
+            rank = int(comm[len("mcpar-rank"):])
+        else:
+            continue
+        candidates[int(entry.name)] = (int(fields[1]), rank)
+    return {rank: pid for pid, (ppid, rank) in candidates.items() if ppid not in candidates}
+
+
+class _ForkedJob:
+    """The workers of one job, forked by one ``mcpar.zygote`` process (see there why): its
+    report pipe tells each rank's pid and exit code."""
+
+    def __init__(self, nproc: int, argv: list[str], base: dict[str, str],
+                 rank_envs: list[dict[str, str]], preexec: Callable[[], None] | None):
+        read_fd, write_fd = os.pipe()
+        try:
+            self.zygote = subprocess.Popen(
+                [sys.executable, "-m", "mcpar.zygote", str(write_fd), *argv], env=base,
+                stdin=subprocess.PIPE, start_new_session=True, preexec_fn=preexec,
+                pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self._fd, self._pending = read_fd, b""
+        self.pids: list[int | None] = [None] * nproc
+        self.codes: list[int | None] = [None] * nproc
+        assert self.zygote.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.zygote.stdin.write(json.dumps({"ranks": rank_envs}).encode() + b"\n")
+            self.zygote.stdin.close()
+        while None in self.pids and self.pump(block=True):
+            pass
+
+    def pump(self, block: bool) -> bool:
+        """Read what the zygote reported; False once it has closed the pipe."""
+        if self._fd < 0:
+            return False
+        if not block and not select.select([self._fd], [], [], 0)[0]:
+            return True
+        data = os.read(self._fd, 65536)
+        if not data:  # the zygote is gone: its workers were killed with it (PDEATHSIG)
+            os.close(self._fd)
+            self._fd = -1
+            self.codes = [-int(signal.SIGKILL) if c is None else c for c in self.codes]
+            return False
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            what, rank, value = line.split()
+            (self.pids if what == b"start" else self.codes)[int(rank)] = int(value)
+        return True
+
+    def close(self) -> None:
+        while self.pump(block=True):
+            pass
+        self.zygote.wait()
+
+
+class _ForkedWorker:
+    """One rank of a ``_ForkedJob``, with the part of ``Popen``'s interface the launcher uses."""
+
+    def __init__(self, job: _ForkedJob, rank: int):
+        self.job, self.rank = job, rank
+
+    @property
+    def pid(self) -> int | None:
+        return self.job.pids[self.rank]
+
+    def poll(self) -> int | None:
+        self.job.pump(block=False)
+        return self.job.codes[self.rank]
+
+    def wait(self) -> int:
+        while self.job.codes[self.rank] is None and self.job.pump(block=True):
+            pass
+        code = self.job.codes[self.rank]
+        assert code is not None
+        return code
+
+
+Worker = subprocess.Popen | _ForkedWorker
+
+
+def _signal_group(proc: Worker, sig: int) -> None:
     # Each worker leads its own process group, so this also reaches processes it started.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.killpg(proc.pid, sig)  # type: ignore[arg-type]  (None: never started)
 
 
-def _teardown(procs: list[subprocess.Popen[bytes]], kill_grace_s: float) -> None:
+def _teardown(procs: list[Worker], kill_grace_s: float) -> None:
     for p in procs:
         _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + kill_grace_s
@@ -340,15 +456,22 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda s, _f: received.append(s))
 
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Worker] = []
+    job: _ForkedJob | None = None
     try:
         preexec = _death_signal_preexec()
-        for rank in range(nproc):
-            wenv = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
-                        MCPAR_ERROR_FILE=err_files[rank])
+        rank_envs = [dict(RANK=str(rank), LOCAL_RANK=str(rank), MCPAR_ERROR_FILE=err_files[rank])
+                     for rank in range(nproc)]
+        if argv[:2] == ["-m", "mcpar.worker"] and base.get("MCPAR_FORK_WORKERS", "1") != "0":
+            # mcpar's own workers fork from one process that imported torch once
+            # (MCPAR_FORK_WORKERS=0: each starts a fresh interpreter instead).
+            job = _ForkedJob(nproc, argv, base, rank_envs, preexec)
+            procs = [_ForkedWorker(job, rank) for rank in range(nproc)]
+        for rank in range(nproc if job is None else 0):
             # stdout/stderr are inherited so the user sees progress; stdin is not, since workers
             # in their own session must not compete for the terminal.
-            procs.append(subprocess.Popen([sys.executable, *argv], env=wenv,
+            procs.append(subprocess.Popen([sys.executable, *argv],
+                                          env=dict(base, **rank_envs[rank]),
                                           stdin=subprocess.DEVNULL, start_new_session=True,
                                           preexec_fn=preexec))
         first: WorkerFailure | None = None
@@ -373,6 +496,8 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
         # Covers exceptions from Popen or a KeyboardInterrupt raised outside our handler.
         if any(p.poll() is None for p in procs):
             _teardown(procs, kill_grace_s)
+        if job is not None:
+            job.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         shutil.rmtree(err_dir, ignore_errors=True)
