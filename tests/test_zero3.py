@@ -62,11 +62,11 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> None:
-    """One process, the store's hooks on a 4-block GPT: the same loss and gradients as the
-    unsharded model; each block's gather starts before the previous block's compute (forward:
-    the next block, backward: the one before), at most two blocks are gathered at once, and
-    nothing stays gathered after the backward pass."""
+def _one_process_step(fuse: bool = False
+                      ) -> tuple[ParameterStore, DataParallelGradSync, list[str], float, float]:
+    """One forward and backward of a 4-block GPT under the store's hooks (one process): the
+    store, its gradient sync (shards = full gradients), the unit names, the loss and the
+    unsharded model's loss. The reference's gradients are checked here."""
     cfg = JobConfig.model_validate({"model": {"num_layers": 4, "hidden_size": 32,
                                               "num_heads": 2, "seq_len": 16}})
     spec = get_model_spec("gpt")
@@ -77,6 +77,7 @@ def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> No
     sync = DataParallelGradSync([p for g in groups for p in g], shards=((1, 0), (1, 0)),
                                 release_grads=True, groups=groups)
     store = ParameterStore(comm, [chunk], sync.buckets, names, unit_of_group)
+    store.fuse = fuse
     exchange = ReduceScatterExchange(comm)
     exchange.reducer = store.aggregate_gradients
     sync.set_exchange(exchange)
@@ -95,7 +96,6 @@ def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> No
     loss = loss_of(chunk)
     loss.backward()
     sync.finish()
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
     by_name = dict(reference.named_parameters())
     for bucket in sync.buckets:
         assert bucket.shard is not None
@@ -103,6 +103,17 @@ def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> No
             name = next(n for n, q in chunk.named_parameters() if q is p)
             want = by_name[name].grad.reshape(-1)
             assert torch.allclose(bucket.shard[offset:offset + p.numel()], want, atol=1e-6), name
+    store.after_step()
+    return store, sync, names, loss.item(), expected.item()
+
+
+def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> None:
+    """One process, the store's hooks on a 4-block GPT: the same loss and gradients as the
+    unsharded model; each block's gather starts before the previous block's compute (forward:
+    the next block, backward: the one before), at most two blocks are gathered at once, and
+    nothing stays gathered after the backward pass."""
+    store, sync, names, loss, expected = _one_process_step()
+    assert loss == pytest.approx(expected, abs=1e-6)
     trace = store.trace
     blocks = [n for n in names if "block" in n]
 
@@ -122,6 +133,23 @@ def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> No
         assert len(gathered - {names[-1]}) <= 2, (event, unit, gathered)
     assert not gathered
     assert all(store.flat[b.index].untyped_storage().nbytes() == 0 for b in sync.buckets)
+
+
+def test_reductions_ride_with_the_next_gather_when_fused() -> None:
+    """Where the CommunicationController fuses exchanges (gloo), each block's gradient
+    reduce-scatter waits for the store's next gather and travels in its all-to-all: a pass
+    costs one collective per gather plus one for the reductions left at its end (instead of
+    one per gather and one per unit's reduction), with the same gradients, bit for bit."""
+    plain, plain_sync, names, _, _ = _one_process_step(fuse=False)
+    fused, fused_sync, _, _, _ = _one_process_step(fuse=True)
+    fetches = sum(1 for event, _ in fused.trace or [] if event.startswith("fetch"))
+    assert fetches == len(names) + len(names) - 1  # forward: all; backward: the blocks
+    assert plain.wire_collectives == fetches + len(plain_sync.buckets)
+    assert fused.wire_collectives == fetches + 1
+    assert not fused.queued
+    for a, b in zip(plain_sync.buckets, fused_sync.buckets, strict=True):
+        assert a.shard is not None and b.shard is not None
+        assert torch.equal(a.shard, b.shard)
 
 
 @pytest.mark.parametrize("layout", [

@@ -30,6 +30,9 @@ class ParallelDims:
     dp_intra: int = 1
     dp_inter: int = 1
     _node_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    # The mesh's group per axis, looked up once: DeviceMesh.get_group costs ~70 us a call, and
+    # ZeRO-3 issues several collectives per layer.
+    _mesh_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
     # The data axis split for experts (set by build_mesh when ep > 1): 'ep' joins ep consecutive
     # data-parallel ranks, which hold different experts and exchange tokens; 'edp' joins the
     # ranks at the same place of every expert group, which hold the same experts (replicas).
@@ -75,6 +78,7 @@ class ParallelDims:
         self._mesh = init_device_mesh(
             device_type, self.mesh_shape, mesh_dim_names=self.mesh_axis_names
         )
+        self._mesh_groups = {}
         self._world_group = dist.new_group(list(range(self.world_size)))
         if self.ep > 1:
             self._build_expert_groups()
@@ -109,7 +113,10 @@ class ParallelDims:
             return self._node_groups[axis]
         if axis in ("ep", "edp"):
             return self._expert_groups[axis]
-        return self._mesh.get_group(axis)  # type: ignore[attr-defined]
+        group = self._mesh_groups.get(axis)
+        if group is None:
+            group = self._mesh_groups[axis] = self._mesh.get_group(axis)  # type: ignore[attr-defined]
+        return group
 
     @property
     def world_group(self) -> dist.ProcessGroup | None:

@@ -16,6 +16,8 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 - broadcast (pipelined chain): each rank forwards the buffer once, except the last; counted as
   (n-1)/n of the buffer per rank, the average over ranks;
 - all-to-all: the chunks or rows that leave this rank (its own part stays);
+- an exchange (reduce-scatters and all-gathers carried by one all-to-all, ``exchange_async``):
+  each part as the collective it stands for, which are the bytes the all-to-all moves;
 - point to point: the sender counts the whole tensor, the receiver nothing.
 
 Mesh axes are 'dp', 'tp', 'pp' (groups from ParallelDims), 'dp_intra' and 'dp_inter' (the data axis
@@ -35,7 +37,7 @@ import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -111,12 +113,16 @@ class CommStats:
 
 class CommHandle:
     """An in-flight asynchronous collective; ``wait()`` blocks until it is done (and raises what
-    a collective run on the controller's communication thread raised)."""
+    a collective run on the controller's communication thread raised). ``then``: what makes the
+    received bytes usable (an exchange's unpacking), run once by the first ``wait()``."""
 
     def __init__(self, work: dist.Work | Future | None, op: str = "", axis: str = "",
-                 ranks: list[int] | None = None):
+                 ranks: Callable[[], list[int]] | None = None,
+                 then: Callable[[], None] | None = None):
+        """``ranks``: the group's ranks, for an error's message (looked up only then)."""
         self._work = work
-        self._name = (op, axis, ranks or [])
+        self._name = (op, axis, ranks)
+        self._then = then
 
     def wait(self) -> None:
         if isinstance(self._work, Future):
@@ -125,7 +131,11 @@ class CommHandle:
             try:
                 self._work.wait()
             except RuntimeError as err:
-                raise collective_error(*self._name, err) from err
+                op, axis, ranks = self._name
+                raise collective_error(op, axis, ranks() if ranks else [], err) from err
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 class CollectiveError(RuntimeError):
@@ -222,9 +232,9 @@ class Communicator:
                 # wait(), which the pipeline calls late (end of step). Count the bytes now with
                 # the launch time; the receiver's blocking recv records the exposed wait.
                 self.stats.record(key, nbytes, time.perf_counter() - start)
-                return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
+                return CommHandle(work, key[0], key[1], lambda: self._group_ranks(key[1]))
             future.add_done_callback(done)
-            return CommHandle(work, key[0], key[1], self._group_ranks(key[1]))
+            return CommHandle(work, key[0], key[1], lambda: self._group_ranks(key[1]))
         end = time.perf_counter()
         self.stats.record(key, nbytes, end - start)
         if self.stats.waits is not None and threading.current_thread() is threading.main_thread():
@@ -367,6 +377,79 @@ class Communicator:
         nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
         self._timed(("all_gather", axis, codec), nbytes, None, start, False)
         return output
+
+    def all_gather_into_async(self, output: torch.Tensor, tensor: torch.Tensor,
+                              axis: str = "dp") -> CommHandle:
+        """:meth:`all_gather_into` run by the backend in the background (its own threads or
+        streams): ``output`` is complete once the handle's ``wait()`` returns."""
+        n = self.axis_size(axis)
+        if n == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return CommHandle(None)
+        start = time.perf_counter()
+        with self._named("all_gather", axis):
+            work = dist.all_gather_single(output, tensor, group=self._group(axis),
+                                          async_op=True)
+        nbytes = ring_all_gather_bytes(tensor.numel() * tensor.element_size(), n)
+        return self._timed(("all_gather", axis, "none"), nbytes, work, start, True)
+
+    def exchange_async(self, reduce_scatters: list[tuple[torch.Tensor, torch.Tensor]],
+                       all_gathers: list[tuple[torch.Tensor, torch.Tensor]],
+                       axis: str = "dp") -> CommHandle:
+        """Several reduce-scatters ``(output, tensor)`` and all-gathers ``(output, shard)``
+        over one axis, carried by one all-to-all: what rank j gets from this rank is chunk j of
+        every reduce-scatter's input and this rank's shard of every all-gather. ``wait()`` sums
+        the reduce-scatters' chunks (in axis-rank order) into their outputs and lays out the
+        gathered shards. The wire carries exactly the parts' bytes; what it saves is the fixed
+        cost of each collective (a rendezvous of the ranks, the backend's start-up), which on
+        gloo is most of a small collective's time. All tensors flat, of one dtype."""
+        n = self.axis_size(axis)
+        parts = [(out.numel(), src.view(n, -1) if n > 1 else src.view(1, -1))
+                 for out, src in reduce_scatters]
+        parts += [(shard.numel(), shard.view(1, -1)) for _, shard in all_gathers]
+        width = sum(size for size, _ in parts)
+        first = (reduce_scatters or all_gathers)[0][1]
+        send = torch.empty(n, width, dtype=first.dtype, device=first.device)
+        offset = 0
+        for size, rows in parts:
+            send[:, offset:offset + size].copy_(rows)  # a shard is broadcast to every row
+            offset += size
+        received = torch.empty_like(send) if n > 1 else send
+
+        def unpack() -> None:
+            at = 0
+            for out, _ in reduce_scatters:
+                rows = received[:, at:at + out.numel()]
+                out.copy_(rows[0])
+                for row in rows[1:]:  # in axis-rank order, the same sum on every rank
+                    out.add_(row)
+                at += out.numel()
+            for out, shard in all_gathers:
+                out.view(n, -1).copy_(received[:, at:at + shard.numel()])
+                at += shard.numel()
+
+        if n == 1:
+            unpack()
+            return CommHandle(None)
+        start = time.perf_counter()
+        with self._named("exchange", axis):
+            work = dist.all_to_all_single(received, send, group=self._group(axis),
+                                          async_op=True)
+        size_of = send.element_size()
+        counts = [(("reduce_scatter", axis, "none"), (n - 1) / n * src.numel() * size_of)
+                  for _, src in reduce_scatters]
+        counts += [(("all_gather", axis, "none"), float((n - 1) * shard.numel() * size_of))
+                   for _, shard in all_gathers]
+        total = sum(nbytes for _, nbytes in counts) or 1.0
+
+        def done(_fut: torch.futures.Future) -> None:
+            # One all-to-all's time, shared among its parts by their bytes.
+            seconds = time.perf_counter() - start
+            for key, nbytes in counts:
+                self.stats.record(key, nbytes, seconds * nbytes / total)
+
+        work.get_future().add_done_callback(done)
+        return CommHandle(work, "exchange", axis, lambda: self._group_ranks(axis), then=unpack)
 
     def reduce_scatter_into(self, output: torch.Tensor, tensor: torch.Tensor, axis: str = "dp",
                             async_op: bool = False) -> CommHandle:

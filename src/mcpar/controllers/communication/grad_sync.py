@@ -249,12 +249,23 @@ class DataParallelGradSync:
     def _gather_released(bucket: GradBucket) -> None:
         """Stage 2: move the bucket's fresh gradients into a buffer of its own and free them."""
         assert bucket.shard is not None
-        bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype,
-                                    device=bucket.shard.device)
-        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-            if p.grad is not None:
-                bucket.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
+        grads = [p.grad for p in bucket.params]
+        if all(g is not None and g.dtype == bucket.shard.dtype for g in grads):
+            # One concatenation (a layer has a dozen parameters: one call, not a dozen copies),
+            # then the padding, zeroed.
+            used = bucket.offsets[-1] + bucket.params[-1].numel()
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.shard.dtype,
+                                        device=bucket.shard.device)
+            torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer[:used])  # type: ignore[union-attr]
+            bucket.buffer[used:].zero_()
+        else:
+            bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype,
+                                        device=bucket.shard.device)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                if p.grad is not None:
+                    bucket.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        for p in bucket.params:
+            p.grad = None
 
     def finish(self) -> None:
         """Launch whatever the hooks did not (unused parameters, overlap off) and wait for all."""

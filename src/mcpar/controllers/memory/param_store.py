@@ -24,9 +24,21 @@ Order (the ComputeController's task order, one chunk: embedding, blocks, head, t
     is gathered (prefetched by the block after it) and the block before it is prefetched; when
     all of a unit's gradients are in, its buckets are reduce-scattered and its parameters freed.
     The root stays gathered until its gradients are in (the end of the backward pass). Under
-    ``torch.no_grad`` (evaluation) everything is freed after its forward. Every collective of
-    the store runs on the CommunicationController's one communication thread, in submission
-    order, which the hooks make the same on every rank.
+    ``torch.no_grad`` (evaluation) everything is freed after its forward. The hooks issue the
+    store's collectives in the same order on every rank.
+
+Plain gathers and reductions (no codec, no node cache)
+    They are the backend's own asynchronous collectives, started from the hooks: no thread of
+    ours between the hook and the wire (a Python thread needs the interpreter and a wake-up for
+    each of ~3 collectives per layer). Where the CommunicationController fuses exchanges
+    (gloo), a layer's gradient reduce-scatter waits for the next gather the hooks issue, a
+    block or two later, and both travel in one all-to-all (``Communicator.exchange_async``):
+    the backward pass then costs one collective per layer instead of two. Nothing is held
+    back for long: the previous block's gather starts as this block's backward does, and the
+    last reductions of a pass go out, together, when the gradient sync waits for them.
+    Expert buckets (their own axis) are never held back.
+    Codecs and the node cache compose several collectives per gather or reduction; those run
+    on the CommunicationController's one communication thread, in submission order.
 
 Hierarchical store (``controllers.memory.allocation: topology_aware``; ZeRO++'s hpZ and qgZ)
     The forward gather runs over the whole data axis (it crosses nodes) and leaves, on each
@@ -66,6 +78,35 @@ from mcpar.controllers.communication.grad_sync import DataParallelGradSync, Grad
 from mcpar.errors import UserError, problem
 from mcpar.parallel.expert import is_expert_sharded
 from mcpar.topology import detect_node_of_rank
+
+
+class QueuedReduce(CommHandle):
+    """A bucket's gradient reduce-scatter, held until the store's next gather carries it (or,
+    when the gradient sync waits for it first, sent on its own with the others held)."""
+
+    def __init__(self, store: ParameterStore, out: torch.Tensor, buffer: torch.Tensor,
+                 axis: str):
+        super().__init__(None)
+        self.store, self.out, self.buffer, self.axis = store, out, buffer, axis
+        self.issued: CommHandle | None = None
+
+    def wait(self) -> None:
+        if self.issued is None:
+            self.store.send_queued()
+        assert self.issued is not None
+        self.issued.wait()
+
+
+class HandleGroup(CommHandle):
+    """Several collectives in flight, waited for together."""
+
+    def __init__(self, handles: list[CommHandle]):
+        super().__init__(None)
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 @dataclass
@@ -133,6 +174,11 @@ class ParameterStore:
         self.primary: dict[int, torch.Tensor] = {}
         self.cache: dict[int, torch.Tensor] = {}
         self.residual: dict[int, torch.Tensor] = {}  # int8 gradients' error feedback
+        # Plain collectives are the backend's own; codecs and the cache run on the comm thread.
+        self.native = not node_cache and weight_codec == "none"
+        self.fuse = self.native and comm.fuses_exchanges()
+        self.queued: list[QueuedReduce] = []  # reduce-scatters waiting for the next gather
+        self.wire_collectives = 0  # collectives the native path started (tests and profiles)
         # (event, unit) in order when a list is given: 'fetch' / 'fetch_cache' (a gather
         # starts), 'use' (a layer's compute may start), 'free'; read by tests and profiles.
         self.trace: list[tuple[str, str]] | None = None
@@ -191,7 +237,41 @@ class ParameterStore:
         from_cache = backward and unit.cache_fresh
         self._note("fetch_cache" if from_cache else "fetch", unit)
         unit.cache_fresh = unit.cache_fresh or (self.node_cache and not backward)
-        unit.handle = self.comm.run_async(lambda: self._gather(unit, from_cache))
+        if self.native:
+            unit.handle = self._gather_native(unit)
+        else:
+            unit.handle = self.comm.run_async(lambda: self._gather(unit, from_cache))
+
+    def _gather_native(self, unit: StoreUnit) -> CommHandle:
+        """The unit's gathers as the backend's asynchronous collectives; the reduce-scatters
+        held for the data axis travel with its dense gather, in one all-to-all."""
+        handles = []
+        for bucket in unit.buckets:
+            flat, shard = self.flat[bucket.index], self.primary[bucket.index]
+            held = [q for q in self.queued if q.axis == bucket.axis]
+            if held and all(q.buffer.dtype == flat.dtype for q in held):
+                self.queued = [q for q in self.queued if q not in held]
+                handle = self.comm.exchange_async([(q.out, q.buffer) for q in held],
+                                                  [(flat, shard)], axis=bucket.axis)
+                for q in held:
+                    q.issued = handle
+            else:
+                handle = self.comm.all_gather_into_async(flat, shard, axis=bucket.axis)
+            self.wire_collectives += 1
+            handles.append(handle)
+        return handles[0] if len(handles) == 1 else HandleGroup(handles)
+
+    def send_queued(self) -> None:
+        """Send every held reduce-scatter now, together (per axis): nothing will carry them."""
+        by_axis: dict[str, list[QueuedReduce]] = {}
+        for q in self.queued:
+            by_axis.setdefault(q.axis, []).append(q)
+        self.queued = []
+        for axis, held in by_axis.items():
+            handle = self.comm.exchange_async([(q.out, q.buffer) for q in held], [], axis=axis)
+            self.wire_collectives += 1
+            for q in held:
+                q.issued = handle
 
     def _note(self, event: str, unit: StoreUnit) -> None:
         if self.trace is not None:
@@ -212,7 +292,14 @@ class ParameterStore:
         if dp > 1:
             bucket.buffer.div_(dp)  # the data degree, for expert buckets too (as an all-reduce)
         out, buffer = bucket.scatter_out, bucket.buffer
-        if self._cached(bucket):
+        handle: CommHandle
+        if self.fuse and not bucket.expert:
+            handle = QueuedReduce(self, out, buffer, bucket.axis)
+            self.queued.append(handle)
+        elif self.native:
+            handle = self.comm.reduce_scatter_into(out, buffer, axis=bucket.axis, async_op=True)
+            self.wire_collectives += 1
+        elif self._cached(bucket):
             handle = self.comm.run_async(lambda: self._hierarchical_reduce(bucket.index, buffer,
                                                                            out))
         else:
@@ -290,6 +377,7 @@ class ParameterStore:
 
     def after_step(self) -> None:
         """The shards changed: the node caches are stale until the next forward gather."""
+        assert not self.queued, "a reduce-scatter was held past the step that needed it"
         for unit in self.units:
             unit.cache_fresh = False
             if unit.gathered:  # a pass that ended without a backward (skipped step)
