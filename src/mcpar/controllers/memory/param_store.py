@@ -19,9 +19,11 @@ Units
 Order (the ComputeController's task order, one chunk: embedding, blocks, head, then back)
     forward: the root is gathered when the chunk starts; a block's gather is waited for at its
     forward pre-hook, which also starts the next block's (prefetch: it crosses the link while
-    this block computes); the block is freed after its forward.
+    this block computes; the root and the first block are one gather); the block is freed
+    after its forward (but the last: see backward).
     backward: the gradient of a block's output arriving means its backward is next: the block
-    is gathered (prefetched by the block after it) and the block before it is prefetched; when
+    is gathered (prefetched by the block after it; the last block stays gathered from its
+    forward, its backward being the next) and the block before it is prefetched; when
     all of a unit's gradients are in, its buckets are reduce-scattered and its parameters freed.
     The root stays gathered until its gradients are in (the end of the backward pass). Under
     ``torch.no_grad`` (evaluation) everything is freed after its forward. The hooks issue the
@@ -228,38 +230,56 @@ class ParameterStore:
         """Start gathering a unit's parameters (a no-op if they are gathered or on their way):
         from the node-local cache in a backward pass when it holds them, else from the global
         store. ``wait`` makes them usable."""
-        if unit.gathered:
-            return
-        unit.gathered = True
-        for bucket in unit.buckets:
-            flat = self.flat[bucket.index]
-            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        from_cache = backward and unit.cache_fresh
-        self._note("fetch_cache" if from_cache else "fetch", unit)
-        unit.cache_fresh = unit.cache_fresh or (self.node_cache and not backward)
-        if self.native:
-            unit.handle = self._gather_native(unit)
-        else:
-            unit.handle = self.comm.run_async(lambda: self._gather(unit, from_cache))
+        self.fetch_units([unit], backward)
 
-    def _gather_native(self, unit: StoreUnit) -> CommHandle:
-        """The unit's gathers as the backend's asynchronous collectives; the reduce-scatters
-        held for the data axis travel with its dense gather, in one all-to-all."""
-        handles = []
-        for bucket in unit.buckets:
-            flat, shard = self.flat[bucket.index], self.primary[bucket.index]
-            held = [q for q in self.queued if q.axis == bucket.axis]
-            if held and all(q.buffer.dtype == flat.dtype for q in held):
-                self.queued = [q for q in self.queued if q not in held]
-                handle = self.comm.exchange_async([(q.out, q.buffer) for q in held],
-                                                  [(flat, shard)], axis=bucket.axis)
+    def fetch_units(self, units: list[StoreUnit], backward: bool = False) -> None:
+        """:meth:`fetch_parameters` of several units at once: where exchanges are fused, their
+        gathers over one axis are one collective."""
+        todo = [unit for unit in units if not unit.gathered]
+        for unit in todo:
+            unit.gathered = True
+            for bucket in unit.buckets:
+                flat = self.flat[bucket.index]
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            from_cache = backward and unit.cache_fresh
+            self._note("fetch_cache" if from_cache else "fetch", unit)
+            unit.cache_fresh = unit.cache_fresh or (self.node_cache and not backward)
+            if not self.native:
+                unit.handle = self.comm.run_async(
+                    lambda unit=unit, from_cache=from_cache: self._gather(unit, from_cache))
+        if todo and self.native:
+            self._gather_native(todo)
+
+    def _gather_native(self, units: list[StoreUnit]) -> None:
+        """The units' gathers as the backend's asynchronous collectives. Where exchanges are
+        fused, the gathers over one axis and the reduce-scatters held for it are one
+        all-to-all; otherwise one all-gather per bucket."""
+        by_axis: dict[str, list[tuple[StoreUnit, GradBucket]]] = {}
+        for unit in units:
+            for bucket in unit.buckets:
+                by_axis.setdefault(bucket.axis, []).append((unit, bucket))
+        handles: dict[str, list[CommHandle]] = {unit.name: [] for unit in units}
+        for axis, members in by_axis.items():
+            gathers = [(self.flat[b.index], self.primary[b.index]) for _, b in members]
+            held = [q for q in self.queued if q.axis == axis]
+            dtypes = {t.dtype for _, t in gathers} | {q.buffer.dtype for q in held}
+            if self.fuse and (held or len(gathers) > 1) and len(dtypes) == 1:
+                self.queued = [q for q in self.queued if q.axis != axis]
+                handle = self.comm.exchange_async([(q.out, q.buffer) for q in held], gathers,
+                                                  axis=axis)
+                self.wire_collectives += 1
                 for q in held:
                     q.issued = handle
-            else:
-                handle = self.comm.all_gather_into_async(flat, shard, axis=bucket.axis)
-            self.wire_collectives += 1
-            handles.append(handle)
-        return handles[0] if len(handles) == 1 else HandleGroup(handles)
+                for unit in {id(u): u for u, _ in members}.values():
+                    handles[unit.name].append(handle)
+                continue
+            for (unit, _), (flat, shard) in zip(members, gathers, strict=True):
+                handles[unit.name].append(self.comm.all_gather_into_async(flat, shard,
+                                                                          axis=axis))
+                self.wire_collectives += 1
+        for unit in units:
+            mine = handles[unit.name]
+            unit.handle = mine[0] if len(mine) == 1 else HandleGroup(mine)
 
     def send_queued(self) -> None:
         """Send every held reduce-scatter now, together (per axis): nothing will carry them."""
@@ -426,13 +446,12 @@ class ParameterStore:
                 after = blocks[i + 1] if i + 1 < len(blocks) else None
                 before = blocks[i - 1] if i > 0 else None
                 module.register_forward_pre_hook(self._block_pre(blocks[i], after))
-                module.register_forward_hook(self._block_post(blocks[i], before))
+                module.register_forward_hook(self._block_post(blocks[i], before,
+                                                              last=after is None))
 
     def _chunk_pre(self, root: StoreUnit, blocks: list[StoreUnit]):  # type: ignore[no-untyped-def]
         def hook(_module: nn.Module, _args: object) -> None:
-            self.fetch_parameters(root)
-            if blocks:
-                self.fetch_parameters(blocks[0])
+            self.fetch_units([root, *blocks[:1]])  # one collective where exchanges are fused
             self.wait(root)
             self._note("use", root)
         return hook
@@ -458,7 +477,10 @@ class ParameterStore:
             self._note("use", unit)
         return hook
 
-    def _block_post(self, unit: StoreUnit, before: StoreUnit | None):  # type: ignore[no-untyped-def]
+    def _block_post(self, unit: StoreUnit, before: StoreUnit | None,  # type: ignore[no-untyped-def]
+                    last: bool = False):
+        """``last``: the chunk's last block, whose backward comes next (after the head's): it
+        stays gathered from its forward into its backward, one gather fewer per pass."""
         def backward_pre(grad: torch.Tensor) -> None:
             self.fetch_parameters(unit, backward=True)
             if before is not None:
@@ -467,8 +489,10 @@ class ParameterStore:
             self._note("use", unit)
 
         def hook(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
-            self._free(unit)
-            if torch.is_grad_enabled() and output.requires_grad:
+            backward_follows = torch.is_grad_enabled() and output.requires_grad
+            if not (last and backward_follows):
+                self._free(unit)
+            if backward_follows:
                 output.register_hook(backward_pre)
         return hook
 
