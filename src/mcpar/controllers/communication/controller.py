@@ -38,11 +38,11 @@ class CommunicationController(Communicator):
 
     def fuses_exchanges(self) -> bool:
         """Whether reduce-scatters and all-gathers of the data axis issued back to back travel as
-        one all-to-all (``Communicator.exchange_async``). On gloo (CPU) yes: a collective of
-        0.1-0.4 MB took 0.7-1.0 ms as an all-gather and 2.2-2.9 ms as a reduce-scatter, and a
-        0.4-0.7 ms all-to-all carried the same bytes (2 ranks, this project's 2-core machine),
-        so a step's cost is the number of collectives. On NCCL the native reduce-scatter and
-        all-gather kernels run concurrently on their own streams and scale past an all-to-all's
+        one all-to-all (``Communicator.exchange_async``). On gloo (CPU) yes: there a small
+        collective's time is mostly its fixed cost (2 ranks on this project's 2-core machine: a
+        0.1-0.4 MB all-gather took 0.7-1.0 ms, an all-to-all of the same bytes 0.4-0.7 ms), so
+        fewer collectives is the saving. On NCCL the native reduce-scatter and all-gather
+        kernels run concurrently on their own streams and scale past an all-to-all's
         point-to-point sends: no."""
         if self.fuse_exchanges is not None:
             return self.fuse_exchanges
