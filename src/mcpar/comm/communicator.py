@@ -14,8 +14,8 @@ the exact tensor shapes (gloo and NCCL do not report wire bytes):
 - all-gather (ring): each rank sends its own part n-1 times, i.e. (n-1)/n of the output;
 - reduce-scatter: each rank sends (n-1)/n of its input (NCCL's ring; on gloo an all-to-all of
   the chunks and a local sum, because gloo's own reduce-scatter runs a whole all-reduce: it put
-  2(n-1)/n of the buffer on the loopback wire per rank, measured at 2 and 4 ranks, twice the
-  all-to-all's bytes and about 4x its time for 0.1-0.4 MB);
+  2(n-1)/n of the buffer on the loopback wire per rank at 2 and 4 ranks, twice the
+  all-to-all's bytes, in 2-4x its time; ``bench/gloo_collectives.py``);
 - broadcast (pipelined chain): each rank forwards the buffer once, except the last; counted as
   (n-1)/n of the buffer per rank, the average over ranks;
 - all-to-all: the chunks or rows that leave this rank (its own part stays);

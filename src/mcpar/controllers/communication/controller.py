@@ -33,20 +33,16 @@ class CommunicationController(Communicator):
         # Data-parallel all-reduce algorithm: 'flat', 'hierarchical' or 'hybrid' (per size).
         self.dp_topology = "flat"
         self.link: LinkModel | None = None
-        # None: decided by the backend (``fuses_exchanges``); tests set it to compare both.
-        self.fuse_exchanges: bool | None = None
 
     def fuses_exchanges(self) -> bool:
         """Whether reduce-scatters and all-gathers of the data axis issued back to back travel as
         one all-to-all (``Communicator.exchange_async``). On gloo (CPU) yes: there a small
         collective's time is mostly its fixed cost (2 ranks on this project's 2-core machine: a
-        0.1-0.4 MB all-gather took 0.7-1.0 ms, an all-to-all of the same bytes 0.4-0.7 ms), so
-        fewer collectives is the saving. On NCCL the native reduce-scatter and all-gather
-        kernels run concurrently on their own streams and scale past an all-to-all's
-        point-to-point sends: no."""
-        if self.fuse_exchanges is not None:
-            return self.fuse_exchanges
-        return dist.is_initialized() and dist.get_backend(self._group("dp")) == "gloo"
+        0.1-0.4 MB all-gather or all-to-all took 0.4-1.1 ms, a 4 MB one 4-7 ms;
+        ``bench/gloo_collectives.py``), so fewer collectives is the saving. On NCCL the native
+        reduce-scatter and all-gather kernels run concurrently on their own streams and scale
+        past an all-to-all's point-to-point sends: no."""
+        return dist.is_initialized() and self._gloo("dp")
 
     # --- topology -------------------------------------------------------------------------------
     def set_dp_topology(self, topology: str, node_of_rank: list[int],
