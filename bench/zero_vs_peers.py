@@ -9,8 +9,10 @@ What it measures
     * ``mcpar_dp``, ``mcpar_zero1``, ``mcpar_zero2``, ``mcpar_zero3``:
       ``mcpar.trainer.Trainer.train_step`` with ``controllers.memory.zero_stage`` 0, 1, 2, 3
       (four Trainers in the same worker processes; stage 3 gathers each block's parameters
-      before its forward and again before its backward, next block prefetched, and
-      reduce-scatters its gradients: 1.5x the bytes of stages 0-2, as FSDP2's default).
+      before its forward and again before its backward (but the last block, kept from its
+      forward), next block prefetched, and reduce-scatters its gradients: about 1.5x the
+      bytes of stages 0-2, as FSDP2's default; on gloo a block's reduce-scatter rides with
+      the next gather in one all-to-all, ``param_store.py``).
     * ``mcpar_zero3_store`` (only at ``--nproc`` 4 or more, even): stage 3 with the
       hierarchical parameter store (``controllers.memory.allocation=topology_aware``),
       ``cluster.ranks_per_node = nproc / 2``: two emulated "nodes". Not at 2 ranks: with one
@@ -87,109 +89,9 @@ Run
     DeepSpeed's CPU shared-memory comm op (a few minutes, cached after). Without the option the
     JSON says ``deepspeed: {"skipped": ...}``.
 
-Figures with ZeRO-3 (issue 18, must-show 3)
-    Command: ``.venv/bin/python bench/zero_vs_peers.py --rounds 5 --deepspeed-python
-    /tmp/ds-venv/bin/python --out /tmp/zvp_z3_a.json``, copied to
-    ``bench/data/zero_vs_peers.json`` (2 ranks x 1 thread, 3,323,392 parameters, 2048
-    tokens/step, 5 rounds x 20 steps, 3 warm-up). The machine was heavily oversubscribed by
-    other sessions' test suites: 1-minute load 6.3 at the start, 27.7 at the end (up to 30
-    during the run, on 2 cores); one configuration's rounds spread by up to 3x (mcpar_dp 949 to
-    2855 tok/s), so every ratio below is good to +-0.3 at best.
+Figures
+    In ``docs/zero_vs_peers.md``, newest first, with the commands that produced them.
 
-    ========================  ========  ============  ==================  ==========
-    configuration             tokens/s  state B/rank  bytes/step (axis)   final loss
-    ========================  ========  ============  ==================  ==========
-    mcpar_dp                      1426    53,174,484  dp 13.29M           2.4051
-    mcpar_zero1                   1253    39,880,820  dp 13.29M           2.4047
-    mcpar_zero2                   1195    33,234,036  dp 13.29M           2.4047
-    mcpar_zero3                   1183    26,587,288  dp 19.61M           2.4049
-    torch_ddp                     1262    53,174,484  dp 13.29M           2.4051
-    torch_fsdp2                    851    26,587,348  dp 19.61M           2.4050
-    torch_fsdp2_no_reshard         940    26,587,348  dp 13.29M           2.4050
-    deepspeed_zero3                701    33,233,928  null                2.4051
-    deepspeed_zero2               1032    33,233,928  null                2.4051
-    ========================  ========  ============  ==================  ==========
-
-    Must-show 3 (ratio of medians; paired in brackets):
-    mcpar_zero3_over_torch_fsdp2: 1.39 (1.33)            target >= 2: MISSED
-    mcpar_zero3_over_torch_fsdp2_no_reshard: 1.26 (1.31)
-    mcpar_zero3_over_deepspeed_zero3: 1.69 (1.69)        target >= 1.0: met
-    mcpar_zero1_over_mcpar_dp: 0.88 (0.88)               target >= 0.95: missed in this run
-    mcpar_zero3_over_mcpar_dp: 0.83 (0.94); torch_fsdp2_over_torch_ddp: 0.67 (0.67)
-
-    mcpar ZeRO-3 holds 8 P / n + 8 P / n (AdamW) = 26.6 MB per rank, as FSDP2 does, and sends
-    what FSDP2's default sends (19.61M bytes a step: forward gather, backward gather,
-    reduce-scatter, 3 x (n-1)/n x 4 P); its loss stays within 1.1e-3 of plain DP over 100
-    steps (FSDP2 7.3e-4, DeepSpeed 8.6e-4: float sums in other orders, grown by training).
-
-    Why ">= 2x FSDP2" is missed: it cannot be met on this machine at this model. FSDP2 is not
-    4x slower than DDP here (the issue's premise) but 0.67x (0.80x in the steadier run below);
-    mcpar's ZeRO-3 does DDP's compute plus 1.5x its bytes, so it is bounded by about DDP's
-    speed (0.83x of mcpar DP here, 0.94 paired), which puts the ceiling of the ratio at
-    1 / 0.67-0.80 = 1.25-1.5x: it measured 1.39. ZeRO-1 against DP: the same code measured
-    0.98x (paired 0.97) in the steadier run below; here rounds of the same side spread 3x and
-    the 0.88 is that noise (ZeRO-1 sends the same 13.29M bytes a step as DP; per-round ratios
-    0.81, 2.34, 0.80, 0.97, 0.88).
-
-    A shorter second run right after, without DeepSpeed (``--rounds 3 --steps 10 --warmup 2
-    --out /tmp/zvp_z3_b.json``, in ``bench/data/zero_vs_peers_short.json``; load 12.8 ->
-    15.3): rounds of one side spread up to 4x (mcpar_dp 1013-4311 tok/s), so only the paired
-    ratios mean anything: ZeRO-1/DP 0.99, ZeRO-3/FSDP2 1.02 and 0.94 (no reshard), ZeRO-3/DP
-    0.76, FSDP2/DDP 1.14. Neither run is a steady measurement; the ceiling argument above is
-    what holds for ">= 2x FSDP2": a ZeRO-3 that is not faster than DDP cannot be 2x an FSDP2
-    that runs at 0.7-1.1x DDP.
-
-Figures of the earlier run (ZeRO stages 0-2 only)
-    (2026-12-01, on the 2-core machine shared with other sessions' tests: per-round figures
-    of one configuration spread by up to +-25 %, so read the ratios to +-0.1.)
-
-    Command: ``.venv/bin/python bench/zero_vs_peers.py --rounds 5 --deepspeed-python
-    /tmp/ds-venv/bin/python --out /tmp/zvp_final6.json`` (2 ranks x 1 thread, 3,323,392
-    parameters, 2048 tokens/step, 5 rounds x 20 steps, 3 warm-up); 1-minute load average
-    1.15 at the start, 2.53 at the end (other sessions' tests came back).
-
-    ========================  ========  ============  ==================  ==========
-    configuration             tokens/s  state B/rank  bytes/step (axis)   final loss
-    ========================  ========  ============  ==================  ==========
-    mcpar_dp                      5412    53,174,484  dp 13.29M           2.4051
-    mcpar_zero1                   5306    39,880,820  dp 13.29M           2.4047
-    mcpar_zero2                   5349    33,234,036  dp 13.29M           2.4047
-    torch_ddp                     5447    53,174,484  dp 13.29M           2.4051
-    torch_fsdp2                   4374    26,587,348  dp 19.61M           2.4050
-    torch_fsdp2_no_reshard        4471    26,587,348  dp 13.29M           2.4050
-    deepspeed_zero3               4080    33,233,928  null                2.4051
-    deepspeed_zero2               5084    33,233,928  null                2.4051
-    ========================  ========  ============  ==================  ==========
-
-    Ratios of medians (paired: median of per-round ratios):
-    mcpar_zero1_over_mcpar_dp: 0.98 (paired 0.97)
-    mcpar_zero2_over_mcpar_dp: 0.99 (paired 0.99)
-    mcpar_zero2_over_torch_fsdp2: 1.22 (paired 1.27)
-    mcpar_zero2_over_torch_fsdp2_no_reshard: 1.20 (paired 1.24)
-    mcpar_dp_over_torch_ddp: 0.99 (paired 1.02)
-    mcpar_zero2_over_deepspeed_zero2: 1.05 (paired 1.05)
-    mcpar_zero2_over_deepspeed_zero3: 1.31 (paired 1.27)
-    torch_fsdp2_over_torch_ddp: 0.80 (paired 0.80)
-
-    "state B/rank" is the largest rank's parameters + gradients + optimizer state (mcpar: 16 P
-    at stage 0, 12 P at stage 1, 10 P at stage 2 with P = 3,323,392 and n = 2, as its note
-    says). Bytes/step leave out mcpar's 48-byte 'world' gather of the step's figures. Largest
-    per-step loss difference from mcpar's plain DP over the 100 timed steps: mcpar ZeRO-1/2
-    1.4e-3, DDP 2.9e-4, FSDP2 7.3e-4, DeepSpeed 8.6e-4 (same data and weights; float sums in
-    other orders, grown by training; 4.8e-4, 6.4e-5, 1.9e-4, 1.8e-4 over 60 steps).
-    DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``) installed and ran on CPU/gloo; stage 3 at
-    ``stage3_param_persistence_threshold=0``.
-
-    Two earlier runs of the same code less two cosmetic commits, under heavier load: 3 rounds
-    (load 0.49 -> 2.38): ZeRO-1/DP 0.82, ZeRO-2/DP 0.97, ZeRO-2/FSDP2 1.17 and 1.12 (no
-    reshard), DP/DDP 0.98, ZeRO-2/DeepSpeed ZeRO-2 0.97 and ZeRO-3 1.09; 5 rounds (load 1.10 ->
-    2.63): ZeRO-1/DP 0.96, ZeRO-2/DP 0.95, ZeRO-2/FSDP2 1.33 and 1.18 (no reshard), DP/DDP 1.01,
-    ZeRO-2/DeepSpeed ZeRO-2 1.03 and ZeRO-3 1.15. Against the issue's must-show 3: ZeRO-1 is
-    0.98x of plain DP here (0.97 paired; 0.96 and 0.82 in the noisier runs), so >= 0.95x holds
-    in the steady run only. mcpar has no ZeRO-3 yet, so 'ZeRO-3 >= 2x FSDP2 and >= 1x DeepSpeed
-    ZeRO-3' cannot be measured; mcpar's ZeRO-2 runs 1.2-1.3x FSDP2 (both settings) and 1.05x
-    DeepSpeed ZeRO-2, 1.3x DeepSpeed ZeRO-3, at the same bytes on the wire as FSDP2 without
-    resharding.
 """
 
 from __future__ import annotations
