@@ -1,14 +1,17 @@
 """What every multi-process benchmark here does around its workers.
 
 A benchmark script starts its own worker processes (``mcpar.launch.launch_local``) by running
-itself again with ``--worker``; these two helpers are the parts every such script shares.
+itself again with ``--worker``; these helpers are the parts every such script shares, with
+how every bench hands over its result (JSON on stdout, and in a file when asked).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from mcpar.errors import UserError
 from mcpar.launch import DistEnv, detect_env, record_worker_errors
@@ -36,3 +39,12 @@ def settings_problem(build: Callable[[], object]) -> int | None:
         print("\n".join(err.problems), file=sys.stderr)
         return 2
     return None
+
+
+def emit_result(result: dict, out: str | Path | None) -> None:
+    """Print the bench's result as JSON on stdout (progress goes to stderr) and, when ``out``
+    is given, write the same text there."""
+    text = json.dumps(result, indent=1)
+    print(text, flush=True)
+    if out:
+        Path(out).write_text(text + "\n")

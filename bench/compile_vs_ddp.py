@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_workers import run_worker, settings_problem
+from bench_workers import emit_result, run_worker, settings_problem
 from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
@@ -170,10 +169,7 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
                 trainer.logger.close()
                 trainer.close()
     if env.rank == 0:
-        text = json.dumps(result, indent=1)
-        print(text, flush=True)
-        if args.out is not None:
-            args.out.write_text(text + "\n")
+        emit_result(result, args.out)
 
 
 def run(args: argparse.Namespace, cfg: JobConfig, steps: dict, device: torch.device,

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_workers import emit_result
 
 from mcpar.comm.communicator import Communicator
 from mcpar.launch import find_free_port
@@ -136,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "gloo_collectives", "torch_version": torch.__version__,
               "cores": os.cpu_count(), "calls": args.calls, "load_avg_1min": os.getloadavg()[0],
               "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 

@@ -62,6 +62,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_workers import emit_result
+
 REPO = Path(__file__).resolve().parents[1]
 SHARD_TOKENS = 1 << 22  # 8 MB uint16 shards (~14 MB of text): 1 GB makes ~75, 0.25 GB ~19
 TRAIN = [
@@ -224,10 +226,7 @@ def main() -> None:
                                   - sizes[0]["train"]["worker_peak_rss_mb"], 1),
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_result(result, args.json)
 
 
 if __name__ == "__main__":

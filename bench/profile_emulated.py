@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import emulated_cluster as ec
+from bench_workers import emit_result
 
 import netcluster
 
@@ -121,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "pairs_busbw_within_15_percent": sum(abs(r["busbw_vs_link"] - 1) <= 0.15 for r in runs),
         "targets": {"share_diff_points": "|.| <= 5", "busbw_vs_link": "0.85 .. 1.15"},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import random
 import statistics
@@ -44,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_workers import emit_result
 
 import mcpar.trainer as trainer_module
 from mcpar.cli import main as mcpar_main
@@ -210,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          for r in runs["off"])),
         "runs": runs,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 

@@ -111,7 +111,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_workers import run_worker, settings_problem
+from bench_workers import emit_result, run_worker, settings_problem
 from dp_vs_ddp import DDPSide, timed_round
 from zero_peer_workers import COUNTER, FSDP2Side, held_bytes, largest
 
@@ -505,10 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     del result["deepspeed_skipped"]
     result["load_avg_1min"] = {"start": load_start, "end": load_1min()}
     result["command"] = " ".join(["bench/zero_vs_peers.py", *argv_out])
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 
