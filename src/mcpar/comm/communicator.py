@@ -156,6 +156,14 @@ def collective_error(op: str, axis: str, ranks: list[int], err: BaseException) -
     return CollectiveError(f"{op} on axis '{axis}' (ranks {ranks}) {kind}: {detail}")
 
 
+def sum_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out`` = the sum of ``rows`` [n, len(out)], in row (axis-rank) order: the same float
+    sum on every rank."""
+    out.copy_(rows[0])
+    for row in rows[1:]:
+        out.add_(row)
+
+
 def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
     return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
 
@@ -224,7 +232,10 @@ class Communicator:
         return dist.get_process_group_ranks(group)
 
     def _timed(self, key: tuple[str, str, str], nbytes: float, work: dist.Work | None,
-               start: float, async_op: bool) -> CommHandle:
+               start: float, async_op: bool, then: Callable[[], None] | None = None
+               ) -> CommHandle:
+        """Record the collective; ``then`` makes its result usable: run now when it was
+        blocking, by the handle's first ``wait()`` otherwise."""
         if async_op and work is not None:
             def done(_fut: torch.futures.Future) -> None:
                 self.stats.record(key, nbytes, time.perf_counter() - start)
@@ -236,13 +247,15 @@ class Communicator:
                 # wait(), which the pipeline calls late (end of step). Count the bytes now with
                 # the launch time; the receiver's blocking recv records the exposed wait.
                 self.stats.record(key, nbytes, time.perf_counter() - start)
-                return CommHandle(work, key[0], key[1], lambda: self._group_ranks(key[1]))
-            future.add_done_callback(done)
-            return CommHandle(work, key[0], key[1], lambda: self._group_ranks(key[1]))
+            else:
+                future.add_done_callback(done)
+            return CommHandle(work, key[0], key[1], lambda: self._group_ranks(key[1]), then=then)
         end = time.perf_counter()
         self.stats.record(key, nbytes, end - start)
         if self.stats.waits is not None and threading.current_thread() is threading.main_thread():
             self.stats.waits.append((key[0], key[1], start, end))
+        if then is not None:
+            then()
         return CommHandle(None)
 
     def all_reduce(self, tensor: torch.Tensor, axis: str = "dp", op: str = "sum",
@@ -419,10 +432,7 @@ class Communicator:
         def unpack() -> None:
             at = 0
             for out, _ in reduce_scatters:
-                rows = received[:, at:at + out.numel()]
-                out.copy_(rows[0])
-                for row in rows[1:]:  # in axis-rank order, the same sum on every rank
-                    out.add_(row)
+                sum_rows(out, received[:, at:at + out.numel()])
                 at += out.numel()
             for out, shard in all_gathers:
                 out.view(n, -1).copy_(received[:, at:at + shard.numel()])
@@ -470,18 +480,8 @@ class Communicator:
             with self._named("reduce_scatter", axis):
                 work = dist.all_to_all_single(received, rows, group=self._group(axis),
                                               async_op=async_op)
-
-            def unpack() -> None:
-                flat = output.view(-1)
-                flat.copy_(received[0])
-                for row in received[1:]:
-                    flat.add_(row)
-
-            handle = self._timed(key, nbytes, work, start, async_op)
-            if not async_op:
-                unpack()
-                return handle
-            return CommHandle(work, *key[:2], lambda: self._group_ranks(axis), then=unpack)
+            return self._timed(key, nbytes, work, start, async_op,
+                               then=lambda: sum_rows(output.view(-1), received))
         with self._named("reduce_scatter", axis):
             work = dist.reduce_scatter_single(output, tensor, group=self._group(axis),
                                               async_op=async_op)
