@@ -96,46 +96,8 @@ Output: one JSON object on stdout (progress on stderr), with every variant and t
         [--delay 1ms] [--micro-batch 1] [--hidden 128] [--layers 4] [--set KEY=VALUE ...]
 
 ZeRO-3 and the hierarchical parameter store (variants (h), issue 18 must-show 4)
-    Each node's 2 ranks are found by mcpar from torchrun's GROUP_RANK (one torchrun per
-    namespace), so 'dp_intra' is the loopback and 'dp_inter' the shaped link; the figure that
-    counts is ``wire_tx_bytes_per_measured_step`` (node 0's link interface, TCP/IP included).
-    Model: 4 layers x hidden 256 (3,323,392 parameters, 13.3 MB fp32), one sequence of 128
-    per rank per step. Why: ZeRO-3 moves parameters, not activations, so what crosses the link
-    grows with P while the compute of one sequence stays small; at this size plain ZeRO-3's
-    step is almost all communication and its bytes on the wire need most of it at 100 Mbit/s:
-    the link is the bottleneck, as on the cluster this stands for. The default GPT (0.88M
-    parameters) would leave per-collective latency and the four ranks' compute on 2 shared
-    cores a larger part of every step. 10 steps, the first 3 left out (measured: steps 4-10;
-    --compress-start 1 only makes the window legal, the store's codecs work from step 1), 2
-    repeats round-robin, the slower run reported.
-
-    Command (2026-12-02, load 3-4): ``python bench/emulated_cluster.py --variants``
-    ``mcpar_zero3_2x2,mcpar_store_2x2,mcpar_store_int8_2x2,mcpar_store_bf16_2x2 --hidden 256``
-    ``--layers 4 --steps 10 --warmup 3 --compress-start 1 --repeats 2 --timeout 300``
-    ``--keep-runs /tmp/ec_keep``; JSON in ``bench/data/emulated_cluster_zero3_store.json``.
-
-    ======================  ==============  ==========  ====================  ==========
-    variant                 wire B/step     step (ms)   mcpar comm B/step     final loss
-                            (node 0 tx)     mean        (rank 0, logical)     (step 10)
-    ======================  ==============  ==========  ====================  ==========
-    mcpar_zero3_2x2           35,034,989       5427         27,048,348        3.31457
-    mcpar_store_2x2           18,182,613       2330         24,679,068        3.31457
-    mcpar_store_int8_2x2       4,656,219       1561         14,764,460        3.31242
-    mcpar_store_bf16_2x2      14,818,116       1712         23,017,372        3.31455
-    ======================  ==============  ==========  ====================  ==========
-
-    store / ZeRO-3 wire bytes 0.519 (target <= 0.70: met; the backward gather stays in the
-    node, and the inter-node reduce-scatter runs on 1/k of each bucket after the node stage);
-    store + int8 gathers + int8 gradients / ZeRO-3 0.133 (target <= 1/3: met); ZeRO-3 /
-    store-int8 step time 3.48x on the slower repeats (target >= 1.8x: met); the faster repeats
-    were 3,388 and 950 ms (3.57x). Plain ZeRO-3's slower repeat had its link retransmit 721
-    segments (its gathers and reductions are all-to-alls on gloo: 4 ranks send at once); the
-    store's 56. At step 10 the store's loss (fp32) equals plain ZeRO-3's, bf16 differs by
-    1.6e-5 and int8 (weights and gradients quantized) by 2.1e-3.
-
-    The run of 2026-12-01, before gloo's reduce-scatter was replaced (it sent an all-reduce's
-    bytes, ``bench/gloo_collectives.py``) and before ZeRO-3's fused exchanges: plain ZeRO-3
-    41.0 MB and 3,752 ms a step, the store 24.8 MB (0.605), int8 4.65 MB (0.113, 2.92x faster).
+    How they are measured, why this model, and the figures with their command:
+    ``docs/emulated_cluster_zero3.md``.
 
 """
 
