@@ -221,10 +221,10 @@ COUNTER = CollectiveCounter()
 
 class FSDP2Side:
     """The same model and training step as ``DDPSide``, sharded by FSDP2 (``fully_shard`` on
-    every block and on the root)."""
+    every block, or on groups of ``group`` consecutive blocks, and on the root)."""
 
     def __init__(self, cfg: JobConfig, stream: BatchStream, device: torch.device,
-                 reshard_after_forward: bool | None):
+                 reshard_after_forward: bool | None, group: int = 1):
         self.cfg, self.stream, self.device = cfg, stream, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.accum = cfg.optimization.gradient_accumulation or 1
@@ -233,8 +233,9 @@ class FSDP2Side:
         kwargs: dict[str, Any] = {"mesh": mesh}
         if reshard_after_forward is not None:  # None: fully_shard's default
             kwargs["reshard_after_forward"] = reshard_after_forward
-        for block in self.module.blocks:
-            fully_shard(block, **kwargs)
+        blocks = list(self.module.blocks)
+        for i in range(0, len(blocks), group):  # a list: one FSDP unit, one gather
+            fully_shard(blocks[i] if group == 1 else blocks[i:i + group], **kwargs)
         fully_shard(self.module, **kwargs)
         opt = cfg.optimization
         self.optimizer = torch.optim.AdamW(

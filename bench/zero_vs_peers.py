@@ -11,8 +11,10 @@ What it measures
       (four Trainers in the same worker processes; stage 3 gathers each block's parameters
       before its forward and again before its backward (but the last block, kept from its
       forward), next block prefetched, and reduce-scatters its gradients: about 1.5x the
-      bytes of stages 0-2, as FSDP2's default; on gloo a block's reduce-scatter rides with
-      the next gather in one all-to-all, ``param_store.py``).
+      bytes of stages 0-2, as FSDP2's default; small blocks are gathered in groups of
+      ``controllers.memory.gather_mb`` (1 MiB by default; ``mcpar_zero3_blocks_per_gather``
+      in the JSON); on gloo a block's reduce-scatter rides with the next gather in one
+      all-to-all, ``param_store.py``).
     * ``mcpar_zero3_store`` (only at ``--nproc`` 4 or more, even): stage 3 with the
       hierarchical parameter store (``controllers.memory.allocation=topology_aware``),
       ``cluster.ranks_per_node = nproc / 2``: two emulated "nodes". Not at 2 ranks: with one
@@ -34,7 +36,9 @@ What it measures
       per step: counted by wrapping the ``torch.distributed.all_gather_single`` /
       ``reduce_scatter_single`` / ``all_reduce`` that FSDP2 calls (ring formulas as mcpar's);
       the 4-byte norm all-reduce of clipping goes through functional collectives and is not
-      counted.
+      counted. ``torch_fsdp2_grouped`` (where mcpar's ZeRO-3 groups blocks): ``fully_shard``
+      with its defaults on the same groups of blocks as mcpar's gathers (a list of modules,
+      one FSDP unit): the like-for-like count of collectives.
     * ``deepspeed_zero3`` and ``deepspeed_zero2`` (with ``--deepspeed-python PY``): the same
       model, data, AdamW, schedule and clipping under ``deepspeed.initialize`` in DeepSpeed's
       own venv (``bench/zero_peer_workers.py``, run with torchrun), fp32 on gloo.
@@ -269,6 +273,9 @@ def run_benchmark(args: argparse.Namespace, trainers: dict[str, Trainer], sync: 
     ddp = DDPSide(cfg, stream(), device)
     fsdp = {"torch_fsdp2": FSDP2Side(cfg, stream(), device, None),
             "torch_fsdp2_no_reshard": FSDP2Side(cfg, stream(), device, False)}
+    span = trainers["mcpar_zero3"].store.span  # type: ignore[union-attr]
+    if span > 1:  # FSDP2 with mcpar's groups of small blocks, for a like-for-like count
+        fsdp["torch_fsdp2_grouped"] = FSDP2Side(cfg, stream(), device, None, group=span)
     mcpar_bytes: dict[str, list[dict[str, float]]] = {n: [] for n in trainers}
 
     def mcpar_step(name: str) -> Callable[[int], float]:
@@ -374,6 +381,7 @@ def run_benchmark(args: argparse.Namespace, trainers: dict[str, Trainer], sync: 
              "mcpar_zero3_over_torch_fsdp2": ("mcpar_zero3", "torch_fsdp2"),
              "mcpar_zero3_over_torch_fsdp2_no_reshard": ("mcpar_zero3",
                                                          "torch_fsdp2_no_reshard"),
+             "mcpar_zero3_over_torch_fsdp2_grouped": ("mcpar_zero3", "torch_fsdp2_grouped"),
              "mcpar_zero3_over_deepspeed_zero3": ("mcpar_zero3", "deepspeed_zero3"),
              "mcpar_zero3_over_mcpar_dp": ("mcpar_zero3", "mcpar_dp"),
              "mcpar_zero3_store_over_mcpar_zero3": (STORE_NAME, "mcpar_zero3")}
@@ -415,6 +423,7 @@ def run_benchmark(args: argparse.Namespace, trainers: dict[str, Trainer], sync: 
         "gradient_accumulation": cfg.optimization.gradient_accumulation,
         "tokens_per_step": tokens_per_step, "dtype": cfg.training.dtype,
         "bucket_size_mb": cfg.controllers.communication.bucket_size_mb,
+        "mcpar_zero3_blocks_per_gather": span,
         "configs": configs, "ratios": ratios, "paired_ratios": paired, "targets": targets,
         "deepspeed_skipped": ds_skipped,
         "torch_version": torch.__version__,

@@ -36,6 +36,12 @@ LAYOUTS = {
                                "training.dtype=bfloat16"],
     "data4-zero3-full": ["parallelism.data=4", f"{MEM}zero_stage=3",
                          f"{MEM}activation_checkpointing=full"],
+    # One block per gather, and two (0.07 MiB; a block is 0.05): the default groups this
+    # model's small blocks 4 at a time, the whole chunk.
+    "data4-zero3-full-per-block": ["parallelism.data=4", f"{MEM}zero_stage=3",
+                                   f"{MEM}activation_checkpointing=full", f"{MEM}gather_mb=0"],
+    "data4-zero3-full-pairs": ["parallelism.data=4", f"{MEM}zero_stage=3",
+                               f"{MEM}activation_checkpointing=full", f"{MEM}gather_mb=0.07"],
     "data2-pipeline2-zero2-bf16": ["parallelism.pipeline=2", f"{MEM}zero_stage=2",
                                    "training.dtype=bfloat16"],
     # Offload: the state leaves the device, two small streaming buffers stay (host = device).
@@ -85,6 +91,23 @@ def test_the_estimate_is_within_10_percent_of_the_measured_peak(
         assert 0 < measured["communication buffers"] <= 2 * 0.01 * 2**20
     for row in ("parameters", "gradients", "optimizer state", "activations"):
         assert abs(estimate[row] - measured[row]) <= 0.10 * measured["total"], (name, row)
+
+
+def test_zero3_gathers_what_the_estimate_says(
+        memory: dict[str, dict[str, dict[str, int]]]) -> None:
+    """ZeRO-3's gathered working set (the largest sum of the parameters' storages while the
+    step saves tensors) is the estimate's: the root parameters, the block computing and the
+    group prefetched behind it, at most the chunk's blocks. Gathering small blocks in groups
+    (``gather_mb``) holds more at once: 2, 3 and 4 of the 4 blocks, grouped by 1, 2 and 4."""
+    row = "gathered working set"
+    rows = {name: (memory[name]["estimate"][row], memory[name]["measured"][row])
+            for name in ("data4-zero3-full-per-block", "data4-zero3-full-pairs",
+                         "data4-zero3-full")}
+    for name, (estimate, measured) in rows.items():
+        assert abs(estimate - measured) <= 0.05 * estimate, (name, rows)
+    one, two, four = (measured for _, measured in rows.values())
+    block = (four - one) / 2  # the root is in all three
+    assert two - one == pytest.approx(block, rel=0.05), rows
 
 
 # Three shapes (layers, width, heads, sequence, kind) for recompute's savings.

@@ -116,3 +116,21 @@ def test_config_store_and_weight_gather_reach_the_layout_and_are_priced() -> Non
     plain = simulate(config_model(cfg), lay.with_(allocation="default", compression="none",
                                                   weight_gather="none"), cluster)
     assert simulate(config_model(cfg), lay, cluster).dp_comm_s < plain.dp_comm_s
+
+
+def test_grouped_gathers_are_priced_for_small_layers_only() -> None:
+    """``controllers.memory.gather_mb``: a GPT of 16 small blocks (0.2 MB) gathered in groups
+    of 1 MiB pays fewer collectives' latency (less data-parallel time) and holds more
+    gathered blocks (6 + 1 instead of 2); GPT-3 13B's layers (hundreds of MB) are gathered
+    one at a time whatever it says."""
+    small = [f"model.{k}" for k in ("num_layers=16", "hidden_size=64", "num_heads=4")]
+    cfgs = {mb: load_config(None, [*small, "controllers.memory.zero_stage=3",
+                                   f"controllers.memory.gather_mb={mb}"]) for mb in (0, 1)}
+    runs = {mb: simulate(config_model(cfg), config_layout(cfg, 8), FAST, validate=False)
+            for mb, cfg in cfgs.items()}
+    assert runs[1].dp_comm_s < 0.8 * runs[0].dp_comm_s
+    root = 4.0 * root_params(config_model(cfgs[0]), config_layout(cfgs[0], 8))  # fp32
+    layer = (runs[0].memory.gathered - root) / 2
+    assert runs[1].memory.gathered - runs[0].memory.gathered == pytest.approx(5 * layer)
+    big = {mb: simulate(M, Z3.with_(gather_mb=mb), FAST) for mb in (0, 1)}
+    assert big[1] == big[0]

@@ -62,11 +62,11 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _one_process_step(fuse: bool = False
+def _one_process_step(fuse: bool = False, span: int = 1
                       ) -> tuple[ParameterStore, DataParallelGradSync, list[str], float, float]:
-    """One forward and backward of a 4-block GPT under the store's hooks (one process): the
-    store, its gradient sync (shards = full gradients), the unit names, the loss and the
-    unsharded model's loss. The reference's gradients are checked here."""
+    """One forward and backward of a 4-block GPT under the store's hooks (one process), ``span``
+    blocks per gather: the store, its gradient sync (shards = full gradients), the unit names,
+    the loss and the unsharded model's loss. The reference's gradients are checked here."""
     cfg = JobConfig.model_validate({"model": {"num_layers": 4, "hidden_size": 32,
                                               "num_heads": 2, "seq_len": 16}})
     spec = get_model_spec("gpt")
@@ -76,7 +76,7 @@ def _one_process_step(fuse: bool = False
     names, groups, unit_of_group = unit_groups([chunk])
     sync = DataParallelGradSync([p for g in groups for p in g], shards=((1, 0), (1, 0)),
                                 release_grads=True, groups=groups)
-    store = ParameterStore(comm, [chunk], sync.buckets, names, unit_of_group)
+    store = ParameterStore(comm, [chunk], sync.buckets, names, unit_of_group, span=span)
     store.fuse = fuse
     exchange = ReduceScatterExchange(comm)
     exchange.reducer = store.aggregate_gradients
@@ -107,6 +107,20 @@ def _one_process_step(fuse: bool = False
     return store, sync, names, loss.item(), expected.item()
 
 
+def _most_gathered(trace: list[tuple[str, str]], root: str) -> int:
+    """The most blocks gathered (or on their way) at once along a pass's trace."""
+    gathered: set[str] = set()
+    most = 0
+    for event, unit in trace:
+        if event.startswith("fetch"):
+            gathered.add(unit)
+        elif event == "free":
+            gathered.discard(unit)
+        most = max(most, len(gathered - {root}))
+    assert not gathered
+    return most
+
+
 def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> None:
     """One process, the store's hooks on a 4-block GPT: the same loss and gradients as the
     unsharded model; each block's gather starts before the previous block's compute (forward:
@@ -124,14 +138,7 @@ def test_gathers_follow_the_layer_order_with_prefetch_and_free_after_use() -> No
         assert at("fetch", blocks[i + 1]) < at("use", blocks[i])
     for i in range(1, len(blocks)):  # backward prefetch: block i-1 starts before block i runs
         assert at("fetch", blocks[i - 1], 1) < at("use", blocks[i], 1)
-    gathered: set[str] = set()
-    for event, unit in trace:
-        if event.startswith("fetch"):
-            gathered.add(unit)
-        elif event == "free":
-            gathered.discard(unit)
-        assert len(gathered - {names[-1]}) <= 2, (event, unit, gathered)
-    assert not gathered
+    assert _most_gathered(trace, names[-1]) <= 2
     assert all(store.flat[b.index].untyped_storage().nbytes() == 0 for b in sync.buckets)
 
 
@@ -151,6 +158,33 @@ def test_reductions_ride_with_the_next_gather_when_fused() -> None:
     assert fused.wire_collectives == fetches
     assert not fused.queued
     for a, b in zip(plain_sync.buckets, fused_sync.buckets, strict=True):
+        assert a.shard is not None and b.shard is not None
+        assert torch.equal(a.shard, b.shard)
+
+
+@pytest.mark.parametrize("span", [2, 4])
+def test_small_blocks_are_gathered_in_groups(span: int) -> None:
+    """``span`` blocks per gather (``controllers.memory.gather_mb``): a group's blocks start
+    together, before the block ahead of them runs, at most ``span`` + 1 blocks are gathered at
+    once (the whole chunk at 4), and where exchanges are fused a pass of the 4 blocks costs one
+    collective per group each way plus one (5 at 2, 3 at 4; 8 one block at a time), with the
+    gradients of one block per gather, bit for bit."""
+    single, single_sync, names, _, _ = _one_process_step(fuse=True)
+    grouped, grouped_sync, _, loss, expected = _one_process_step(fuse=True, span=span)
+    assert loss == pytest.approx(expected, abs=1e-6)
+    blocks = [n for n in names if "block" in n]
+    trace = grouped.trace or []
+    fetched = [i for i, (event, _) in enumerate(trace) if event.startswith("fetch")]
+    # Forward: groups from the first block; backward: from the one before the last (kept).
+    groups = [blocks[i:i + span] for i in range(0, 4, span)]
+    groups += [blocks[max(0, i - span):i][::-1] for i in range(3, 0, -span)]
+    starts = [trace[i][1] for i in fetched]
+    assert starts == [names[-1], *[unit for group in groups for unit in group]]
+    assert _most_gathered(trace, names[-1]) == min(span + 1, 4)
+    assert _most_gathered(single.trace or [], names[-1]) == 2
+    assert single.wire_collectives == 8
+    assert grouped.wire_collectives == {2: 5, 4: 3}[span]
+    for a, b in zip(single_sync.buckets, grouped_sync.buckets, strict=True):
         assert a.shard is not None and b.shard is not None
         assert torch.equal(a.shard, b.shard)
 

@@ -140,14 +140,12 @@ class ComputeControllerConfig(_Section):
 class MemoryControllerConfig(_Section):
     allocation: Literal["default", "topology_aware"] = Field(
         "default", description="'topology_aware' (ZeRO-3): the hierarchical parameter "
-        "store, a node-local copy of each gathered layer so backward gathers stay in the node."
-    )
+        "store, a node-local copy of each gathered layer so backward gathers stay in the node.")
     offload: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Where the AdamW state lives, streamed through the update group by "
         "group: 'cpu' host memory (CUDA only), 'nvme' files under offload_dir. fp32: the two "
         "moments move (8 B/param); bfloat16 without ZeRO: the model keeps bf16 copies and the "
-        "offloaded state also holds the fp32 master weights (12 B/param)."
-    )
+        "offloaded state also holds the fp32 master weights (12 B/param).")
     offload_dir: str | None = Field(
         None, description="offload 'nvme': directory of the state files (one per rank, "
         "unlinked once open); default <run dir>/offload.")
@@ -156,6 +154,9 @@ class MemoryControllerConfig(_Section):
         "two such buffers in host memory.")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
                             "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
+    gather_mb: float = Field(1.0, ge=0.0, le=1e6, description="ZeRO-3: one parameter gather "
+        "carries the fewest consecutive blocks holding this many MiB (small blocks: fewer, "
+        "larger collectives; that many blocks plus one gathered at once). 0: one block each.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recompute in the backward pass: 'selective' rebuilds "
         "each attention core (softmax(qk^T)v and its dropout), 'full' each block."

@@ -53,7 +53,13 @@ from mcpar.sim.compute import (
     tokens_per_gpu,
 )
 from mcpar.sim.hardware import Cluster, Efficiency
-from mcpar.sim.memory import MemoryBreakdown, memory_per_gpu, params_per_rank, state_bytes
+from mcpar.sim.memory import (
+    MemoryBreakdown,
+    gather_span,
+    memory_per_gpu,
+    params_per_rank,
+    state_bytes,
+)
 from mcpar.sim.oversubscription import shared_pipeline_time
 from mcpar.sim.params import GPU_EFFICIENCY
 from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems, rank_layers
@@ -163,7 +169,7 @@ class DPCost:
 
 def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: Roofline,
             fwd_window: float, bwd_window: float) -> DPCost:
-    dense, expert, _ = params_per_rank(m, lay)
+    dense, expert, layer = params_per_rank(m, lay)
     w_b, g_b, _ = state_bytes(lay.precision, lay.autocast)
     store = lay.allocation == STORE
     if (lay.compression in ("fp16", "bf16") and not store) or (
@@ -184,8 +190,10 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
         grads, weights = count * g_b, count * w_b
         bucket = (lay.bucket_mb * 2**20 if lay.bucket_mb is not None
                   else max(40e6, 1e6 * group.size) * g_b)
-        # ZeRO-3 gathers and reduces one layer (one FSDP unit) per call.
-        calls = layers_rank if lay.zero_stage == 3 else _chunks(grads, bucket)
+        # ZeRO-3 gathers and reduces one layer (one FSDP unit) per call, or a group of small
+        # ones (``gather_span``).
+        span = gather_span(layer * w_b, lay.gather_mb, max(1, round(layers_rank / lay.vp)))
+        calls = math.ceil(layers_rank / span) if lay.zero_stage == 3 else _chunks(grads, bucket)
         if lay.zero_stage == 0:
             if lay.compression == "1bit":
                 comm = calls * onebit_all_reduce(count / calls, group, cluster, net,

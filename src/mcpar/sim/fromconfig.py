@@ -85,7 +85,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         precision=precision or PRECISION[cfg.training.dtype],
         schedule="gpipe" if par.schedule == "gpipe" else "1f1b",
         compression=com.compression, topology=topology, bucket_mb=com.bucket_size_mb,
-        allocation=mem.allocation, weight_gather=com.weight_gather,
+        allocation=mem.allocation, weight_gather=com.weight_gather, gather_mb=mem.gather_mb,
         # mcpar's pipeline sends whole activations (a sequence shard under SP), fp32 or bf16.
         p2p_split=par.sequence_parallel,
         autocast=preset is None,

@@ -51,8 +51,10 @@ The hierarchical parameter store adds its secondary copy to the parameters (P / 
 parameters in the weights' dtype, k data ranks per node) and, with int8 gradient compression,
 its fp32 error feedback on the 1/k shard to the gradients: both are held between steps.
 
-Gathered working set (ZeRO-3): the gathered layer, the prefetched one and the root parameters
-(embedding, final norm, head: gathered at the start of each forward, freed after its backward).
+Gathered working set (ZeRO-3): the root parameters (embedding, final norm, head: gathered at
+the start of each forward, freed after its backward), the block computing and the group of
+``gather_span`` blocks prefetched behind it (one block when blocks are large), at most the
+chunk's blocks.
 
 Communication buffers: what the exchange holds besides the model states. The error-feedback
 buffers of 1-bit Adam and PowerSGD; the gradient bucket in flight under ZeRO-2 (the full-size
@@ -72,6 +74,7 @@ stay, 8 move). ZeRO shards what is moved as it shards what stays.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mcpar.sim.collectives import Group
@@ -306,6 +309,15 @@ def root_params(m: ModelShape, lay: Layout) -> float:
     return first + last if lay.pp == 1 else max(first, last)
 
 
+def gather_span(block_bytes: float, gather_mb: float, blocks: int) -> int:
+    """ZeRO-3's blocks per parameter gather (``controllers.memory.gather_mb``): the fewest
+    consecutive blocks holding ``gather_mb`` MiB, at most ``blocks``; 1 when it is 0. The
+    parameter store gathers so and the cost model prices it: one rule."""
+    if gather_mb <= 0 or block_bytes <= 0:
+        return 1
+    return max(1, min(blocks, math.ceil(gather_mb * 2**20 / block_bytes)))
+
+
 def store_ranks_per_node(lay: Layout, gpus_per_node: int | None) -> int:
     """k, the data ranks of one node that share a block's secondary copy under the parameter
     store (1 when the node size is not known: a whole copy, the most it can cost)."""
@@ -357,9 +369,11 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
         comm += min(lay.bucket_mb * 2**20, grads * dp_group)  # one full bucket in flight
     if z >= 3:
         layer = params_per_rank(m, lay)[2]
-        # The gathered block and the prefetched one, and the root parameters, gathered at the
-        # start of the forward and held until that micro-batch's backward is done.
-        gathered += (2 * layer + root_params(m, lay)) * w_b
+        # The gathered block and the group prefetched behind it, and the root parameters,
+        # gathered at the start of the forward and held until that micro-batch's backward.
+        blocks = max(1, round(m.layers / lay.pp / lay.vp))  # a model chunk's
+        span = gather_span(layer * w_b, lay.gather_mb, blocks)
+        gathered += (min(1 + span, blocks) * layer + root_params(m, lay)) * w_b
         # The largest unit's full gradient before the store reduces it: a block, or the root
         # parameters (embedding, position table, final norm, head), one unit of their own.
         comm += max(layer, root_params(m, lay)) * g_b

@@ -123,6 +123,9 @@ class Layout:
     powersgd_rank: int = 4
     allocation: str = "default"  # see ALLOCATION
     weight_gather: str = "none"  # see WEIGHT_GATHER
+    # ZeRO-3: the MiB one parameter gather reaches with consecutive blocks (``gather_span``);
+    # 0, the published stacks: one layer (one FSDP unit) per gather.
+    gather_mb: float = 0.0
     # Gradient bucket, one collective call each. None: Megatron's rule, max(40M, 1M x dp)
     # elements, which keeps calls few on large data-parallel groups.
     bucket_mb: float | None = None
