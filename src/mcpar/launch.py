@@ -194,29 +194,40 @@ class LaunchFailed(Exception):
         self.failure = failure
 
 
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # prctl(2) options
+
+
+def libc_prctl() -> Callable[..., int] | None:
+    """libc's prctl, or None off Linux. Resolve it before forking: loading a library in the
+    child of a threaded parent can hang."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(prctl: Callable[..., int] | None, parent: int) -> None:
+    """In a forked child: the kernel SIGKILLs it when the thread that forked it dies; if the
+    parent died before that took effect, no signal will come: leave now."""
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _death_signal_preexec() -> Callable[[], None] | None:
     """Build a preexec_fn that makes the kernel SIGKILL the worker if the launcher dies.
 
     The kernel ties this to the thread that forked; launch_local blocks that thread until every
     worker is reaped, so it outlives them unless the launcher process itself dies.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        # Resolve prctl before fork: loading a library in the child of a threaded parent can hang.
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = libc_prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        # If the launcher died before prctl took effect, no signal will come: leave now.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
+    return lambda: die_with_parent(prctl, parent)
 
 
 def _read_error(path: str) -> tuple[str | None, list[str] | None]:

@@ -29,23 +29,22 @@ import contextlib
 import ctypes
 import json
 import os
-import signal
 import sys
+from collections.abc import Callable
+
+from mcpar.launch import PR_SET_NAME, die_with_parent, libc_prctl
 
 WORKER_MODULE = "mcpar.worker"
 COMM_PREFIX = "mcpar-rank"  # a forked worker's name in /proc/<pid>/comm, then its rank
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
-def _become_worker(rank: int, env: dict[str, str], zygote_pid: int, report_fd: int) -> None:
+def _become_worker(rank: int, env: dict[str, str], zygote_pid: int, report_fd: int,
+                   prctl: Callable[..., int] | None) -> None:
     os.close(report_fd)
     os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        prctl(_PR_SET_NAME, ctypes.c_char_p(f"{COMM_PREFIX}{rank}".encode()[:15]), 0, 0, 0)
-    if os.getppid() != zygote_pid:  # the zygote died before prctl took effect
-        os._exit(1)
+    die_with_parent(prctl, zygote_pid)
+    if prctl is not None:
+        prctl(PR_SET_NAME, ctypes.c_char_p(f"{COMM_PREFIX}{rank}".encode()[:15]), 0, 0, 0)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -61,11 +60,11 @@ def main() -> int:
         import mcpar.trainer  # noqa: F401  (the preload: what every worker would import)
     from mcpar import worker
 
-    zygote_pid, pids = os.getpid(), {}
+    zygote_pid, pids, prctl = os.getpid(), {}, libc_prctl()
     for rank, env in enumerate(spec["ranks"]):
         pid = os.fork()
         if pid == 0:
-            _become_worker(rank, env, zygote_pid, report_fd)
+            _become_worker(rank, env, zygote_pid, report_fd, prctl)
             sys.argv = [worker.__file__, *argv[2:]]
             worker.main(argv[2:])  # exceptions end the child as they would `python -m`
             return 0
