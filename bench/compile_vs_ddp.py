@@ -9,8 +9,8 @@ What it measures
     * ``mcpar_compiled``: the same job with ``training.compile: true`` (each block's forward
       compiled by ``mcpar.parallel.compile``);
     * ``ddp_compiled``: the same model, AdamW, schedule and clipping under
-      ``DistributedDataParallel`` (as ``bench/dp_vs_ddp.py``'s peer), its blocks compiled by the
-      same function.
+      ``DistributedDataParallel`` (``DDPSide`` of ``bench/dp_vs_ddp.py``), its blocks compiled
+      by the same function.
 
     ``--warmup`` untimed steps per side first (the compiles happen there; their seconds are
     reported as ``compile_s``), then ``--rounds`` rounds of ``--steps`` steps, the order of the
@@ -29,31 +29,25 @@ How to run
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from bench_workers import emit_result, run_worker, settings_problem
-from torch.nn.parallel import DistributedDataParallel
+from dp_vs_ddp import DDPSide, timed_round
 
 from mcpar.config import JobConfig, load_config
-from mcpar.controllers.memory.optimizer import decay_groups
 from mcpar.data import BatchStream
-from mcpar.device import autocast, keep_freed_host_memory, synchronize
+from mcpar.device import keep_freed_host_memory
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_modules, compile_seconds
 from mcpar.plan import resolve_plan
-from mcpar.trainer import Trainer, lr_at
+from mcpar.trainer import Trainer
 
 SIDES = ("mcpar_eager", "mcpar_compiled", "ddp_compiled")
 
@@ -83,62 +77,6 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(f"compile_vs_ddp: {message}", file=sys.stderr, flush=True)
-
-
-class DDPSide:
-    """The reference: the same model (same seed) under DistributedDataParallel with mcpar's
-    bucket size, trained as ``Trainer.train_step`` trains: the step's LR, accumulation with the
-    gradients synchronized in the last micro-batch, clipping, AdamW over ``decay_groups``."""
-
-    def __init__(self, cfg: JobConfig, stream: BatchStream, device: torch.device):
-        self.cfg, self.stream, self.device = cfg, stream, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.accum = cfg.optimization.gradient_accumulation or 1
-        self.module = get_model_spec(cfg.model.kind).build(cfg.model, cfg.training.seed).to(device)
-        self.ddp = DistributedDataParallel(
-            self.module, bucket_cap_mb=cfg.controllers.communication.bucket_size_mb)
-        opt = cfg.optimization
-        self.optimizer = torch.optim.AdamW(
-            decay_groups(list(self.module.parameters()), opt.weight_decay), lr=opt.lr,
-            betas=(opt.beta1, opt.beta2))
-
-    def train_step(self, step: int) -> float:
-        cfg = self.cfg
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for micro in range(self.accum):
-            last = micro == self.accum - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                inputs, targets = self.stream.micro_batch(
-                    step, self.rank, self.world, micro, cfg.optimization.micro_batch_size)
-                with autocast(self.device, cfg.training.dtype):
-                    logits = self.ddp(inputs.to(self.device))
-                loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                       targets.to(self.device).flatten())
-                (loss / self.accum).backward()
-            losses.append(loss.item())
-        clip = cfg.optimization.grad_clip
-        torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.stream.advance()
-        return sum(losses) / len(losses)
-
-
-def timed_round(step_fn: Callable[[int], float], first_step: int, steps: int,
-                device: torch.device, losses: dict[int, float]) -> float:
-    """``steps`` steps from ``first_step``; the wall time of the slowest rank (s)."""
-    gc.collect()
-    synchronize(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for step in range(first_step, first_step + steps):
-        losses[step] = step_fn(step)
-    synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
 
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:

@@ -40,11 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dp_vs_ddp import DDPSide  # a sibling: run as a script (torchrun), bench/ is on sys.path
+from dp_vs_ddp import (  # a sibling: run as a script (torchrun), bench/ is on sys.path
+    DDPSide,
+    peer_stream,
+)
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mcpar.config import JobConfig, load_config
-from mcpar.data import BatchStream, load_corpus
 from mcpar.device import keep_freed_host_memory
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
@@ -116,14 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     keep_freed_host_memory()  # as mcpar's workers do on CPU: both sides allocate alike
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     cfg = build_config(args, world)
-    torch.manual_seed(cfg.training.seed)  # as Trainer does
-    corpus = load_corpus(
-        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
-        token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir, is_main=rank == 0,
-        barrier=dist.barrier)
-    gbs = cfg.optimization.global_batch_size
-    assert gbs is not None
-    stream = BatchStream(corpus.train, cfg.model.seq_len, gbs, cfg.training.seed)
+    stream = peer_stream(cfg, rank)
     side = DDPSide(cfg, stream, torch.device("cpu"))
     num_params = sum(p.numel() for p in side.module.parameters())
     counter = AllReduceCounter(world)
@@ -162,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     return {
         "side": "ddp_powersgd" if args.powersgd else "ddp",
         "world_size": world, "local_world_size": local_world, "threads_per_worker": threads,
-        "tokens_per_step": gbs * cfg.model.seq_len, "num_params": num_params,
+        "tokens_per_step": stream.global_batch * cfg.model.seq_len, "num_params": num_params,
         "model": {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
                   "seq_len": cfg.model.seq_len,
                   "params": get_model_spec(cfg.model.kind).num_params(cfg.model)},

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
 from mcpar.controllers.memory.optimizer import decay_groups
-from mcpar.data import BatchStream
+from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, keep_freed_host_memory, synchronize
 from mcpar.errors import UserError
 from mcpar.launch import DistEnv, LaunchFailed, launch_local
@@ -98,6 +98,19 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(f"dp_vs_ddp: {message}", file=sys.stderr, flush=True)
+
+
+def peer_stream(cfg: JobConfig, rank: int) -> BatchStream:
+    """The batches of a peer started by torchrun (no Trainer): mcpar's corpus (rank 0 prepares
+    it while the others wait) and ``BatchStream``, seeded as a Trainer seeds."""
+    torch.manual_seed(cfg.training.seed)  # as Trainer does
+    corpus = load_corpus(
+        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
+        token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir, is_main=rank == 0,
+        barrier=dist.barrier)
+    gbs = cfg.optimization.global_batch_size
+    assert gbs is not None
+    return BatchStream(corpus.train, cfg.model.seq_len, gbs, cfg.training.seed)
 
 
 class DDPSide:

@@ -43,14 +43,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dp_vs_ddp import peer_step, timed_round  # a sibling: run as a script, bench/ is on sys.path
+from dp_vs_ddp import (  # a sibling: run as a script, bench/ is on sys.path
+    peer_step,
+    peer_stream,
+    timed_round,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mcpar.config import JobConfig, load_config
 from mcpar.controllers.memory.optimizer import decay_groups
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data import BatchStream
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import lr_at
@@ -269,14 +273,7 @@ def run(args: argparse.Namespace, sync: Path) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     base = ["training.progress=false", "training.device=cpu"]
     cfg = resolve_plan(load_config(None, base + list(args.overrides)), world).config
-    torch.manual_seed(cfg.training.seed)  # as Trainer does
-    corpus = load_corpus(
-        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
-        token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir, is_main=rank == 0,
-        barrier=dist.barrier)
-    gbs = cfg.optimization.global_batch_size
-    assert gbs is not None
-    stream = BatchStream(corpus.train, cfg.model.seq_len, gbs, cfg.training.seed)
+    stream = peer_stream(cfg, rank)
     module = get_model_spec(cfg.model.kind).build(cfg.model, cfg.training.seed)
     opt = cfg.optimization
     optimizer = torch.optim.AdamW(decay_groups(list(module.parameters()), opt.weight_decay),
