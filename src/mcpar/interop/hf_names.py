@@ -173,25 +173,36 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return groups.reshape(-1, q.shape[-1])
 
 
+# GPT-2's name of each of mcpar's block parameters, and whether it is stored transposed
+# (GPT-2's Conv1D keeps [in, out]; nn.Linear, [out, in]).
+GPT_BLOCK_NAMES = [(f"{ours}.{kind}", f"{theirs}.{kind}", False)
+                   for ours, theirs in (("ln_attn", "ln_1"), ("ln_mlp", "ln_2"))
+                   for kind in ("weight", "bias")] + [
+    (f"{ours}.{kind}", f"{theirs}.{kind}", kind == "weight")
+    for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                         ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj"))
+    for kind in ("weight", "bias")]
+
+
+def _gpt_names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(mcpar's name, GPT-2's, transposed) of every GPT parameter but a separate head."""
+    pre = "transformer."
+    names = [("embed.tok.weight", pre + "wte.weight", False),
+             ("embed.pos.weight", pre + "wpe.weight", False)]
+    for i in range(cfg.num_layers):
+        names += [(f"blocks.{i}.{ours}", f"{pre}h.{i}.{theirs}", transposed)
+                  for ours, theirs, transposed in GPT_BLOCK_NAMES]
+    return names + [(f"head.ln_final.{kind}", f"{pre}ln_f.{kind}", False)
+                    for kind in ("weight", "bias")]
+
+
 def to_hf(cfg: ModelConfig, params: Tensors) -> Tensors:
     """Hugging Face tensors from mcpar's full parameters (names as ``named_parameters`` of the
     built model lists them: a tied head appears once, as the embedding)."""
     out: Tensors = {}
     if cfg.kind == "gpt":
-        pre = "transformer."
-        out[pre + "wte.weight"] = params["embed.tok.weight"]
-        out[pre + "wpe.weight"] = params["embed.pos.weight"]
-        for i in range(cfg.num_layers):
-            b, h = f"blocks.{i}.", f"{pre}h.{i}."
-            for ours, theirs in (("ln_attn", "ln_1"), ("ln_mlp", "ln_2")):
-                out[f"{h}{theirs}.weight"] = params[f"{b}{ours}.weight"]
-                out[f"{h}{theirs}.bias"] = params[f"{b}{ours}.bias"]
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                out[f"{h}{theirs}.weight"] = params[f"{b}{ours}.weight"].t()  # Conv1D: [in, out]
-                out[f"{h}{theirs}.bias"] = params[f"{b}{ours}.bias"]
-        out[pre + "ln_f.weight"] = params["head.ln_final.weight"]
-        out[pre + "ln_f.bias"] = params["head.ln_final.bias"]
+        for ours, theirs, transposed in _gpt_names(cfg):
+            out[theirs] = params[ours].t() if transposed else params[ours]
     else:
         out["model.embed_tokens.weight"] = params["embed.tok.weight"]
         for i in range(cfg.num_layers):
@@ -226,19 +237,8 @@ def from_hf(cfg: ModelConfig, hf: Tensors) -> Tensors:
     if cfg.kind == "gpt":
         hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
               for k, v in hf.items()}  # a GPT2Model saved without its head has bare names
-        out = {"embed.tok.weight": hf["transformer.wte.weight"],
-               "embed.pos.weight": hf["transformer.wpe.weight"]}
-        for i in range(cfg.num_layers):
-            b, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("ln_attn", "ln_1"), ("ln_mlp", "ln_2")):
-                out[f"{b}{ours}.weight"] = hf[f"{h}{theirs}.weight"]
-                out[f"{b}{ours}.bias"] = hf[f"{h}{theirs}.bias"]
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                out[f"{b}{ours}.weight"] = hf[f"{h}{theirs}.weight"].t()
-                out[f"{b}{ours}.bias"] = hf[f"{h}{theirs}.bias"]
-        out["head.ln_final.weight"] = hf["transformer.ln_f.weight"]
-        out["head.ln_final.bias"] = hf["transformer.ln_f.bias"]
+        out = {ours: hf[theirs].t() if transposed else hf[theirs]
+               for ours, theirs, transposed in _gpt_names(cfg)}
     else:
         out = {"embed.tok.weight": hf["model.embed_tokens.weight"]}
         for i in range(cfg.num_layers):
