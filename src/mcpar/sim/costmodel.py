@@ -55,6 +55,7 @@ from mcpar.sim.compute import (
 from mcpar.sim.hardware import Cluster, Efficiency
 from mcpar.sim.memory import (
     MemoryBreakdown,
+    chunk_blocks,
     gather_span,
     memory_per_gpu,
     params_per_rank,
@@ -192,7 +193,7 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
                   else max(40e6, 1e6 * group.size) * g_b)
         # ZeRO-3 gathers and reduces one layer (one FSDP unit) per call, or a group of small
         # ones (``gather_span``).
-        span = gather_span(layer * w_b, lay.gather_mb, max(1, round(layers_rank / lay.vp)))
+        span = gather_span(layer * w_b, lay.gather_mb, chunk_blocks(m, lay))
         calls = math.ceil(layers_rank / span) if lay.zero_stage == 3 else _chunks(grads, bucket)
         if lay.zero_stage == 0:
             if lay.compression == "1bit":

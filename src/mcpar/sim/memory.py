@@ -318,6 +318,12 @@ def gather_span(block_bytes: float, gather_mb: float, blocks: int) -> int:
     return max(1, min(blocks, math.ceil(gather_mb * 2**20 / block_bytes)))
 
 
+def chunk_blocks(m: ModelShape, lay: Layout) -> int:
+    """The blocks of one model chunk (a pipeline rank holds ``vp`` of them): what ZeRO-3's
+    gather groups are cut from."""
+    return max(1, round(m.layers / lay.pp / lay.vp))
+
+
 def store_ranks_per_node(lay: Layout, gpus_per_node: int | None) -> int:
     """k, the data ranks of one node that share a block's secondary copy under the parameter
     store (1 when the node size is not known: a whole copy, the most it can cost)."""
@@ -371,7 +377,7 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
         layer = params_per_rank(m, lay)[2]
         # The gathered block and the group prefetched behind it, and the root parameters,
         # gathered at the start of the forward and held until that micro-batch's backward.
-        blocks = max(1, round(m.layers / lay.pp / lay.vp))  # a model chunk's
+        blocks = chunk_blocks(m, lay)
         span = gather_span(layer * w_b, lay.gather_mb, blocks)
         gathered += (min(1 + span, blocks) * layer + root_params(m, lay)) * w_b
         # The largest unit's full gradient before the store reduces it: a block, or the root
