@@ -9,12 +9,12 @@ What it measures
     * ``mcpar_dp``, ``mcpar_zero1``, ``mcpar_zero2``, ``mcpar_zero3``:
       ``mcpar.trainer.Trainer.train_step`` with ``controllers.memory.zero_stage`` 0, 1, 2, 3
       (four Trainers in the same worker processes; stage 3 gathers each block's parameters
-      before its forward and again before its backward (but the last block, kept from its
-      forward), next block prefetched, and reduce-scatters its gradients: about 1.5x the
-      bytes of stages 0-2, as FSDP2's default; small blocks are gathered in groups of
-      ``controllers.memory.gather_mb`` (1 MiB by default; ``mcpar_zero3_blocks_per_gather``
-      in the JSON); on gloo a block's reduce-scatter rides with the next gather in one
-      all-to-all, ``param_store.py``).
+      before its forward and again before its backward (but the last block, or the last
+      group of small blocks, kept from its forward), next block prefetched, and
+      reduce-scatters its gradients: about 1.5x the bytes of stages 0-2, as FSDP2's default;
+      small blocks are gathered in groups of ``controllers.memory.gather_mb`` (1 MiB by
+      default; ``mcpar_zero3_blocks_per_gather`` in the JSON); on gloo a block's
+      reduce-scatter rides with the next gather in one all-to-all, ``param_store.py``).
     * ``mcpar_zero3_store`` (only at ``--nproc`` 4 or more, even): stage 3 with the
       hierarchical parameter store (``controllers.memory.allocation=topology_aware``),
       ``cluster.ranks_per_node = nproc / 2``: two emulated "nodes". Not at 2 ranks: with one

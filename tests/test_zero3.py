@@ -26,7 +26,9 @@ from mcpar.topology import ParallelDims
 
 BASE = [*TINY, "model.num_layers=4", "training.steps=8", "optimization.micro_batch_size=4",
         "optimization.global_batch_size=16", "optimization.checkpoint.interval=4"]
-Z3 = ["parallelism.data=4", "controllers.memory.zero_stage=3"]
+# One block per gather: the tiny model's blocks would otherwise be one group of 4, which stays
+# gathered from its forward into its backward (no backward gathers for the store to move).
+Z3 = ["parallelism.data=4", "controllers.memory.zero_stage=3", "controllers.memory.gather_mb=0"]
 STORE = [*Z3, "controllers.memory.allocation=topology_aware", "cluster.ranks_per_node=2"]
 STAGE_STATE = ("parameters", "gradients", "optimizer state")
 
@@ -165,25 +167,29 @@ def test_reductions_ride_with_the_next_gather_when_fused() -> None:
 @pytest.mark.parametrize("span", [2, 4])
 def test_small_blocks_are_gathered_in_groups(span: int) -> None:
     """``span`` blocks per gather (``controllers.memory.gather_mb``): a group's blocks start
-    together, before the block ahead of them runs, at most ``span`` + 1 blocks are gathered at
-    once (the whole chunk at 4), and where exchanges are fused a pass of the 4 blocks costs one
-    collective per group each way plus one (5 at 2, 3 at 4; 8 one block at a time), with the
-    gradients of one block per gather, bit for bit."""
+    together, before the block ahead of them runs; the last group stays gathered from its
+    forward into its backward; at most ``span`` + 1 blocks are gathered at once (the whole
+    chunk at 4); and where exchanges are fused a pass of the 4 blocks costs one collective per
+    group forward, one per group but the last backward, plus one for the last reductions (4 at
+    2, 2 at 4; 8 one block at a time), with the gradients of one block per gather, bit for
+    bit."""
     single, single_sync, names, _, _ = _one_process_step(fuse=True)
     grouped, grouped_sync, _, loss, expected = _one_process_step(fuse=True, span=span)
     assert loss == pytest.approx(expected, abs=1e-6)
     blocks = [n for n in names if "block" in n]
     trace = grouped.trace or []
     fetched = [i for i, (event, _) in enumerate(trace) if event.startswith("fetch")]
-    # Forward: groups from the first block; backward: from the one before the last (kept).
+    # Forward: groups from the first block; backward: from the one before the last group.
     groups = [blocks[i:i + span] for i in range(0, 4, span)]
-    groups += [blocks[max(0, i - span):i][::-1] for i in range(3, 0, -span)]
+    last_group = groups[-1][0]
+    groups += [blocks[max(0, i - span):i][::-1]
+               for i in range(blocks.index(last_group), 0, -span)]
     starts = [trace[i][1] for i in fetched]
     assert starts == [names[-1], *[unit for group in groups for unit in group]]
     assert _most_gathered(trace, names[-1]) == min(span + 1, 4)
     assert _most_gathered(single.trace or [], names[-1]) == 2
     assert single.wire_collectives == 8
-    assert grouped.wire_collectives == {2: 5, 4: 3}[span]
+    assert grouped.wire_collectives == {2: 4, 4: 2}[span]
     for a, b in zip(single_sync.buckets, grouped_sync.buckets, strict=True):
         assert a.shard is not None and b.shard is not None
         assert torch.equal(a.shard, b.shard)
@@ -192,14 +198,14 @@ def test_small_blocks_are_gathered_in_groups(span: int) -> None:
 @pytest.mark.parametrize("layout", [
     ["parallelism.data=2", "parallelism.tensor=2", "controllers.memory.zero_stage=3"],
     ["model.kind=moe", "model.num_experts=4", "parallelism.experts=2", *Z3],
-    [*Z3, "controllers.memory.gather_mb=0"],
-], ids=["data2_tensor2", "experts2", "data4_one_block_per_gather"])
+    ["parallelism.data=4", "controllers.memory.zero_stage=3"],
+], ids=["data2_tensor2", "experts2", "data4_grouped"])
 def test_stage3_matches_the_single_process_run(runs: dict[str, Path], tmp_path: Path,
                                                layout: list[str]) -> None:
-    """Stage 3 at data 4, the store at 2 ranks per node (fixtures), data 2 x tensor 2, experts
-    2 (expert weights sharded over their replicas), and at data 4 one block per gather (the
-    tiny model's blocks are otherwise gathered 4 at a time, the way real models' are not):
-    |dloss| <= 1e-5 at every step."""
+    """Stage 3 at data 4, the store at 2 ranks per node (fixtures, one block per gather),
+    data 2 x tensor 2, experts 2 (expert weights sharded over their replicas), and at data 4
+    with the default grouping (the tiny model's 4 blocks are one group, kept gathered from
+    the forward into the backward): |dloss| <= 1e-5 at every step."""
     reference = read_metrics(runs["single"])
     _assert_parity(reference, read_metrics(runs["zero3"]), "data4")
     _assert_parity(reference, read_metrics(runs["store"]), "store_2x2")

@@ -25,12 +25,14 @@ Order (the ComputeController's task order, one chunk: embedding, blocks, head, t
     forward: the root and the first group are gathered when the chunk starts; a block's gather
     is waited for at its forward pre-hook, which, when the next block is not on its way yet,
     starts the next group's (prefetch: it crosses the link while this block computes); the
-    block is freed after its forward (but the last: see backward).
+    block is freed after its forward (but those of the last group: see backward).
     backward: the gradient of a block's output arriving means its backward is next: the block
-    is gathered (prefetched; the last block stays gathered from its forward, its backward
-    being the next) and, when the block before it is not on its way, the group of blocks
-    before it is prefetched; when all of a unit's gradients are in, its buckets are
-    reduce-scattered and its parameters freed.
+    is gathered (prefetched; the last group's blocks stay gathered from their forward, their
+    backward being the next: no more blocks than the forward held at once, one gather and a
+    group's bytes fewer per pass, as TorchTitan keeps the last block unsharded) and, when
+    the block before it is not on its way, the group of blocks before it is prefetched; when
+    all of a unit's gradients are in, its buckets are reduce-scattered and its parameters
+    freed.
     The root stays gathered until its gradients are in (the end of the backward pass). Under
     ``torch.no_grad`` (evaluation) everything is freed after its forward. The hooks issue the
     store's collectives in the same order on every rank.
@@ -450,6 +452,9 @@ class ParameterStore:
             _, modules, _, _ = chunk.pieces()  # type: ignore[operator]
             chunk.register_forward_pre_hook(self._chunk_pre(root, blocks))
             chunk.register_forward_hook(self._chunk_post(root, blocks))
+            # The last group's backward comes first, right after the head's: its blocks stay
+            # gathered from their forward (no more than a forward already holds).
+            last_group = (len(modules) - 1) // self.span * self.span
             for i, module in enumerate(modules):
                 # The groups a block prefetches: the next blocks, and in backward the ones
                 # before it (nearest first); a group goes out when its first block is not out.
@@ -457,7 +462,7 @@ class ParameterStore:
                 before = blocks[max(0, i - self.span):i][::-1]
                 module.register_forward_pre_hook(self._block_pre(blocks[i], after))
                 module.register_forward_hook(self._block_post(blocks[i], before,
-                                                              last=not after))
+                                                              last=i >= last_group))
 
     def _chunk_pre(self, root: StoreUnit, blocks: list[StoreUnit]):  # type: ignore[no-untyped-def]
         def hook(_module: nn.Module, _args: object) -> None:
@@ -490,8 +495,9 @@ class ParameterStore:
 
     def _block_post(self, unit: StoreUnit, before: list[StoreUnit],  # type: ignore[no-untyped-def]
                     last: bool = False):
-        """``last``: the chunk's last block, whose backward comes next (after the head's): it
-        stays gathered from its forward into its backward, one gather fewer per pass."""
+        """``last``: a block of the chunk's last group, whose backward comes next (after the
+        head's): it stays gathered from its forward into its backward, one gather fewer per
+        pass."""
         def backward_pre(grad: torch.Tensor) -> None:
             self.fetch_parameters(unit, backward=True)
             if before and not before[0].gathered:
