@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mcpar.config import load_config
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import local_worker_pids
+from mcpar.launch import DistEnv, local_worker_pids
 from mcpar.metrics import read_metrics
+from mcpar.plan import resolve_plan
 from mcpar.topology import ParallelDims
+from mcpar.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,6 +125,20 @@ def spawn_workers(fn: Callable[..., None], args: tuple = (), nprocs: int = 1,
     import per worker (about 4 s of CPU each, most of a multi-process test's time on 2 cores).
     Every worker sets its own thread count (one) before computing, as under spawn."""
     mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="fork")
+
+
+def train_in_turn(rank: int, port: int, root: str, runs: dict[str, list[str]],
+                  world: int) -> None:
+    """One worker of a ``spawn_workers`` launch: every named run's settings trained in turn
+    (``Trainer.train`` into ``root/name``) on one process group, then closed."""
+    torch.set_num_threads(1)
+    env = DistEnv(rank, world, rank, world, "127.0.0.1", port, "mcpar")
+    for name, settings in runs.items():
+        run_dir = Path(root) / name
+        run_dir.mkdir(exist_ok=True)
+        Trainer(resolve_plan(load_config(None, settings), world), run_dir, env).train()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -10,12 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-from conftest import TINY, spawn_workers
+from conftest import TINY, spawn_workers, train_in_turn
 
 from mcpar.config import load_config
-from mcpar.launch import DistEnv, find_free_port
+from mcpar.launch import find_free_port
 from mcpar.plan import resolve_plan
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import rank_activations
@@ -53,23 +51,11 @@ LAYOUTS = {
 }
 
 
-def _train_layouts(rank: int, port: int, root: str) -> None:
-    """One worker of the launch: every layout in turn on the same process group."""
-    torch.set_num_threads(1)
-    env = DistEnv(rank, WORLD, rank, WORLD, "127.0.0.1", port, "mcpar")
-    for name, settings in LAYOUTS.items():
-        cfg = load_config(None, [*BASE, *settings])
-        run_dir = Path(root) / name
-        run_dir.mkdir(exist_ok=True)
-        Trainer(resolve_plan(cfg, WORLD), run_dir, env).train()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, int]]]:
     root = tmp_path_factory.mktemp("memory")
-    spawn_workers(_train_layouts, args=(find_free_port(), str(root)), nprocs=WORLD)
+    runs = {name: [*BASE, *settings] for name, settings in LAYOUTS.items()}
+    spawn_workers(train_in_turn, args=(find_free_port(), str(root), runs, WORLD), nprocs=WORLD)
     return {name: json.loads((root / name / "summary.json").read_text())["memory"]
             for name in LAYOUTS}
 

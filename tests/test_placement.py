@@ -13,15 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-from conftest import TINY, run_cli_in_process, spawn_workers
+from conftest import TINY, run_cli_in_process, spawn_workers, train_in_turn
 
 from mcpar.config import load_config
 from mcpar.controllers.memory.placement import Plan, search
-from mcpar.launch import DistEnv, find_free_port
+from mcpar.launch import find_free_port
 from mcpar.plan import resolve_plan
-from mcpar.trainer import Trainer
 
 WORLD = 2
 BASE = [*TINY, "model.num_layers=4", "model.seq_len=64", "training.steps=1",
@@ -46,24 +43,14 @@ def _budgets(plans: list[Plan]) -> dict[str, float]:
             "tightest": peaks[0] * 1.01}
 
 
-def _train_budgets(rank: int, port: int, root: str, budgets: dict[str, float]) -> None:
-    torch.set_num_threads(1)
-    env = DistEnv(rank, WORLD, rank, WORLD, "127.0.0.1", port, "mcpar")
-    for name, budget in budgets.items():
-        cfg = load_config(None, [*BASE, f"{BUDGET}={budget / 2**30!r}"])
-        run_dir = Path(root) / name
-        run_dir.mkdir(exist_ok=True)
-        Trainer(resolve_plan(cfg, WORLD), run_dir, env).train()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Plan], dict[str, float], Path]:
     plans = _space()
     budgets = _budgets(plans)
     root = tmp_path_factory.mktemp("placement")
-    spawn_workers(_train_budgets, args=(find_free_port(), str(root), budgets), nprocs=WORLD)
+    settings = {name: [*BASE, f"{BUDGET}={budget / 2**30!r}"] for name, budget in budgets.items()}
+    spawn_workers(train_in_turn, args=(find_free_port(), str(root), settings, WORLD),
+                  nprocs=WORLD)
     return plans, budgets, root
 
 
