@@ -191,8 +191,9 @@ def plan_placement(cfg: JobConfig, dp: int, ep: int) -> MemoryPlacement:
             parameters = (f"{shard} (the global store); each layer gathered over '{axis}' "
                           "just before its forward and its backward, freed after")
             if mem.gather_mb > 0:
-                parameters += (f" (small blocks in groups of {mem.gather_mb:g} MiB per gather, "
-                               "controllers.memory.gather_mb)")
+                parameters += (f"; small blocks in groups of {mem.gather_mb:g} MiB per gather "
+                               "(controllers.memory.gather_mb)")
+            parameters += "; the last layer (or group) kept from its forward into its backward"
             if store and name == "dense":
                 parameters += ("; a node-local 1/(ranks per node) copy of each layer, filled by "
                                "the forward gather, serves the backward gather inside the node")
