@@ -79,8 +79,10 @@ Defaults and why
     half of it AdamW state), sequence 128, micro-batch 8 per rank (2,048 tokens a step at 2
     ranks): small enough that a step takes about a second on 2 CPU cores, large enough that
     the optimizer state and the collectives are a visible part of it. 20 steps per round,
-    3 rounds, 3 warm-up steps (the first steps allocate and build caches). Override with
-    ``--set KEY=VALUE`` (mcpar's config keys).
+    5 rounds, 3 warm-up steps (the first steps allocate and build caches). Five rounds, not
+    three: on the shared 2-core machine one side's rounds spread by up to 45%, and the
+    median of 3 rounds read ZeRO-1 at 0.86x of DP where 8 rounds read 1.03x
+    (``docs/zero_vs_peers.md``). Override with ``--set KEY=VALUE`` (mcpar's config keys).
 
 Run
     .venv/bin/python bench/zero_vs_peers.py [--steps N] [--rounds R] [--warmup W] [--nproc 2]
@@ -148,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side before timing")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration")
     p.add_argument("--nproc", type=int, default=2, help="worker processes (data-parallel ranks)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--deepspeed-python", default=None, metavar="PY",
