@@ -26,7 +26,10 @@ from mcpar.profiler import MCPProfiler
 from mcpar.profiler.timeline import pipeline_bubble, theoretical_bubble
 from mcpar.topology import ParallelDims
 
-PP, MICRO, FWD_S = 4, 8, 0.05
+# Each hop's latency on loaded cores lengthens the span, not the busy time: stages of 0.1 s keep
+# that excess near 0.02 of bubble under 4 busy neighbours (0.05 s stages read 0.065 over theory
+# in a CI run).
+PP, MICRO, FWD_S = 4, 8, 0.1
 SHAPE = (2, 4, 8)
 
 
