@@ -76,14 +76,15 @@ def deadline(seconds: float) -> Iterator[None]:
 
 def refused(capsys: pytest.CaptureFixture[str], path: Path, *extra: str,
             seconds: float = 1.0) -> str:
-    """``mcpar check path`` in this process: exit 2 within `seconds`, under 64 MiB of Python
-    allocations, every error line naming the file; the error text."""
+    """``mcpar check path`` in this process: exit 2 within `seconds` of this process's CPU
+    time (the other test worker and host steal do not count; an expanding bomb does), under
+    64 MiB of Python allocations, every error line naming the file; the error text."""
     tracemalloc.start()
-    start = time.perf_counter()
+    start = time.process_time()
     try:
         with deadline(max(10.0, 5 * seconds)):
             proc = run_cli_in_process(capsys, "check", str(path), *extra)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -224,10 +225,10 @@ def test_the_pure_python_loader_has_the_same_bounds(
 ) -> None:
     """Without libyaml the loader counts aliases and nesting itself while composing."""
     monkeypatch.setattr(yaml, "__with_libyaml__", False)
-    start = time.perf_counter()
+    start = time.process_time()
     with deadline(10.0), pytest.raises(UserError, match="refused"):
         load_yaml(write(tmp_path, text))
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 def test_load_yaml_raises_user_errors_only(tmp_path: Path) -> None:
@@ -436,7 +437,7 @@ def test_fuzz_of_bad_configs_never_raises(
     rng = random.Random(20261201)
     path = tmp_path / "fuzz.yaml"
     codes = {0: 0, 2: 0}
-    start = time.perf_counter()
+    start = time.process_time()
     for case in range(300):
         raw: Any = None
         if case % 3 == 2:
@@ -460,7 +461,7 @@ def test_fuzz_of_bad_configs_never_raises(
         for line in proc.stderr.splitlines():
             assert _names_the_file_or_a_key(line, path, raw), (case, content, line)
     assert codes[2] > 200, codes
-    assert time.perf_counter() - start < 30
+    assert time.process_time() - start < 30
 
 
 def test_fuzz_of_bad_set_overrides_never_raises(

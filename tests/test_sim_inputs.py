@@ -80,11 +80,11 @@ def test_a_row_of_a_million_pipeline_stages_is_refused_at_once(
     data[1].update(layers="1000000", pp="1000000", num_gpus=str(64 * 10**6))
     runs, out = tmp_path / "runs.csv", tmp_path / "out.csv"
     write_rows(runs, header, data)
-    start = time.perf_counter()
+    start = time.process_time()
     proc = run_cli_in_process(capsys, "simulate", "--runs", str(runs), "--out", str(out))
     partly_predicted(proc,
                      f"{data[1]['id']}.pp: pp 1000000 x vp 1 is more than 65536 pipeline stages")
-    assert time.perf_counter() - start < 3
+    assert time.process_time() - start < 3
     assert len(read_rows(out)[1]) == 2
 
 
@@ -197,10 +197,10 @@ def test_plan_refuses_unbounded_searches_at_once(capsys: pytest.CaptureFixture[s
 
     import mcpar.cli  # noqa: F401  (imported before the clock starts)
 
-    start = time.perf_counter()
+    start = time.process_time()
     proc = run_cli_in_process(capsys, "plan", "--model", "mixtral-8x7b", *args)
     user_error(proc, says)
-    assert time.perf_counter() - start < 2
+    assert time.process_time() - start < 2
 
 
 def test_plan_refuses_a_search_over_its_layout_budget() -> None:
@@ -216,12 +216,12 @@ def test_plan_refuses_a_search_over_its_layout_budget() -> None:
     # about a minute; refused after counting.
     preset = model_preset("mixtral-8x7b")
     model = replace(preset.shape, layers=120, experts=24)
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(UserError, match="--global-batch: 3628800 sequences on 20160 GPUs leave "
                                         "more than 20,000 layouts"):
         plan(model, cluster_preset("h100x20160"), 20160 * 180, preset.precision, keep=10,
              budget_key="--global-batch")
-    assert time.perf_counter() - start < 5
+    assert time.process_time() - start < 5
 
 
 def test_plan_divisors_do_not_scan_to_the_gpu_count() -> None:
@@ -235,6 +235,6 @@ def test_plan_divisors_do_not_scan_to_the_gpu_count() -> None:
     assert _divisors(49) == [1, 7, 49] and _divisors(1) == [1]
     # A batch of 2^40 sequences per data-parallel rank used to be scanned one by one.
     preset = model_preset("gpt3-1.3b")
-    start = time.perf_counter()
+    start = time.process_time()
     result = plan(preset.shape, cluster_preset("h100x8"), 2**43, preset.precision, keep=3)
-    assert result.candidates and time.perf_counter() - start < 5
+    assert result.candidates and time.process_time() - start < 5
