@@ -225,10 +225,11 @@ def test_a_message_is_not_held_much_longer_than_the_link_model_says() -> None:
     rate_bps, delay_s, size = 100e6, 0.001, 12_000
     model = 2 * delay_s + size * 8 / rate_bps
     took = idle_round_trip("100mbit", "1ms", size)
-    if took > model + 0.002:
-        # A scheduling hiccup of the shared machine (once 5.1 ms in a full run under load):
-        # a forwarder that holds messages would be late again; best of two.
-        took = min(took, idle_round_trip("100mbit", "1ms", size))
+    for _ in range(2):
+        if took > model + 0.002:
+            # A scheduling hiccup of the shared machine (once 5.1 ms in a full run under load):
+            # a forwarder that holds messages would be late every time; best of three.
+            took = min(took, idle_round_trip("100mbit", "1ms", size))
     assert model <= took <= model + 0.002, took
 
 
