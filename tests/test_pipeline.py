@@ -23,7 +23,6 @@ from conftest import spawn_workers
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.schedules import (
-    SCHEDULES,
     Action,
     build_schedule,
     schedule_problem,
@@ -34,6 +33,7 @@ from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import TaskKind
+from mcpar.registry.schedule import SCHEDULES
 from mcpar.topology import ParallelDims
 
 # (schedule, virtual stages) pairs that build_schedule accepts
@@ -135,7 +135,7 @@ def test_interleaved_follows_megatron_order() -> None:
 @pytest.mark.parametrize("pp", [2, 4])
 def test_all_ranks_complete_and_reach_the_theoretical_bubble(pp: int) -> None:
     cases = runnable(pp)
-    assert {s for s, _, _ in cases} == set(SCHEDULES)
+    assert {s for s, _, _ in cases} == set(SCHEDULES.names())
     for schedule, v, m in cases:
         complete, idle = simulate(schedule, pp, m, v)
         assert complete, f"{schedule} pp {pp} m {m} v {v} deadlocks"

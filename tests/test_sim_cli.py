@@ -85,7 +85,8 @@ def test_wrong_columns_are_refused(tmp_path: Path) -> None:
 
 def test_simulate_a_config_with_presets(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("parallelism: {tensor: 8, pipeline: 8, virtual_stages: 2, data: 16}\n"
+    cfg.write_text("parallelism: {tensor: 8, pipeline: 8, virtual_stages: 2, data: 16,"
+                   " schedule: interleaved_1f1b}\n"
                    "optimization: {micro_batch_size: 1}\n"
                    "controllers: {memory: {activation_checkpointing: full}}\n")
     proc = sim_cli("simulate", str(cfg), "--model", "gpt3-175b", "--cluster", "a100x1024")

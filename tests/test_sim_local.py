@@ -14,11 +14,11 @@ import pytest
 from conftest import REPO
 
 from mcpar.config import load_config
+from mcpar.registry.schedule import SCHEDULES, replay
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.hardware import LocalProfile
 from mcpar.sim.localprofile import local_cluster, measure
-from mcpar.sim.oversubscription import shared_pipeline_time, task_order
 
 PROFILE = LocalProfile(
     cores=2, flops_per_thread=80e9, attention_flops_per_thread=25e9, mem_bw_per_thread=12e9,
@@ -39,16 +39,20 @@ def predict(overrides: list[str], workers: int) -> float:
 
 
 def test_1f1b_order_and_ideal_pipeline_time() -> None:
-    assert task_order(0, 4, 4, "1f1b")[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
-    assert task_order(3, 4, 4, "1f1b")[:2] == [("F", 0), ("B", 0)]
-    # Enough cores: (m + p - 1) x (forward + backward).
-    assert shared_pipeline_time([1.0] * 4, [2.0] * 4, 4, "1f1b", 100, 1) == pytest.approx(21)
-    assert shared_pipeline_time([1.0] * 4, [2.0] * 4, 4, "gpipe", 100, 1) == pytest.approx(21)
+    one_f_one_b = SCHEDULES.get("1f1b")
+    assert [(a.kind, a.micro) for a in one_f_one_b.actions(0, 4, 4, 1)[:4]] == [
+        ("F", 0), ("F", 1), ("F", 2), ("F", 3)]
+    assert [(a.kind, a.micro) for a in one_f_one_b.actions(3, 4, 4, 1)[:2]] == [
+        ("F", 0), ("B", 0)]
+    # Enough cores: (m + p - 1) x (forward + backward), as the closed form says.
+    for name in ("1f1b", "gpipe"):
+        assert replay(SCHEDULES.get(name), [3.0] * 4, 4, 1, 1 / 3, 100, 1) == pytest.approx(21)
+        assert SCHEDULES.get(name).span(4, 3.0, 12.0, [3.0] * 4, 1, 1 / 3) == pytest.approx(21)
 
 
 def test_shared_cores_sit_between_the_two_naive_bounds() -> None:
     # 4 ranks on 2 cores: at least total work / cores (24), at most everything at half speed.
-    shared = shared_pipeline_time([1.0] * 4, [2.0] * 4, 4, "1f1b", 2, 1)
+    shared = replay(SCHEDULES.get("1f1b"), [3.0] * 4, 4, 1, 1 / 3, 2, 1)
     assert 24 < shared < 42
 
 

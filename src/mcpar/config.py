@@ -39,6 +39,8 @@ from mcpar.config_yaml import (  # noqa: F401  (the bounds are part of this modu
 )
 from mcpar.config_yaml import clip_text as _clip
 from mcpar.errors import UserError, problem
+from mcpar.registry import Registered
+from mcpar.registry.schedule import SCHEDULES
 
 
 class _Section(BaseModel):
@@ -110,8 +112,8 @@ class ParallelismConfig(_Section):
     virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS,
                                 description="Pipeline stages per rank (interleaving).")
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
-        "1f1b", description="Pipeline schedule.")
+    schedule: Registered[SCHEDULES] = Field(  # type: ignore[valid-type]
+        "1f1b", description="Pipeline schedule (a registered one: mcpar.registry.schedule).")
 
 
 class ComputeControllerConfig(_Section):
@@ -500,6 +502,8 @@ def _describe(error: dict[str, Any]) -> str:
         return problem(key, f"unknown key{hint} (valid keys here: {valid})")
     if error["type"] == "model_type":
         return problem(key, f"expected a mapping of keys, got {_short_repr(error['input'])}")
+    if error["type"] == "value_error":  # a validator's own message (a registered name)
+        return problem(key, _clip(error["msg"].removeprefix("Value error, "), 300))
     return problem(key, f"{_clip(error['msg'], 300)} (got {_short_repr(error['input'])})")
 
 

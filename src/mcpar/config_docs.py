@@ -20,9 +20,13 @@ from mcpar.config import (
     MAX_YAML_NODES,
     JobConfig,
 )
+from mcpar.registry import Registry
 
 
-def _type_name(annotation: object) -> str:
+def _type_name(annotation: object, field: FieldInfo | None = None) -> str:
+    registry = next((m for m in field.metadata if isinstance(m, Registry)), None) if field else None
+    if registry is not None:  # a registered name: the built-in entries
+        return " \\| ".join(f"`{name}`" for name in registry.names())
     if annotation is type(None):
         return "None"
     args = get_args(annotation)
@@ -67,7 +71,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             rows += _rows(annotation, key + ".")
             continue
         default = field.get_default(call_default_factory=True)
-        rows.append(f"| `{key}` | {_type_name(annotation)} | `{default}` | {_range(field)} "
+        rows.append(f"| `{key}` | {_type_name(annotation, field)} | `{default}` | {_range(field)} "
                     f"| {field.description} |")
     return rows
 

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from mcpar.errors import UserError
+from mcpar.registry.schedule import SCHEDULES, replay
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -61,7 +62,6 @@ from mcpar.sim.memory import (
     params_per_rank,
     state_bytes,
 )
-from mcpar.sim.oversubscription import shared_pipeline_time
 from mcpar.sim.params import GPU_EFFICIENCY
 from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems, rank_layers
 from mcpar.sim.zero3 import STORE, zero3_traffic
@@ -338,18 +338,20 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     at_max = dict(core.at_max, zero_comm=z)
     summed = dict(core.summed, zero_comm=p * z)
     w_max, w_sum = core.work_max + z, core.work_sum + p * z
-    scheduled = mb * w_max + (w_sum - w_max) / v
-    if scheduled >= w_sum:
-        pipeline = scheduled
+    pipeline = SCHEDULES.get(lay.schedule).span(mb, w_max, w_sum, [w + z for w in core.rank_work],
+                                                v, core.fwd_share)
+    fill_drain = mb * w_max + (w_sum - w_max) / v
+    if pipeline == fill_drain and fill_drain >= w_sum:
         # Each category's share of the critical path (the busiest rank's m slots plus the
         # others' fill and drain), so that the breakdown sums to the pipeline time.
         breakdown = {k: mb * at_max.get(k, 0.0) + (summed[k] - at_max.get(k, 0.0)) / v
                      for k in summed}
-    else:
+    elif pipeline == w_sum:
         # Fewer micro-batches than the schedule can overlap: one micro-batch must still cross
         # every stage forward and back.
-        pipeline = w_sum
         breakdown = dict(summed)
+    else:  # another shape of step: the categories in proportion to their work
+        breakdown = {k: t * pipeline / w_sum for k, t in summed.items()}
     bubble = pipeline - mb * w_sum / p
     breakdown["dp_comm"] = dp.per_step_exposed
     breakdown["compression"] = dp.encode_s
@@ -385,9 +387,8 @@ def _shared_cores(core: PipelineCore, lay: Layout, cluster: Cluster, z: float,
         # The ranks of one pipeline stage in every data-parallel replica and tensor group run
         # the same tasks at the same time: they load the cores together.
         per_stage = cpu_threads(cluster, lay.num_gpus) * lay.tp * lay.dp * lay.cp
-        shared = shared_pipeline_time([w * core.fwd_share for w in work],
-                                      [w * (1 - core.fwd_share) for w in work], mb,
-                                      lay.schedule, cluster.cores, per_stage)
+        shared = replay(SCHEDULES.get(lay.schedule), work, mb, 1, core.fwd_share,
+                        cluster.cores, per_stage)
     scale = shared / pipeline
     out = {k: v * (scale if k not in ("dp_comm", "compression", "optimizer") else crowd)
            for k, v in breakdown.items()}

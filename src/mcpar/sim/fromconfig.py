@@ -83,7 +83,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         global_batch=global_batch, micro_batch=opt.micro_batch_size,
         recompute=mem.activation_checkpointing,
         precision=precision or PRECISION[cfg.training.dtype],
-        schedule="gpipe" if par.schedule == "gpipe" else "1f1b",
+        schedule=par.schedule,
         compression=com.compression, topology=topology, bucket_mb=com.bucket_size_mb,
         allocation=mem.allocation, weight_gather=com.weight_gather, gather_mb=mem.gather_mb,
         # mcpar's pipeline sends whole activations (a sequence shard under SP), fp32 or bf16.

@@ -77,6 +77,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import RESERVED_BYTES
@@ -251,11 +252,7 @@ def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
     mb = lay.num_microbatches
     if lay.pp == 1:
         return per_rank
-    if lay.schedule == "gpipe":
-        return per_rank * mb
-    if lay.vp > 1:
-        return min(per_rank * lay.pp * (1 + (lay.pp - 1) / (lay.pp * lay.vp)), per_rank * mb)
-    return per_rank * min(lay.pp - rank, mb)
+    return per_rank * SCHEDULES.get(lay.schedule).in_flight(lay.pp, rank, mb, lay.vp)
 
 
 def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from mcpar.capabilities import zero_layout_problems
 from mcpar.errors import UserError, problem
+from mcpar.registry.schedule import SCHEDULES, default_schedule
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
 from mcpar.sim.memory import memory_per_gpu
@@ -96,6 +97,17 @@ class SearchSpace:
     cp: tuple[int, ...] = (1, 2, 4, 8)
     micro_batch: tuple[int, ...] | None = None
     sequence_parallel: bool = True  # with tp > 1
+    schedules: tuple[str, ...] | None = None  # pipeline schedules; None: every registered one
+
+
+def _schedules(space: SearchSpace, pp: int, vp: int, num_microbatches: int) -> list[str]:
+    """The registered schedules that run `vp` chunks per rank of a `pp`-deep pipeline with
+    this many micro-batches (without a pipeline there is nothing to schedule)."""
+    if pp == 1:
+        return [default_schedule(vp)]
+    return [s.name for s in SCHEDULES
+            if (space.schedules is None or s.name in space.schedules)
+            and s.problem(pp, num_microbatches, vp) is None]
 
 
 def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
@@ -130,14 +142,14 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                             if per_rank % b or (
                                     space.micro_batch is not None and b not in space.micro_batch):
                                 continue
-                            if vp > 1 and (per_rank // b) % pp:
-                                continue
-                            for rc in space.recompute:
-                                yield Layout(tp=tp, pp=pp, vp=vp, cp=cp, dp=dp, ep=ep,
-                                             seq_parallel=space.sequence_parallel and tp > 1,
-                                             global_batch=global_batch,
-                                             micro_batch=b, recompute=rc, precision=precision,
-                                             attention=attention)
+                            for schedule in _schedules(space, pp, vp, per_rank // b):
+                                for rc in space.recompute:
+                                    yield Layout(
+                                        tp=tp, pp=pp, vp=vp, cp=cp, dp=dp, ep=ep,
+                                        seq_parallel=space.sequence_parallel and tp > 1,
+                                        global_batch=global_batch, micro_batch=b,
+                                        recompute=rc, precision=precision,
+                                        attention=attention, schedule=schedule)
 
 
 # The planner's topology names as the config spells them ('auto' is mcpar's 'hybrid').
@@ -273,8 +285,8 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
 
 
 def _lower_bound(core: PipelineCore, lay: Layout) -> float:
-    mb = lay.num_microbatches
-    return max(mb * core.work_max + (core.work_sum - core.work_max) / lay.vp, core.work_sum)
+    return SCHEDULES.get(lay.schedule).span(lay.num_microbatches, core.work_max, core.work_sum,
+                                            core.rank_work, lay.vp, core.fwd_share)
 
 
 def best_or_error(result: PlanResult, cluster: Cluster, where: str) -> Candidate:

@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from mcpar.config_model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
 from mcpar.errors import problem
+from mcpar.registry.schedule import SCHEDULES, default_schedule
 
 FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
 GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
@@ -116,7 +117,7 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     recompute: str = "none"
     precision: str = "bf16"
-    schedule: str = "1f1b"  # gpipe | 1f1b (interleaved when vp > 1)
+    schedule: str = ""  # a registered pipeline schedule; '': 1f1b, or interleaved when vp > 1
     compression: str = "none"
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused; auto: unfused for fp16 (see costmodel docs)
@@ -140,6 +141,10 @@ class Layout:
     # empty: the even split of ``stage_blocks``.
     stages: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.schedule:  # frozen: the default is filled in once, here
+            object.__setattr__(self, "schedule", default_schedule(self.vp))
+
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
@@ -159,6 +164,9 @@ class Layout:
         return "unfused" if self.precision == "fp16" and self.cp == 1 else "flash"
 
     def with_(self, **changes: object) -> Layout:
+        if "vp" in changes and "schedule" not in changes and \
+                self.schedule == default_schedule(self.vp):
+            changes["schedule"] = ""  # the default schedule follows the chunks per rank
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def describe(self) -> str:
@@ -274,10 +282,15 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
         bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
     for key, allowed in (("recompute", RECOMPUTE), ("precision", PRECISIONS),
                          ("compression", COMPRESSION), ("topology", TOPOLOGY),
-                         ("attention", ATTENTION), ("schedule", ("gpipe", "1f1b")),
+                         ("attention", ATTENTION),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
+    if lay.schedule not in SCHEDULES:
+        bad("schedule", SCHEDULES.unknown(lay.schedule))
+    elif lay.pp > 1 and (reason := SCHEDULES.get(lay.schedule).problem(
+            lay.pp, lay.num_microbatches, lay.vp)):
+        bad("schedule", reason)
     if lay.compression == "powersgd" and lay.topology != "flat":
         # PowerSGD's factors are all-reduced over the whole data axis in one group (mcpar
         # refuses a hierarchical PowerSGD run): pricing them hierarchically would price a run

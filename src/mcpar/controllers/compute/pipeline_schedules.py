@@ -1,0 +1,98 @@
+"""The built-in pipeline schedules, registered by name (the contract: ``mcpar.registry.schedule``).
+
+- ``gpipe``: every forward, then every backward. Holds all ``m`` micro-batches' activations.
+- ``1f1b``: ``pp - rank - 1`` warm-up forwards, then one forward / one backward alternately, then
+  the remaining backwards. Same bubble as GPipe, ``(pp-1)/(m+pp-1)`` of the step idle, but at
+  most ``pp - rank`` micro-batches in flight. Any ``m >= 1`` (the warm-up is capped).
+- ``interleaved_1f1b``: Megatron-LM's interleaved schedule over ``v >= 2`` chunks per rank; the
+  bubble shrinks to ``(pp-1)/(v m + pp-1)``, paid for with ``v`` times the point-to-point
+  traffic. Micro-batches go through the chunks in groups of ``pp``, so ``m`` must be a multiple
+  of ``pp``.
+
+Deadlock freedom of every schedule: see ``schedules.py``; the tests replay every rank's list.
+"""
+
+from __future__ import annotations
+
+from mcpar.registry.schedule import SCHEDULES, Action, PipelineSchedule
+
+
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+    """`warmup` forwards, then forward / backward pairs, then the remaining backwards."""
+    actions = fwd[:warmup]
+    steady = len(fwd) - warmup
+    for k in range(steady):
+        actions += [fwd[warmup + k], bwd[k]]
+    return actions + bwd[steady:]
+
+
+class _FillDrain(PipelineSchedule):
+    """A schedule whose step is its closed form: the busiest rank's m slots plus the others'
+    fill and drain (divided by the chunks when interleaved), and never less than one
+    micro-batch crossing every stage forward and back."""
+
+    def span(self, m: int, w_max: float, w_sum: float, rank_work: list[float], v: int,
+             fwd_share: float) -> float:
+        return max(m * w_max + (w_sum - w_max) / v, w_sum)
+
+
+class GPipe(_FillDrain):
+    name = "gpipe"
+    summary = "all forwards, then all backwards; holds every micro-batch's activations"
+
+    def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
+        return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
+
+    def in_flight(self, pp: int, pp_rank: int, m: int, v: int) -> float:
+        return m
+
+
+class OneFOneB(_FillDrain):
+    name = "1f1b"
+    summary = "one forward, one backward; at most pp - rank micro-batches in flight"
+
+    def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
+        return _one_f_one_b([Action("F", 0, k) for k in range(m)],
+                            [Action("B", 0, k) for k in range(m)], min(pp - pp_rank - 1, m))
+
+    def in_flight(self, pp: int, pp_rank: int, m: int, v: int) -> float:
+        return min(pp - pp_rank, m)
+
+
+class Interleaved1F1B(_FillDrain):
+    name = "interleaved_1f1b"
+    multi_chunk = True
+    summary = "Megatron-LM's interleaved 1F1B over virtual_stages chunks per rank"
+
+    def problem(self, pp: int, m: int, v: int) -> str | None:
+        reason = super().problem(pp, m, v)
+        if reason is None and (m < pp or m % pp):
+            # Micro-batches go through the chunks in groups of pp (Megatron-LM's order), and
+            # the order cannot express a partial group.
+            reason = (f"schedule interleaved_1f1b needs the number of micro-batches ({m}) to "
+                      f"be a multiple of the pipeline degree {pp} (at least {pp}); raise "
+                      f"gradient_accumulation to a multiple of {pp}")
+        return reason
+
+    def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
+        def action(kind: str, k: int) -> Action:
+            # The k-th forward (or backward) of this rank, in Megatron-LM's order: groups of pp
+            # micro-batches sweep the chunks in turn (backwards in reverse chunk order).
+            chunk = (k // pp) % v
+            return Action(kind, v - 1 - chunk if kind == "B" else chunk,
+                          (k // (pp * v)) * pp + k % pp)
+
+        total = m * v
+        # Megatron-LM's warm-up: enough forwards that the rank's first backward has arrived by
+        # the time it is needed (2 per downstream rank, plus one sweep of the other chunks).
+        warmup = min((pp - pp_rank - 1) * 2 + (v - 1) * pp, total)
+        return _one_f_one_b([action("F", k) for k in range(total)],
+                            [action("B", k) for k in range(total)], warmup)
+
+    def in_flight(self, pp: int, pp_rank: int, m: int, v: int) -> float:
+        # The first rank's figure (Narayanan et al. 2021), taken for every rank.
+        return min(pp * (1 + (pp - 1) / (pp * v)), m)
+
+
+for _schedule in (GPipe(), OneFOneB(), Interleaved1F1B()):
+    SCHEDULES.register(_schedule)

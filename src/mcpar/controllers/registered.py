@@ -1,0 +1,3 @@
+"""Importing this module registers every built-in registry entry (``mcpar.registry``)."""
+
+from mcpar.controllers.compute import pipeline_schedules  # noqa: F401
