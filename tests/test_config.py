@@ -145,10 +145,10 @@ def test_a_validated_config_cannot_be_assigned_to() -> None:
 
 
 def test_config_reference_is_current() -> None:
-    from mcpar.config_docs import render
+    from mcpar.config.reference import render
 
     assert (REPO / "docs" / "config.md").read_text() == render(), (
-        "regenerate with: python -m mcpar.config_docs > docs/config.md"
+        "regenerate with: python -m mcpar.config.reference > docs/config.md"
     )
 
 

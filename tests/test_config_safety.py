@@ -33,10 +33,10 @@ from mcpar.config import (
     MAX_YAML_ALIASES,
     MAX_YAML_DEPTH,
     JobConfig,
-    _clip,
     load_config,
     load_yaml,
 )
+from mcpar.config.yaml_safe import clip_text as _clip
 from mcpar.errors import UserError
 
 # Nine levels of nine mapping aliases: 9**9 (387 million) values once expanded, in 700 bytes.

@@ -15,7 +15,7 @@ from conftest import TINY, read_metrics, recovery_events, run_cli_in_process, ru
 
 from mcpar.config import JobConfig, load_config
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_exchange import ReduceScatterExchange
+from mcpar.controllers.communication.exchanges import ReduceScatterExchange
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.controllers.memory.estimate import estimate_memory
 from mcpar.controllers.memory.param_store import ParameterStore, unit_groups

@@ -35,10 +35,8 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
             "layers' routing (and its statistics) in the backward pass, which this version "
             "does not support; use 'selective' (the attention core) or 'none' with MoE models"))
     if ctl.memory.zero_stage == 0:  # with ZeRO, the plan checks them (controllers/memory)
-        wire = ctl.communication
-        problems += zero_layout_problems(0, 1, compression=wire.compression,
-                                         allocation=ctl.memory.allocation,
-                                         weight_gather=wire.weight_gather)
+        problems += zero_layout_problems(0, 1, allocation=ctl.memory.allocation,
+                                         weight_gather=ctl.communication.weight_gather)
     return problems + expert_problems(cfg) + offload_problems(cfg) + environment_problems(cfg)
 
 
@@ -130,8 +128,8 @@ def expert_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def zero_layout_problems(zero_stage: int, dp: int, *, ep: int = 1, pp: int = 1, vp: int = 1,
-                         compression: str = "none", topology: str = "flat",
+def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
+                         topology: str = "flat",
                          allocation: str = "default", weight_gather: str = "none",
                          scheduler: str = "static") -> list[str]:
     """The ZeRO and parameter-store combinations ``mcpar train`` cannot run, one problem per key.
@@ -152,25 +150,11 @@ def zero_layout_problems(zero_stage: int, dp: int, *, ep: int = 1, pp: int = 1, 
                                 f"{weight_gather!r} quantizes ZeRO-3's parameter gathers, and "
                                 "zero_stage is not 3; set zero_stage 3 or weight_gather 'none'"))
     if zero_stage == 0:
-        if compression == "int8":
-            problems.append(problem("controllers.communication.compression",
-                                    "'int8' compresses the hierarchical parameter store's "
-                                    "inter-node reduce-scatter; set zero_stage 3 and allocation "
-                                    "'topology_aware', or use fp16/bf16/1bit/powersgd"))
         return problems
     if dp == 1:
         problems.append(problem(key, f"{zero_stage} shards over the data-parallel ranks and "
                                 "this layout has data 1, so nothing would be sharded; use more "
                                 "data-parallel ranks or zero_stage 0"))
-    if compression in ("bf16", "int8") and not store:
-        problems.append(problem("controllers.communication.compression",
-                                f"{compression!r} applies to the hierarchical parameter store's "
-                                "inter-node reduce-scatter; set controllers.memory.allocation "
-                                "'topology_aware' (zero_stage 3) or compression 'none'"))
-    elif compression not in ("none", "bf16", "int8", "1bit"):  # 1-bit: plan.py says why
-        problems.append(problem("controllers.communication.compression",
-                                f"{compression!r} is not applied to ZeRO's reduce-scatter; use "
-                                "compression 'none' with zero_stage > 0"))
     if topology != "flat":
         problems.append(problem("controllers.communication.topology",
                                 f"{topology!r}: ZeRO's collectives run flat over the data axis "
@@ -189,8 +173,4 @@ def zero_layout_problems(zero_stage: int, dp: int, *, ep: int = 1, pp: int = 1, 
         problems.append(problem(key, "3 with parallelism.pipeline > 1 is not supported in this "
                                 "version (the stages' tied embedding would be gathered on two "
                                 "ranks); use zero_stage 1 or 2 with a pipeline"))
-    if compression == "int8" and ep > 1:
-        problems.append(problem("controllers.communication.compression",
-                                "'int8' is not applied to expert weights' reduce-scatter; use "
-                                "'bf16' or 'none' with parallelism.experts > 1"))
     return problems

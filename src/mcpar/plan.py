@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.grad_exchange import (
     GradExchangePlan,
-    grad_exchange_problems,
+    codec_config_problems,
     plan_grad_exchange,
     uses_onebit_adam,
 )
@@ -284,13 +284,6 @@ def communication_problems(cfg: JobConfig, dp: int) -> list[str]:
             "'onebit_adam', which compresses the momentum in 1 bit itself; use compression "
             "'1bit' or optimizer 'adamw'",
         ))
-    if (comm.compression != "none" or opt.optimizer == "onebit_adam") and dp == 1:
-        key = ("controllers.communication.compression" if comm.compression != "none"
-               else "optimization.optimizer")
-        problems.append(problem(
-            key, "compression acts on the data-parallel exchange, and this layout has data 1; "
-            "use more data-parallel ranks or compression 'none' / optimizer 'adamw'",
-        ))
     if uses_onebit_adam(cfg):
         if opt.freeze_step >= cfg.training.steps:
             problems.append(problem(
@@ -298,19 +291,13 @@ def communication_problems(cfg: JobConfig, dp: int) -> list[str]:
                 f"{opt.freeze_step} is not below training.steps {cfg.training.steps}: 1-bit "
                 "Adam would never compress; use about 15-25% of the steps",
             ))
-        if cfg.controllers.memory.zero_stage > 0:
-            problems.append(problem(
-                "controllers.memory.zero_stage",
-                "1-bit Adam needs the whole momentum on every data-parallel rank and cannot "
-                "shard optimizer state; use zero_stage 0",
-            ))
     if comm.compression == "powersgd" and comm.powersgd_start_step >= cfg.training.steps:
         problems.append(problem(
             "controllers.communication.powersgd_start_step",
             f"{comm.powersgd_start_step} is not below training.steps {cfg.training.steps}: "
             "PowerSGD would never compress",
         ))
-    problems += grad_exchange_problems(cfg)
+    problems += codec_config_problems(cfg, dp)  # the codec's own rules (its registry entry)
     link = [cluster.intra_node_bandwidth_gbps, cluster.intra_node_latency_us,
             cluster.inter_node_bandwidth_gbps, cluster.inter_node_latency_us]
     if any(v is not None for v in link) and any(v is None for v in link):

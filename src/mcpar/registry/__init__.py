@@ -68,7 +68,7 @@ class Registry(Generic[T]):
 
     def unknown(self, name: str) -> str:
         """The problem text for a name nobody registered."""
-        return f"unknown {self.what} {name!r}; choose one of {', '.join(self.names())}"
+        return f"unknown {self.what} {name!r}; choose one of {', '.join(map(repr, self.names()))}"
 
 
 class _RegisteredName:

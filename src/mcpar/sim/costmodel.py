@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from mcpar.errors import UserError
+from mcpar.registry.codec import CODECS
 from mcpar.registry.schedule import SCHEDULES, replay
 from mcpar.sim.collectives import (
     Group,
@@ -168,16 +169,60 @@ class DPCost:
     encode_s: float  # compression work on the critical path
 
 
+@dataclass
+class _Wire:
+    """One parameter group's replicated exchange, as a codec entry prices it (``Wire``)."""
+
+    count: float
+    calls: int
+    grad_bytes: float
+    group: Group
+    cluster: Cluster
+    net: float
+    topology: str
+    rl: Roofline
+    model: ModelShape
+    lay: Layout
+    all_params: float  # dense + expert parameters of the rank
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.topology != "flat"
+
+    @property
+    def low_rank(self) -> int:
+        return self.lay.powersgd_rank
+
+    def all_reduce(self, nbytes: float) -> float:
+        return all_reduce(nbytes, self.group, self.cluster, self.net, self.topology)
+
+    def all_gather(self, nbytes: float) -> float:
+        return all_gather(nbytes, self.group, self.cluster, self.net, self.topology)
+
+    def onebit_all_reduce(self, values: float) -> float:
+        return onebit_all_reduce(values, self.group, self.cluster, self.net,
+                                 hierarchical=self.hierarchical)
+
+    def stream(self, nbytes: float) -> float:
+        return self.rl.stream(nbytes)
+
+    def gemm_seconds(self, flops: float) -> float:
+        return flops / self.rl.gemm_flops
+
+    def low_rank_values(self, rank: int) -> float:
+        return rank * powersgd_factors(self.model, self.lay) * (self.count / self.all_params)
+
+
 def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: Roofline,
             fwd_window: float, bwd_window: float) -> DPCost:
     dense, expert, layer = params_per_rank(m, lay)
     w_b, g_b, _ = state_bytes(lay.precision, lay.autocast)
     store = lay.allocation == STORE
-    if (lay.compression in ("fp16", "bf16") and not store) or (
-            lay.zero_stage >= 2 and not lay.autocast):
+    codec = CODECS.get(lay.compression)
+    g_b = codec.wire_grad_bytes(g_b, store)
+    if lay.zero_stage >= 2 and not lay.autocast:
         # ZeRO-2/3 runs of the published stacks (DeepSpeed, FSDP) reduce-scatter in the 16-bit
-        # compute dtype; mcpar (autocast) reduces its fp32 gradients in fp32. With the store,
-        # bf16 compresses only its inter-node stage (``zero3``).
+        # compute dtype; mcpar (autocast) reduces its fp32 gradients in fp32.
         g_b = min(g_b, 2.0)
     groups = [(dense, Group(lay.dp * lay.cp, lay.tp))]
     if expert:
@@ -196,27 +241,15 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
         span = gather_span(layer * w_b, lay.gather_mb, chunk_blocks(m, lay))
         calls = math.ceil(layers_rank / span) if lay.zero_stage == 3 else _chunks(grads, bucket)
         if lay.zero_stage == 0:
-            if lay.compression == "1bit":
-                comm = calls * onebit_all_reduce(count / calls, group, cluster, net,
-                                                 hierarchical=topo != "flat")
-                # Error feedback, sign packing and unpacking: a few fp32 passes over the buffer.
-                encode += rl.stream(7 * 4.0 * count)
-                # 1-bit Adam exchanges the momentum inside the optimizer step, after the
-                # backward pass: nothing hides it.
-                per_step += comm
-                total += comm
-                continue
-            elif lay.compression == "powersgd":
-                values = lay.powersgd_rank * powersgd_factors(m, lay) * (count / (dense + expert))
-                comm = 2 * calls * all_reduce(4.0 * values / calls, group, cluster, net, topo)
-                # P = M Q and Q = M^T P over every gradient matrix (2 n m r FLOPs each), plus
-                # error feedback passes.
-                encode += (4.0 * lay.powersgd_rank * count / rl.gemm_flops
-                           + rl.stream(5 * 4.0 * count))
-            else:
-                comm = calls * all_reduce(grads / calls, group, cluster, net, topo)
-            per_step += _exposed(comm, bwd_window, eff.overlap, calls)
-            total += comm
+            # The codec's entry prices the replicated exchange (mcpar.registry.codec).
+            cost = codec.price(_Wire(count, calls, g_b, group, cluster, net, topo, rl, m, lay,
+                                     dense + expert))
+            encode += cost.encode_s
+            # An exchange started from the backward pass hides behind it; one inside the
+            # optimizer step (1-bit Adam's momentum) does not.
+            per_step += (_exposed(cost.comm_s, bwd_window, eff.overlap, calls)
+                         if cost.overlappable else cost.comm_s)
+            total += cost.comm_s
             continue
         if lay.zero_stage == 3:
             # The store caches and compresses the dense buckets; expert weights, reduced over

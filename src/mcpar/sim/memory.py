@@ -77,6 +77,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mcpar.registry.codec import CODECS
 from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
@@ -346,6 +347,7 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
     dp_group = lay.dp * lay.cp
     ep_group = max(1, dp_group // lay.ep)
     z = lay.zero_stage
+    codec = CODECS.get(lay.compression)
 
     def sharded(count: float, per_param: float, stage: int, group: int) -> float:
         return count * per_param / (group if z >= stage else 1)
@@ -387,13 +389,9 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
             # parameters only: expert weights are gathered over their own replicas, uncached.
             k = store_ranks_per_node(lay, gpus_per_node)
             weights += dense_rank * w_b / k
-            if lay.compression == "int8":
-                # qgZ's error feedback: fp32 residuals of the 1/k shard each rank quantizes,
-                # gradient state.
-                grads += 4.0 * dense_rank / k
-    if lay.compression == "1bit":
-        comm += 4.0 * (dense_rank + expert_rank) * (1 + 1 / dp_group)  # worker + server error
-    elif lay.compression == "powersgd":
-        comm += 4.0 * (dense_rank + expert_rank)  # error feedback
+            # The codec's error feedback on the 1/k shard each rank quantizes (int8): gradient
+            # state.
+            grads += codec.store_error_bytes(dense_rank / k)
+    comm += codec.error_state_bytes(dense_rank + expert_rank, dp_group)  # error feedback
     return MemoryBreakdown(weights, grads, optim, activations, comm, gathered, reserved,
                            params=dense_rank + expert_rank, offloaded=offloaded)

@@ -38,11 +38,19 @@ from dataclasses import dataclass
 
 from mcpar.capabilities import zero_layout_problems
 from mcpar.errors import UserError, problem
+from mcpar.registry.codec import CODECS, LAYOUT_KEYS, codec_problems
 from mcpar.registry.schedule import SCHEDULES, default_schedule
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
 from mcpar.sim.memory import memory_per_gpu
-from mcpar.sim.workload import Layout, ModelShape, layout_problems, model_problems
+from mcpar.sim.workload import (
+    CONFIG_TOPOLOGY,
+    Layout,
+    ModelShape,
+    exchange_facts,
+    layout_problems,
+    model_problems,
+)
 
 MAX_MICRO_BATCH = 32
 MAX_VP = 8
@@ -88,7 +96,7 @@ class SearchSpace:
 
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    compression: tuple[str, ...] = ("none", "16bit", "1bit", "powersgd", "int8")
+    compression: tuple[str, ...] | None = None  # registered gradient codecs; None: all
     topology: tuple[str, ...] = ("flat", "hierarchical")
     allocation: tuple[str, ...] = ("default", "topology_aware")
     weight_gather: tuple[str, ...] = ("none", "int8")
@@ -152,43 +160,29 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                                         attention=attention, schedule=schedule)
 
 
-# The planner's topology names as the config spells them ('auto' is mcpar's 'hybrid').
-CONFIG_TOPOLOGY = {"flat": "flat", "hierarchical": "hierarchical", "auto": "hybrid"}
-
-
 def train_problems(lay: Layout) -> list[str]:
     """What ``mcpar train`` would refuse in `lay`'s ZeRO, store and codec settings: the rules of
     ``mcpar.capabilities.zero_layout_problems``, which train applies too, so that a ranked
     layout is one that trains. mcpar has no context axis: its data axis is dp (a cp > 1 layout
     is priced, but ZeRO over dp = 1 is refused as train would refuse it)."""
     problems = zero_layout_problems(
-        lay.zero_stage, lay.dp, ep=lay.ep, pp=lay.pp, vp=lay.vp, compression=lay.compression,
-        topology=CONFIG_TOPOLOGY[lay.topology], allocation=lay.allocation,
-        weight_gather=lay.weight_gather)
+        lay.zero_stage, lay.dp, pp=lay.pp, vp=lay.vp, topology=CONFIG_TOPOLOGY[lay.topology],
+        allocation=lay.allocation, weight_gather=lay.weight_gather)
     if lay.ep > 1 and lay.compression != "none":
         # capabilities.expert_problems: expert weights are reduced uncompressed.
         problems.append(problem("controllers.communication.compression",
                                 "not applied with parallelism.experts > 1"))
-    if lay.compression == "powersgd" and lay.topology != "flat":
-        # grad_exchange_problems: PowerSGD's factors are all-reduced over one flat group.
-        problems.append(problem("controllers.communication.topology",
-                                "PowerSGD runs flat over the data axis"))
-    return problems
+    # The codec's own rules (its registry entry), as train applies them.
+    return problems + [problem(LAYOUT_KEYS[field], text) for field, text in
+                       codec_problems(lay.compression, exchange_facts(lay))]
 
 
 def all_variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
     """Every ZeRO stage x compression x topology x store x weight-gather setting of `core`
     that the cost model can price, before train's rules (``train_problems``) are applied."""
+    codecs = [c for c in CODECS if space.compression is None or c.name in space.compression]
     for zero in space.zero_stages:
-        for comp in space.compression:
-            if comp in ("1bit", "powersgd") and zero > 0:
-                continue
-            if comp == "int8" and zero != 3:
-                continue
-            if comp == "16bit":
-                if core.precision in ("fp16", "fp32") and zero < 2:
-                    continue  # fp16 gradients are 16-bit already; fp32 training keeps fp32
-                comp = "bf16" if core.precision != "fp16" else "fp16"
+        for codec in codecs:
             topologies = space.topology if multi_node_dp else space.topology[:1]
             # The store pays only when the data axis crosses nodes (its backward gathers stay
             # inside the node); the quantized gathers exist only under ZeRO-3.
@@ -197,13 +191,15 @@ def all_variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Itera
             gathers = space.weight_gather if zero == 3 else ("none",)
             for topo in topologies:
                 for alloc in stores:
-                    if comp == "int8" and alloc == "default":
+                    # A codec that buys nothing here (a 16-bit cast of 16-bit gradients) is
+                    # not priced; what the codec cannot run with is its rules' to refuse.
+                    if not codec.worth_pricing(core.precision, zero, alloc != "default"):
                         continue
                     for gather in gathers:
-                        # With the store, its 16-bit codec is bf16 on the inter-node stage.
-                        c = "bf16" if alloc != "default" and comp == "fp16" else comp
-                        yield core.with_(zero_stage=zero, compression=c, topology=topo,
-                                         allocation=alloc, weight_gather=gather)
+                        lay = core.with_(zero_stage=zero, compression=codec.name,
+                                         topology=topo, allocation=alloc, weight_gather=gather)
+                        if not codec_problems(codec.name, exchange_facts(lay)):
+                            yield lay
 
 
 def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:

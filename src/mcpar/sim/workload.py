@@ -15,17 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mcpar.config_model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
+from mcpar.config.model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
 from mcpar.errors import problem
+from mcpar.registry.codec import ExchangeFacts, codec_problems
 from mcpar.registry.schedule import SCHEDULES, default_schedule
 
 FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
 GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
-# int8: the parameter store's inter-node gradient reduce-scatter (ZeRO++ qgZ); with the store,
-# bf16 compresses that stage only as well.
-COMPRESSION = ("none", "fp16", "bf16", "1bit", "powersgd", "int8")
 # default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
 # secondary copy of every block sharded inside the node so that backward gathers stay there.
 ALLOCATION = ("default", "topology_aware")
@@ -281,7 +279,7 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if not 0 <= lay.zero_stage <= 3:
         bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
     for key, allowed in (("recompute", RECOMPUTE), ("precision", PRECISIONS),
-                         ("compression", COMPRESSION), ("topology", TOPOLOGY),
+                         ("topology", TOPOLOGY),
                          ("attention", ATTENTION),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
@@ -291,15 +289,9 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     elif lay.pp > 1 and (reason := SCHEDULES.get(lay.schedule).problem(
             lay.pp, lay.num_microbatches, lay.vp)):
         bad("schedule", reason)
-    if lay.compression == "powersgd" and lay.topology != "flat":
-        # PowerSGD's factors are all-reduced over the whole data axis in one group (mcpar
-        # refuses a hierarchical PowerSGD run): pricing them hierarchically would price a run
-        # that does not exist.
-        bad("topology", f"{lay.topology!r} cannot be combined with compression 'powersgd', "
-                        "whose factors are all-reduced flat over the data axis; use 'flat'")
-    if lay.compression in ("1bit", "powersgd") and lay.zero_stage > 0:
-        bad("compression", f"{lay.compression} compresses whole replicated gradients (1-bit "
-                           "Adam, PowerSGD); it needs zero_stage 0")
+    # The codec's own rules (its registry entry): priced only where it runs.
+    for field, text in codec_problems(lay.compression, exchange_facts(lay)):
+        bad(field, text)
     # The store and the quantized gathers exist only where parameters are gathered (ZeRO-3);
     # int8 gradients only on the store's inter-node stage: nothing else would price them.
     if lay.allocation == "topology_aware" and lay.zero_stage != 3:
@@ -308,9 +300,6 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.weight_gather != "none" and lay.zero_stage != 3:
         bad("weight_gather", f"{lay.weight_gather!r} quantizes ZeRO-3's parameter gathers; it "
                              "needs zero_stage 3")
-    if lay.compression == "int8" and lay.allocation != "topology_aware":
-        bad("compression", "'int8' compresses the parameter store's inter-node reduce-scatter; "
-                           "it needs allocation 'topology_aware'")
     return out
 
 
@@ -345,3 +334,14 @@ def model_preset(name: str, key: str = "--model") -> ModelPreset:
         raise UserError(problem(key, f"unknown model preset {name!r}; known: "
                                      + ", ".join(MODEL_PRESETS)))
     return MODEL_PRESETS[name]
+
+
+# The simulator's topology names as the config spells them ('auto' is mcpar's 'hybrid').
+CONFIG_TOPOLOGY = {"flat": "flat", "hierarchical": "hierarchical", "auto": "hybrid"}
+
+
+def exchange_facts(lay: Layout) -> ExchangeFacts:
+    """What a codec's rules look at in `lay` (the same facts a config gives them)."""
+    return ExchangeFacts(dp=lay.dp, ep=lay.ep, zero_stage=lay.zero_stage,
+                         topology=CONFIG_TOPOLOGY.get(lay.topology, lay.topology),
+                         allocation=lay.allocation)

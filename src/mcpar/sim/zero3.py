@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcpar.registry.codec import CODECS, INT8_BYTES
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -39,8 +40,6 @@ from mcpar.sim.compute import Roofline
 from mcpar.sim.hardware import Cluster
 from mcpar.sim.workload import Layout
 
-# One int8 per element and one fp32 scale per block of 256 elements (ZeRO++'s block quantizer).
-INT8_BYTES = 1.0 + 4.0 / 256
 STORE = "topology_aware"
 
 
@@ -62,11 +61,7 @@ def uses_store(lay: Layout, group: Group, cluster: Cluster) -> bool:
 
 def inter_grad_bytes(lay: Layout, g_b: float) -> float:
     """Bytes per gradient element on the store's inter-node reduce-scatter."""
-    if lay.compression == "int8":
-        return INT8_BYTES
-    if lay.compression in ("bf16", "fp16"):
-        return min(g_b, 2.0)
-    return g_b
+    return CODECS.get(lay.compression).store_grad_bytes(g_b)
 
 
 def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layout,
@@ -98,7 +93,7 @@ def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layou
     shard_b = inter_grad_bytes(lay, g_b)
     shard = count / k * shard_b / calls  # one block's 1/k shard as it crosses nodes
     link = inter_link(cluster, net)  # each shard group on its rank's own NIC share
-    if lay.compression == "int8":
+    if CODECS.get(lay.compression).store_all_to_all:
         rs_remote = calls * pairwise_all_to_all(shard, nodes, link)
         # Add the error, quantize (read g_b + 4, write int8 + the new error), dequantize and
         # sum the N received chunks into the owned 1/(kN) slice.

@@ -218,7 +218,7 @@ def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
         # (capabilities.unsupported_settings): plans of the seed's own file stay checkable.
         return []
     return zero_layout_problems(
-        ctl.memory.zero_stage, dp, ep=par.experts, pp=par.pipeline, vp=par.virtual_stages,
-        compression=ctl.communication.compression, topology=ctl.communication.topology,
+        ctl.memory.zero_stage, dp, pp=par.pipeline, vp=par.virtual_stages,
+        topology=ctl.communication.topology,
         allocation=ctl.memory.allocation, weight_gather=ctl.communication.weight_gather,
         scheduler=ctl.compute.scheduler)

@@ -1,9 +1,6 @@
-"""The job configuration: typed schema, YAML loading, the seed's French aliases, user errors.
-
-Canonical keys are English (DESIGN.md §4). The seed article's ``configuration_mcp.yaml`` uses French
-keys and values; they are translated to canonical ones before validation, so the seed file loads
-unchanged. Every problem is reported as one line naming the dotted key path, and the CLI turns the
-resulting ``UserError`` into exit code 2.
+"""The job configuration's typed schema: one section per part of a job, a description and
+bounds on every field. Names of registered decisions (pipeline schedules, gradient codecs) are
+checked against their registries (``mcpar.registry``), plug-ins included.
 
 Cross-field checks that need the world size (degrees multiply to it, batch divisibility) live in
 ``mcpar.plan.resolve_plan`` so that ``mcpar check``, ``mcpar train`` and ``mcpar simulate`` run
@@ -12,34 +9,17 @@ the same rules.
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from mcpar.config_model import (  # noqa: F401  (the model section is part of this API)
-    MAX_EXPERTS,
-    MAX_FFN,
+from mcpar.config.model import (
     MAX_HIDDEN,
     MAX_LAYERS,
-    MAX_SEQ_LEN,
-    MAX_VOCAB,
     ModelConfig,
 )
-from mcpar.config_yaml import (  # noqa: F401  (the bounds are part of this module's API)
-    MAX_CONFIG_BYTES,
-    MAX_YAML_ALIASES,
-    MAX_YAML_DEPTH,
-    MAX_YAML_NODES,
-    YAMLBoundExceeded,
-    bounded_yaml,
-    load_yaml,
-)
-from mcpar.config_yaml import clip_text as _clip
-from mcpar.errors import UserError, problem
 from mcpar.registry import Registered
+from mcpar.registry.codec import CODECS
 from mcpar.registry.schedule import SCHEDULES
 
 
@@ -55,7 +35,7 @@ class _Section(BaseModel):
 # Upper bounds of the numeric fields. Generous: each is far above any model or cluster built
 # today (GPT-3 175B is 96 layers, hidden 12288, sequence 2048; Llama 3 405B hidden 16384,
 # vocabulary 128256; the seed runs on 1024 GPUs), and far below what overflows an index, a
-# timedelta or an allocation. The model section's bounds are in mcpar.config_model.
+# timedelta or an allocation. The model section's bounds are in mcpar.config.model.
 MAX_DEGREE = 1 << 20  # a parallel degree: a million ranks
 MAX_BATCH = 1 << 20  # sequences in one micro-batch, or micro-batches in one step
 MAX_GLOBAL_BATCH = 1 << 30
@@ -182,7 +162,7 @@ class MemoryControllerConfig(_Section):
 
 
 class CommunicationControllerConfig(_Section):
-    compression: Literal["none", "fp16", "bf16", "1bit", "powersgd", "int8"] = Field(
+    compression: Registered[CODECS] = Field(  # type: ignore[valid-type]
         "none", description="Gradient compression codec (int8: the parameter store's inter-node "
         "reduce-scatter, with error feedback)."
     )
@@ -403,201 +383,3 @@ class JobConfig(_Section):
 # --- the seed's French keys and values ------------------------------------------------------
 
 # Per section path, French key -> canonical key.
-FRENCH_KEYS: dict[tuple[str, ...], dict[str, str]] = {
-    (): {
-        "parallelisation": "parallelism",
-        "controleurs": "controllers",
-        "optimisation": "optimization",
-        "modele": "model",
-        "donnees": "data",
-        "entrainement": "training",
-    },
-    ("parallelism",): {
-        "tensorielle": "tensor",
-        "experts": "experts",
-        "pipeline": "pipeline",
-        "donnees": "data",
-    },
-    ("controllers",): {"calcul": "compute", "memoire": "memory"},
-    ("controllers", "compute"): {"ordonnanceur": "scheduler", "decoupage_lot": "batch_splitting"},
-    ("controllers", "memory"): {"dechargement": "offload"},
-    ("controllers", "communication"): {"topologie": "topology"},
-    ("optimization",): {
-        "accumulation_gradient": "gradient_accumulation",
-        "point_controle": "checkpoint",
-    },
-    ("optimization", "checkpoint"): {"intervalle": "interval", "strategie": "strategy"},
-}
-
-FRENCH_VALUES: dict[str, str] = {
-    "renforcement": "reinforcement",
-    "glouton": "greedy",
-    "statique": "static",
-    "dynamique": "dynamic",
-    "fixe": "fixed",
-    "conscient_topologie": "topology_aware",
-    "defaut": "default",
-    "aucun": "none",
-    "aucune": "none",
-    "hybride": "hybrid",
-    "hierarchique": "hierarchical",
-    "plat": "flat",
-    "complete": "full",
-    "complet": "full",
-}
-
-
-def _section_model(path: tuple[str, ...]) -> type[BaseModel] | None:
-    """The pydantic model of the section at `path`, or None if `path` is a leaf/unknown."""
-    model: type[BaseModel] = JobConfig
-    for key in path:
-        field = model.model_fields.get(key)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
-
-
-def _canonicalize(raw: Any, path: tuple[str, ...] = ()) -> Any:
-    """Rename French keys and translate French enum values, recursively."""
-    if not isinstance(raw, dict):
-        if isinstance(raw, str) and raw in FRENCH_VALUES:
-            return FRENCH_VALUES[raw]
-        return raw
-    aliases = FRENCH_KEYS.get(path, {})
-    out: dict[Any, Any] = {}
-    for key, value in raw.items():
-        canonical = aliases.get(key, key) if isinstance(key, str) else key
-        out[canonical] = _canonicalize(value, (*path, str(canonical)))
-    return out
-
-
-def _valid_keys(path: tuple[str, ...]) -> list[str]:
-    model = _section_model(path)
-    keys = list(model.model_fields) if model else []
-    return keys + list(FRENCH_KEYS.get(path, {}))
-
-
-def _short_repr(value: Any) -> str:
-    """A short repr of a rejected value; never fails (Python refuses to print integers of more
-    than 4300 digits, and an input can be a large structure)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
-        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
-    try:
-        text = repr(value)
-    except ValueError:
-        return "a value too large to show"
-    return _clip(text)
-
-
-def _describe(error: dict[str, Any]) -> str:
-    loc = tuple(_clip(str(p), 40) for p in error["loc"])
-    key = ".".join(loc)
-    if error["type"] == "extra_forbidden":
-        parent, name = loc[:-1], loc[-1]
-        close = difflib.get_close_matches(name, _valid_keys(parent), n=1, cutoff=0.5)
-        hint = f"; did you mean '{'.'.join((*parent, close[0]))}'?" if close else ""
-        valid = ", ".join(_section_model(parent).model_fields) if _section_model(parent) else ""
-        return problem(key, f"unknown key{hint} (valid keys here: {valid})")
-    if error["type"] == "model_type":
-        return problem(key, f"expected a mapping of keys, got {_short_repr(error['input'])}")
-    if error["type"] == "value_error":  # a validator's own message (a registered name)
-        return problem(key, _clip(error["msg"].removeprefix("Value error, "), 300))
-    return problem(key, f"{_clip(error['msg'], 300)} (got {_short_repr(error['input'])})")
-
-
-def parse_config(raw: dict[str, Any] | None) -> JobConfig:
-    """Validate a raw mapping (canonical or French keys) into a JobConfig, or raise UserError."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(problem("<config>", "the top level must be a mapping of sections"))
-    try:
-        cfg = JobConfig.model_validate(_canonicalize(raw))
-    except ValidationError as err:
-        raise UserError([_describe(e) for e in err.errors()]) from None
-    problems = _cross_field_problems(cfg)
-    if problems:
-        raise UserError(problems)
-    return cfg
-
-
-def _cross_field_problems(cfg: JobConfig) -> list[str]:
-    """Numeric limits that involve two fields of one section (layout rules that need the world
-    size are in mcpar.plan)."""
-    opt = cfg.optimization
-    out = cfg.model.problems()
-    if opt.optimizer == "adamw" and opt.lr * opt.weight_decay >= 1.0:
-        out.append(problem(
-            "optimization.weight_decay",
-            f"lr x weight_decay = {opt.lr:g} x {opt.weight_decay:g} = "
-            f"{opt.lr * opt.weight_decay:g}, must be below 1: AdamW multiplies the weights by "
-            "1 - lr x weight_decay each step, so they would be zeroed or flip sign and grow until "
-            "the loss is NaN; typical weight_decay is 0.01 to 0.1",
-        ))
-    return out
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set KEY=VALUE`` overrides (values parsed as YAML scalars) to a raw mapping."""
-    raw = _canonicalize(raw)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise UserError(
-                problem(_clip(item), "an override must look like KEY=VALUE, e.g. model.seq_len=64")
-            )
-        parts = tuple(key.strip().split("."))
-        if len(parts) > MAX_YAML_DEPTH:
-            raise UserError(problem(_clip(key), f"a key path of more than {MAX_YAML_DEPTH} parts; "
-                                    "config keys are a few levels deep"))
-        # Accept French key paths in overrides too, by canonicalizing part by part.
-        canon: list[str] = []
-        for part in parts:
-            canon.append(FRENCH_KEYS.get(tuple(canon), {}).get(part, part))
-        if len(text) > MAX_CONFIG_BYTES:
-            raise UserError(problem(_clip(".".join(canon)), f"the value is longer than "
-                                    f"{MAX_CONFIG_BYTES >> 20} MiB"))
-        try:
-            value = bounded_yaml(text)
-        except YAMLBoundExceeded as err:
-            raise UserError(
-                problem(_clip(".".join(canon)), f"--set value refused: {err.message}")
-            ) from None
-        except (yaml.YAMLError, ValueError):
-            value = text  # not YAML: the text itself, which validation then judges
-        node = raw
-        for i, part in enumerate(canon[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = _clip(".".join(canon[: i + 1]))
-                raise UserError(problem(where, "is a value, not a section"))
-            node = child
-        node[canon[-1]] = value
-    return raw
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """The JobConfig from a YAML file (or the built-in default when `path` is None) + overrides."""
-    raw = load_yaml(path) if path is not None else default_raw_config()
-    return parse_config(apply_overrides(raw, overrides or []))
-
-
-def default_raw_config() -> dict[str, Any]:
-    """The built-in default job: the schema's defaults (a small GPT on the stdlib corpus).
-
-    Sized so that `mcpar train` finishes in a few minutes on a 2-core CPU machine with
-    ``DEFAULT_NPROC`` data-parallel workers and reaches a validation loss well below 2.5 nats per
-    byte. The data degree is left to the number of workers.
-    """
-    return {}
-
-
-# Workers `mcpar train` starts for the built-in default when --nproc is not given.
-DEFAULT_NPROC = 2
-
-
-def to_yaml(cfg: JobConfig) -> str:
-    """The fully resolved configuration with canonical keys (the run directory's config.yaml)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

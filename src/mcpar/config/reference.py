@@ -1,7 +1,7 @@
 """Writes the configuration reference (docs/config.md) from the schema itself.
 
-``python -m mcpar.config_docs > docs/config.md``; a test keeps the file equal to this output, so
-the reference cannot drift from the code.
+``python -m mcpar.config.reference > docs/config.md``; a test keeps the file equal to this
+output, so the reference cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the schema by `python -m mcpar.config_docs > docs/config.md`.",
+        "Generated from the schema by `python -m mcpar.config.reference > docs/config.md`.",
         "Keys are dotted paths into the YAML file; `--set KEY=VALUE` takes the same paths.",
         "Numbers must be finite (no NaN or infinity) and within their range; a file is at most",
         f"{MAX_CONFIG_BYTES >> 20} MiB of UTF-8 YAML with at most {MAX_YAML_ALIASES} alias uses, "

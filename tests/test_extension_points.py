@@ -1,0 +1,266 @@
+"""Extension points, proven from outside: a gradient codec and a pipeline schedule registered
+from this file alone (no edit under ``src/``), each accepted by ``mcpar check`` with its own
+rules enforced, trained at 2 ranks, priced by the cost model and ranked by the planner through
+its registry entry.
+
+- ``topk_ef``: top-k sparsification with error feedback (Stich et al. 2018, Lin et al.'s Deep
+  Gradient Compression): each rank adds its error to the bucket, keeps the k largest entries,
+  all-gathers their values and indices, and averages the sparse sum; what was not sent is the
+  next step's error. Its rules: data-parallel only, flat topology, no ZeRO.
+- ``lifo_gpipe``: GPipe whose backwards run last-in first-out (the freshest activations first);
+  it prices itself with no formula of its own (the registry's replay of its actions), and its
+  rule asks for at least as many micro-batches as stages.
+
+Every consumer meets these names for the first time: a consumer that switched on names would
+refuse them, or run its default instead, and the hooks' counters and the measured bytes below
+would not move.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, run_cli_in_process, spawn_workers, train_in_turn
+
+from mcpar.comm.communicator import CommHandle
+from mcpar.config import load_config
+from mcpar.controllers.communication.codecs import ExchangeContext, RuntimeCodec
+from mcpar.controllers.communication.exchanges import AllReduceExchange, GradExchange
+from mcpar.controllers.communication.grad_sync import GradBucket
+from mcpar.errors import UserError
+from mcpar.launch import find_free_port
+from mcpar.plan import resolve_plan
+from mcpar.registry.codec import CODECS, ExchangeFacts, Wire, WireCost
+from mcpar.registry.schedule import SCHEDULES, Action, PipelineSchedule
+from mcpar.sim.costmodel import simulate
+from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.hardware import cluster_preset, load_accelerators
+from mcpar.sim.planner import SearchSpace, plan
+from mcpar.sim.workload import Layout, ModelShape
+
+CALLS: Counter[str] = Counter()  # which hook of a plug-in ran (in this process)
+KEEP = 0.25  # top-k: the share of each bucket sent
+
+
+class TopKExchange(AllReduceExchange):
+    """The bucket's top-k entries (with this rank's error added), all-gathered and averaged."""
+
+    name = "topk_ef"
+
+    def __init__(self, ctx: ExchangeContext):
+        super().__init__(ctx.comm)
+        self.errors: dict[int, torch.Tensor] = {}
+
+    def launch(self, bucket: GradBucket) -> CommHandle | None:
+        if bucket.expert:
+            return super().launch(bucket)
+        buffer, comm, degree = bucket.buffer, self.comm, self.degree
+        error = self.errors.setdefault(bucket.index, torch.zeros_like(buffer))
+
+        def exchange() -> None:
+            corrected = buffer + error
+            k = max(1, int(KEEP * corrected.numel()))
+            index = corrected.abs().topk(k).indices
+            values = corrected[index]
+            error.copy_(corrected)
+            error[index] = 0.0  # what was sent leaves the error
+            summed = torch.zeros_like(buffer)
+            for v, i in zip(comm.all_gather(values), comm.all_gather(index), strict=True):
+                summed.index_add_(0, i, v)
+            buffer.copy_(summed / degree)
+
+        return comm.run_async(exchange)
+
+
+class TopKCodec(RuntimeCodec):
+    name = "topk_ef"
+    summary = "top-k sparsification with error feedback"
+    strategy = "topk"
+
+    def problems(self, facts: ExchangeFacts) -> list[tuple[str, str]]:
+        CALLS["codec.problems"] += 1
+        out = super().problems(facts)
+        if facts.topology != "flat":
+            out.append(("topology", "topk_ef gathers every rank's entries over one flat group; "
+                        "use topology 'flat'"))
+        if facts.zero_stage > 0:
+            out.append(("zero_stage", "topk_ef sparsifies whole replicated gradients; use "
+                        "zero_stage 0"))
+        return out
+
+    def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
+        CALLS["codec.build"] += 1
+        return TopKExchange(ctx), f"gradient exchange: top-{KEEP:.0%} with error feedback"
+
+    def price(self, wire: Wire) -> WireCost:
+        CALLS["codec.price"] += 1
+        sent = KEEP * wire.count * (4.0 + 8.0)  # fp32 values and int64 indices
+        return WireCost(2 * wire.calls * wire.all_gather(sent / wire.calls),
+                        wire.stream(3 * 4.0 * wire.count))
+
+    def error_state_bytes(self, params: float, dp_group: int) -> float:
+        CALLS["codec.memory"] += 1
+        return 4.0 * params
+
+
+class LifoGPipe(PipelineSchedule):
+    name = "lifo_gpipe"
+    summary = "GPipe with last-in first-out backwards"
+
+    def problem(self, pp: int, num_microbatches: int, virtual_stages: int) -> str | None:
+        CALLS["schedule.problem"] += 1
+        reason = super().problem(pp, num_microbatches, virtual_stages)
+        if reason is None and num_microbatches < pp:
+            reason = (f"lifo_gpipe needs at least as many micro-batches as stages ({pp}); "
+                      f"raise gradient_accumulation to {pp}")
+        return reason
+
+    def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
+        CALLS["schedule.actions"] += 1
+        return ([Action("F", 0, i) for i in range(m)]
+                + [Action("B", 0, i) for i in reversed(range(m))])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins() -> Iterator[None]:
+    CODECS.register(TopKCodec())
+    SCHEDULES.register(LifoGPipe())
+    yield
+    CODECS.unregister("topk_ef")
+    SCHEDULES.unregister("lifo_gpipe")
+
+
+BASE = [*TINY, "model.num_layers=2", "training.steps=6", "optimization.micro_batch_size=2",
+        "optimization.checkpoint.interval=0", "controllers.memory.consistency_interval=0",
+        "optimization.warmup_steps=2"]
+DP2 = [*BASE, "parallelism.data=2"]
+TOPK = [*DP2, "controllers.communication.compression=topk_ef"]
+PP2 = [*BASE, "parallelism.pipeline=2", "model.tie_embeddings=false",
+       "optimization.gradient_accumulation=2"]
+LIFO = [*PP2, "parallelism.schedule=lifo_gpipe"]
+
+
+def _problems(settings: list[str], world: int) -> list[str]:
+    try:
+        resolve_plan(load_config(None, settings), world)
+    except UserError as err:
+        return err.problems
+    return []
+
+
+def test_check_accepts_the_plugins_and_enforces_their_rules(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    for settings in (TOPK, LIFO):
+        proc = run_cli_in_process(capsys, "check", str(empty), "--nproc", "2",
+                                  *[a for s in settings for a in ("--set", s)])
+        assert proc.returncode == 0, proc.stderr
+    assert "topk_ef" in proc.stdout or "lifo_gpipe" in proc.stdout
+    assert _problems([*TOPK, "controllers.communication.topology=hierarchical"], 2) == [
+        "controllers.communication.topology: topk_ef gathers every rank's entries over one "
+        "flat group; use topology 'flat'"]
+    assert any("topk_ef sparsifies whole replicated gradients" in p
+               for p in _problems([*TOPK, "controllers.memory.zero_stage=1"], 2))
+    # The generic rule every codec but 'none' inherits: nothing to compress at data 1.
+    assert any("data 1" in p for p in _problems([*BASE, *TOPK[len(DP2):]], 1))
+    refused = _problems([*LIFO, "optimization.gradient_accumulation=1"], 2)
+    assert refused == ["optimization.gradient_accumulation: 1 micro-batches per step: "
+                       "lifo_gpipe needs at least as many micro-batches as stages (2); raise "
+                       "gradient_accumulation to 2"]
+    # An unknown name is refused with the registered names, plug-ins included.
+    with pytest.raises(UserError, match="'topk_ef'"):
+        load_config(None, [*DP2, "controllers.communication.compression=topk"])
+
+
+def test_the_memory_estimate_counts_the_codecs_error_buffer() -> None:
+    before = CALLS["codec.memory"]
+    plain = resolve_plan(load_config(None, DP2), 2).memory
+    topk = resolve_plan(load_config(None, TOPK), 2).memory
+    assert CALLS["codec.memory"] > before
+    # 4 bytes per parameter of the rank: the error feedback buffer.
+    assert topk.comm_bytes - plain.comm_bytes == 4 * topk.params_per_rank
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plugins")
+    settings = {"none": DP2, "topk": TOPK, "1f1b": PP2, "lifo": LIFO}
+    spawn_workers(train_in_turn, args=(find_free_port(), str(root), settings, 2), nprocs=2)
+    return root
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_codec_trains_at_two_ranks_and_sends_what_it_says(runs: Path) -> None:
+    plan_json = json.loads((runs / "topk" / "plan.json").read_text())
+    assert plan_json["grad_exchange"]["codec"] == "topk_ef"
+    assert plan_json["grad_exchange"]["strategy"] == "topk"
+    topk, plain = _metrics(runs / "topk"), _metrics(runs / "none")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in topk)
+    assert topk[-1]["loss"] < topk[0]["loss"]
+    # A different exchange: not the all-reduce's losses, and its own bytes on the data axis:
+    # Each rank sends its 1/4 of the entries once per all-gather peer (n - 1 = 1): 4-byte
+    # values and 8-byte indices, against the ring all-reduce's 2 (n-1)/n x 4 = 4 bytes per
+    # element at n = 2.
+    assert [r["loss"] for r in topk[1:]] != [r["loss"] for r in plain[1:]]
+    ratio = topk[-1]["comm_bytes_by_axis"]["dp"] / plain[-1]["comm_bytes_by_axis"]["dp"]
+    assert ratio == pytest.approx(KEEP * 12 / 4, rel=0.02), ratio
+
+
+def test_the_schedule_trains_at_two_ranks_with_1f1bs_losses(runs: Path) -> None:
+    plan_json = json.loads((runs / "lifo" / "plan.json").read_text())
+    assert plan_json["schedule"] == "lifo_gpipe"
+    lifo, reference = _metrics(runs / "lifo"), _metrics(runs / "1f1b")
+    # The same gradients, accumulated over the micro-batches in another order.
+    for a, b in zip(lifo, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+def _small() -> tuple[ModelShape, Layout]:
+    cfg = load_config(None, [*PP2, "model.hidden_size=256", "model.num_heads=4",
+                             "model.num_layers=4", "optimization.gradient_accumulation=8"])
+    return config_model(cfg), config_layout(cfg, 2)
+
+
+def test_simulate_prices_both_through_their_entries() -> None:
+    model, layout = _small()
+    cluster = cluster_preset("a100x8", load_accelerators())
+    two = replace(cluster, num_gpus=2)
+    before = CALLS["schedule.actions"]
+    lifo = simulate(model, layout.with_(schedule="lifo_gpipe"), two)
+    reference = simulate(model, layout.with_(schedule="gpipe"), two)
+    assert CALLS["schedule.actions"] > before  # replayed from its actions
+    # Equal stages drain LIFO as fast as GPipe: (m + p - 1) (F + B) either way.
+    assert lifo.pipeline_s == pytest.approx(reference.pipeline_s, rel=1e-9)
+    eight = replace(cluster, num_gpus=8)
+    data = layout.with_(pp=1, dp=8, vp=1, schedule="", global_batch=64, stages=())
+    before = CALLS["codec.price"]
+    topk = simulate(model, data.with_(compression="topk_ef"), eight)
+    plain = simulate(model, data, eight)
+    assert CALLS["codec.price"] > before
+    assert topk.dp_comm_s != plain.dp_comm_s
+
+
+def test_the_planner_ranks_both_and_keeps_their_rules() -> None:
+    m = ModelShape(layers=8, hidden=1024, heads=16, kv_heads=16, ffn=4096, ffn_kind="gelu",
+                   vocab=32000, seq_len=1024)
+    cluster = cluster_preset("a100x16", load_accelerators())
+    space = SearchSpace(cp=(1,), compression=("none", "topk_ef"), zero_stages=(0, 1),
+                        schedules=("1f1b", "lifo_gpipe"))
+    result = plan(m, cluster, 64, "bf16", space, keep=100)
+    ranked = [c.layout for c in result.candidates]
+    assert any(lay.compression == "topk_ef" for lay in ranked)
+    assert any(lay.schedule == "lifo_gpipe" for lay in ranked)
+    # Its own rules, applied by the planner as by check: never hierarchical, never with ZeRO.
+    assert all(lay.topology == "flat" and lay.zero_stage == 0
+               for lay in ranked if lay.compression == "topk_ef")
+    assert all(lay.num_microbatches >= lay.pp for lay in ranked if lay.schedule == "lifo_gpipe")
