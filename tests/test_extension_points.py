@@ -113,13 +113,14 @@ class LifoGPipe(PipelineSchedule):
     name = "lifo_gpipe"
     summary = "GPipe with last-in first-out backwards"
 
-    def problem(self, pp: int, num_microbatches: int, virtual_stages: int) -> str | None:
+    def problem(self, pp: int, num_microbatches: int,
+                virtual_stages: int) -> tuple[str, str] | None:
         CALLS["schedule.problem"] += 1
-        reason = super().problem(pp, num_microbatches, virtual_stages)
-        if reason is None and num_microbatches < pp:
-            reason = (f"lifo_gpipe needs at least as many micro-batches as stages ({pp}); "
-                      f"raise gradient_accumulation to {pp}")
-        return reason
+        found = super().problem(pp, num_microbatches, virtual_stages)
+        if found is None and num_microbatches < pp:
+            found = ("gradient_accumulation", f"lifo_gpipe needs at least as many micro-batches "
+                     f"as stages ({pp}); raise gradient_accumulation to {pp}")
+        return found
 
     def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
         CALLS["schedule.actions"] += 1
@@ -171,9 +172,8 @@ def test_check_accepts_the_plugins_and_enforces_their_rules(
     # The generic rule every codec but 'none' inherits: nothing to compress at data 1.
     assert any("data 1" in p for p in _problems([*BASE, *TOPK[len(DP2):]], 1))
     refused = _problems([*LIFO, "optimization.gradient_accumulation=1"], 2)
-    assert refused == ["optimization.gradient_accumulation: 1 micro-batches per step: "
-                       "lifo_gpipe needs at least as many micro-batches as stages (2); raise "
-                       "gradient_accumulation to 2"]
+    assert refused == ["optimization.gradient_accumulation: lifo_gpipe needs at least as many "
+                       "micro-batches as stages (2); raise gradient_accumulation to 2"]
     # An unknown name is refused with the registered names, plug-ins included.
     with pytest.raises(UserError, match="'topk_ef'"):
         load_config(None, [*DP2, "controllers.communication.compression=topk"])

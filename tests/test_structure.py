@@ -54,3 +54,57 @@ def test_the_trainer_holds_no_fault_injection() -> None:
         assert needle not in source, needle
     # What a test injects reaches the trainer as one object, called at one place.
     assert source.count("self.faults.") == 1
+
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+CODEC_NAMES = ("fp16", "bf16", "1bit", "powersgd", "int8")
+
+
+def _string_literals(path: Path) -> list[str]:
+    return [n.value for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_schedule_names_live_in_their_registry_entries_only() -> None:
+    """A consumer that tested a schedule's name would not know a registered plug-in."""
+    allowed = {"mcpar/controllers/compute/pipeline_schedules.py",  # the entries
+               "mcpar/registry/schedule.py"}  # the defaults (1f1b; interleaved with chunks)
+    found = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+             if set(_string_literals(p)) & set(SCHEDULE_NAMES)}
+    assert found <= allowed, found - allowed
+
+
+def _codec_name_tests(path: Path) -> int:
+    """Comparisons of a codec name with something called compression or codec."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = {s.value for s in ast.walk(node) if isinstance(s, ast.Constant)}
+        if names & set(CODEC_NAMES) and any(
+                "compression" in ast.unparse(s) or "codec" in ast.unparse(s) for s in sides):
+            count += 1
+    return count
+
+
+def test_codec_names_are_tested_only_where_no_entry_owns_the_rule_yet() -> None:
+    """A ratchet: the codec entries (``controllers/communication/codecs.py``) hold every codec
+    rule, price and build; these sites still name a codec, each for a reason, and none may be
+    added (a new codec rule goes into its entry)."""
+    remaining = {
+        # the parameter store's own wire kernels (int8 / bf16 inter-node stage, int8 gathers)
+        "mcpar/controllers/memory/param_store.py": 3,
+        # the seed table's list of mechanisms, each a layout predicate
+        "mcpar/sim/seed_table.py": 3,
+        # 1-bit Adam keeps optimizer state of its own: offload refuses it (a memory rule)
+        "mcpar/capabilities.py": 1,
+        # PowerSGD's start step against training.steps, and onebit_adam beside another codec
+        # (config-only rules)
+        "mcpar/plan.py": 2,
+        # optimization.optimizer onebit_adam is the 1bit codec asked by another key
+        "mcpar/controllers/communication/grad_exchange.py": 1,
+    }
+    found = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+             if (n := _codec_name_tests(p)) and "communication/codecs.py" not in str(p)}
+    assert found == remaining

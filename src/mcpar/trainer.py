@@ -205,7 +205,7 @@ class Trainer:
             activation_dtype=self.pm.params[0].dtype,
         )
         self.compute = ComputeController(
-            step_tasks(plan.schedule or "1f1b", self.dims.axis_rank("pp"), self.dims.pp,
+            step_tasks(plan.schedule, self.dims.axis_rank("pp"), self.dims.pp,
                        plan.num_microbatches, plan.virtual_stages,
                        reduce_every_backward=self.zero_stage >= 2),
             self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],

@@ -20,7 +20,7 @@ from mcpar.config.model import (
 )
 from mcpar.registry import Registered
 from mcpar.registry.codec import CODECS
-from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 
 class _Section(BaseModel):
@@ -93,7 +93,8 @@ class ParallelismConfig(_Section):
                                 description="Pipeline stages per rank (interleaving).")
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
     schedule: Registered[SCHEDULES] = Field(  # type: ignore[valid-type]
-        "1f1b", description="Pipeline schedule (a registered one: mcpar.registry.schedule).")
+        DEFAULT_SCHEDULE,
+        description="Pipeline schedule (a registered one: mcpar.registry.schedule).")
 
 
 class ComputeControllerConfig(_Section):

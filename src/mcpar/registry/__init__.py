@@ -18,6 +18,25 @@ from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 from pydantic import AfterValidator
 
+# A layout field (the simulator's Layout spells them so) -> its config key.
+LAYOUT_KEYS = {
+    "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
+    "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
+    "cp": "parallelism.context", "seq_parallel": "parallelism.sequence_parallel",
+    "schedule": "parallelism.schedule",
+    "zero_stage": "controllers.memory.zero_stage",
+    "recompute": "controllers.memory.activation_checkpointing",
+    "compression": "controllers.communication.compression",
+    "topology": "controllers.communication.topology",
+    "allocation": "controllers.memory.allocation",
+    "weight_gather": "controllers.communication.weight_gather",
+    "optimizer": "optimization.optimizer",
+    "global_batch": "optimization.global_batch_size",
+    "micro_batch": "optimization.micro_batch_size",
+    "gradient_accumulation": "optimization.gradient_accumulation", "precision": "training.dtype",
+    "num_gpus": "parallelism",
+}
+
 
 class Named(Protocol):
     name: str

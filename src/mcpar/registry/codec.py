@@ -19,27 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from mcpar.registry import Registry
+from mcpar.registry import LAYOUT_KEYS, Registry
+
+__all__ = ["CODECS", "LAYOUT_KEYS", "ExchangeFacts", "GradientCodec", "Wire", "WireCost"]
 
 INT8_BYTES = 1.0 + 4.0 / 256  # one byte per element plus an fp32 scale per 256-element block
 
-# A layout field (the simulator's Layout and ExchangeFacts spell them alike) -> its config key.
-LAYOUT_KEYS = {
-    "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
-    "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
-    "cp": "parallelism.context", "seq_parallel": "parallelism.sequence_parallel",
-    "schedule": "parallelism.schedule",
-    "zero_stage": "controllers.memory.zero_stage",
-    "recompute": "controllers.memory.activation_checkpointing",
-    "compression": "controllers.communication.compression",
-    "topology": "controllers.communication.topology",
-    "allocation": "controllers.memory.allocation",
-    "weight_gather": "controllers.communication.weight_gather",
-    "optimizer": "optimization.optimizer",
-    "global_batch": "optimization.global_batch_size",
-    "micro_batch": "optimization.micro_batch_size", "precision": "training.dtype",
-    "num_gpus": "parallelism",
-}
 
 
 @dataclass(frozen=True)

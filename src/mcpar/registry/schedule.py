@@ -37,24 +37,27 @@ class PipelineSchedule:
     multi_chunk: bool = False  # runs several chunks per rank (virtual_stages >= 2)
     summary: str = ""  # one line for `mcpar check` and the docs
 
-    def problem(self, pp: int, num_microbatches: int, virtual_stages: int) -> str | None:
-        """None if the schedule runs with these degrees, else one line with the fix."""
+    def problem(self, pp: int, num_microbatches: int,
+                virtual_stages: int) -> tuple[str, str] | None:
+        """None if the schedule runs with these degrees, else (the layout field at fault: 'pp',
+        'vp' or 'gradient_accumulation'; one line with the fix)."""
         if pp < 1:
-            return f"pipeline degree must be at least 1, got {pp}"
+            return "pp", f"pipeline degree must be at least 1, got {pp}"
         if num_microbatches < 1:
-            return f"a pipeline step needs at least 1 micro-batch, got {num_microbatches}"
+            return ("gradient_accumulation",
+                    f"a pipeline step needs at least 1 micro-batch, got {num_microbatches}")
         if virtual_stages < 1:
-            return f"virtual_stages must be at least 1, got {virtual_stages}"
+            return "vp", f"virtual_stages must be at least 1, got {virtual_stages}"
         if not self.multi_chunk and virtual_stages != 1:
             multi = [s.name for s in SCHEDULES if s.multi_chunk]
-            return (f"schedule {self.name} runs one stage per rank, but virtual_stages is "
-                    f"{virtual_stages}; use virtual_stages 1"
-                    + (f" or schedule {' / '.join(multi)}" if multi else ""))
+            return "vp", (f"schedule {self.name} runs one stage per rank, but virtual_stages is "
+                          f"{virtual_stages}; use virtual_stages 1"
+                          + (f" or schedule {' / '.join(multi)}" if multi else ""))
         if self.multi_chunk and virtual_stages < 2:
-            return (f"schedule {self.name} needs virtual_stages >= 2 (stages per rank); set "
-                    "virtual_stages or use schedule 1f1b")
+            return "vp", (f"schedule {self.name} needs virtual_stages >= 2 (stages per rank); "
+                          "set virtual_stages or use schedule 1f1b")
         if self.multi_chunk and pp < 2:
-            return f"schedule {self.name} needs a pipeline of at least 2 ranks; use 1f1b"
+            return "pp", f"schedule {self.name} needs a pipeline of at least 2 ranks; use 1f1b"
         return None
 
     def actions(self, pp_rank: int, pp: int, num_microbatches: int,
@@ -64,9 +67,9 @@ class PipelineSchedule:
     def checked_actions(self, pp_rank: int, pp: int, num_microbatches: int,
                         virtual_stages: int = 1) -> list[Action]:
         """``actions``, after the schedule's rule and the rank's range are checked."""
-        reason = self.problem(pp, num_microbatches, virtual_stages)
-        if reason is not None:
-            raise ValueError(reason)
+        found = self.problem(pp, num_microbatches, virtual_stages)
+        if found is not None:
+            raise ValueError(found[1])
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank {pp_rank} is outside the pipeline of {pp} ranks")
         return self.actions(pp_rank, pp, num_microbatches, virtual_stages)

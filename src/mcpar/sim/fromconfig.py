@@ -20,24 +20,12 @@ from dataclasses import replace
 
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
+from mcpar.registry import LAYOUT_KEYS
 from mcpar.sim.stages import stage_sizes
 from mcpar.sim.workload import Layout, ModelPreset, ModelShape
 
-# Layout field -> the config key a problem with it should name.
-CONFIG_KEYS = {
-    "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
-    "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
-    "cp": "parallelism.context", "seq_parallel": "parallelism.sequence_parallel",
-    "zero_stage": "controllers.memory.zero_stage",
-    "recompute": "controllers.memory.activation_checkpointing",
-    "compression": "controllers.communication.compression",
-    "topology": "controllers.communication.topology",
-    "allocation": "controllers.memory.allocation",
-    "weight_gather": "controllers.communication.weight_gather",
-    "global_batch": "optimization.global_batch_size",
-    "micro_batch": "optimization.micro_batch_size", "precision": "training.dtype",
-    "num_gpus": "parallelism",
-}
+# Layout field -> the config key a problem with it should name (one table, the registry's).
+CONFIG_KEYS = LAYOUT_KEYS
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 

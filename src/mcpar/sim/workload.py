@@ -286,9 +286,9 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
     if lay.schedule not in SCHEDULES:
         bad("schedule", SCHEDULES.unknown(lay.schedule))
-    elif lay.pp > 1 and (reason := SCHEDULES.get(lay.schedule).problem(
+    elif lay.pp > 1 and (found := SCHEDULES.get(lay.schedule).problem(
             lay.pp, lay.num_microbatches, lay.vp)):
-        bad("schedule", reason)
+        bad(*found)
     # The codec's own rules (its registry entry): priced only where it runs.
     for field, text in codec_problems(lay.compression, exchange_facts(lay)):
         bad(field, text)

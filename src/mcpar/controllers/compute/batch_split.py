@@ -22,22 +22,26 @@ from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.schedules import schedule_problem
 from mcpar.device import autocast, memory_budget_bytes, synchronize
+from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.memory import format_bytes
 from mcpar.topology import ParallelDims
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 REPEATS = 3  # timed repeats per size, after one untimed warm-up
+# The forward's share of a forward + backward (the backward computes two gradients).
+FORWARD_SHARE = 1 / 3
 
 
 def modelled_step_time(num_microbatches: int, micro_time_s: float, pp: int,
                        virtual_stages: int, schedule: str) -> float:
     """Step time of `num_microbatches` micro-batches whose forward+backward on one stage takes
-    `micro_time_s`: m slots of work plus the pipeline's fill and drain."""
+    `micro_time_s`: the registered schedule's span over equal stages (m slots of work plus
+    the pipeline's fill and drain, for the built-ins)."""
     if pp == 1:
         return num_microbatches * micro_time_s
-    bubble = (pp - 1) / (virtual_stages if schedule == "interleaved_1f1b" else 1)
-    return (num_microbatches + bubble) * micro_time_s
+    return SCHEDULES.get(schedule).span(num_microbatches, micro_time_s, pp * micro_time_s,
+                                        [micro_time_s] * pp, virtual_stages, FORWARD_SHARE)
 
 
 @dataclass

@@ -64,15 +64,16 @@ class Interleaved1F1B(_FillDrain):
     multi_chunk = True
     summary = "Megatron-LM's interleaved 1F1B over virtual_stages chunks per rank"
 
-    def problem(self, pp: int, m: int, v: int) -> str | None:
-        reason = super().problem(pp, m, v)
-        if reason is None and (m < pp or m % pp):
+    def problem(self, pp: int, m: int, v: int) -> tuple[str, str] | None:
+        found = super().problem(pp, m, v)
+        if found is None and (m < pp or m % pp):
             # Micro-batches go through the chunks in groups of pp (Megatron-LM's order), and
             # the order cannot express a partial group.
-            reason = (f"schedule interleaved_1f1b needs the number of micro-batches ({m}) to "
-                      f"be a multiple of the pipeline degree {pp} (at least {pp}); raise "
-                      f"gradient_accumulation to a multiple of {pp}")
-        return reason
+            found = ("gradient_accumulation",
+                     f"schedule interleaved_1f1b needs the number of micro-batches ({m}) to be "
+                     f"a multiple of the pipeline degree {pp} (at least {pp}); raise "
+                     f"gradient_accumulation to a multiple of {pp}")
+        return found
 
     def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
         def action(kind: str, k: int) -> Action:

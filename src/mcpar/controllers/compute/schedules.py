@@ -26,7 +26,8 @@ from mcpar.config import JobConfig
 from mcpar.errors import problem
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.tasks import Task, TaskKind
-from mcpar.registry.schedule import SCHEDULES, Action
+from mcpar.registry import LAYOUT_KEYS
+from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action
 
 __all__ = ["Action", "build_schedule", "schedule_problem", "schedule_problems", "step_tasks"]
 
@@ -45,7 +46,8 @@ def schedule_problem(schedule: str, pp: int, num_microbatches: int,
     """None if the schedule can run with these degrees, else a one-line reason with the fix."""
     if schedule not in SCHEDULES:
         return SCHEDULES.unknown(schedule)
-    return SCHEDULES.get(schedule).problem(pp, num_microbatches, virtual_stages)
+    found = SCHEDULES.get(schedule).problem(pp, num_microbatches, virtual_stages)
+    return None if found is None else found[1]
 
 
 def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
@@ -58,26 +60,17 @@ def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
             return [problem("parallelism.virtual_stages",
                             f"{par.virtual_stages} virtual stages need parallelism.pipeline > 1")]
         return []
-    schedule = SCHEDULES.get(par.schedule)
-    multi = [s.name for s in SCHEDULES if s.multi_chunk]
-    if par.virtual_stages > 1 and not schedule.multi_chunk:
-        return [problem("parallelism.schedule",
-                        f"'{par.schedule}' runs one stage per rank; use "
-                        f"{' or '.join(repr(n) for n in multi)} with virtual_stages "
-                        f"{par.virtual_stages}")]
-    if schedule.multi_chunk and par.virtual_stages == 1:
-        return [problem("parallelism.virtual_stages",
-                        f"{par.schedule} needs at least 2 virtual stages per rank")]
-    if cfg.controllers.compute.batch_splitting == "dynamic":
+    found = SCHEDULES.get(par.schedule).problem(par.pipeline, num_microbatches,
+                                                par.virtual_stages)
+    if found is None:
+        return []
+    field, text = found
+    if field == "gradient_accumulation" and cfg.controllers.compute.batch_splitting == "dynamic":
         return []  # the controller only considers micro-batch counts the schedule accepts
-    reason = schedule.problem(par.pipeline, num_microbatches, par.virtual_stages)
-    if reason:
-        return [problem("optimization.gradient_accumulation",
-                        f"{num_microbatches} micro-batches per step: {reason}")]
-    return []
+    return [problem(LAYOUT_KEYS[field], text)]
 
 
-def step_tasks(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
+def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: int,
                virtual_stages: int = 1, reduce_every_backward: bool = False) -> list[Task]:
     """Every task of one optimizer step on pipeline rank ``pp_rank``, in the order to run them.
 
@@ -86,8 +79,9 @@ def step_tasks(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
     (ZeRO stage 2, which keeps no full gradient between micro-batches) arms the gradient
     buckets before every backward, not only the last of each chunk.
     """
-    actions = build_schedule("1f1b" if pp == 1 else schedule, pp_rank, pp, num_microbatches,
-                             virtual_stages)
+    if pp == 1 or schedule is None:
+        schedule = DEFAULT_SCHEDULE
+    actions = build_schedule(schedule, pp_rank, pp, num_microbatches, virtual_stages)
     last_stage = pp * virtual_stages - 1
     last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
     tasks: list[Task] = []
