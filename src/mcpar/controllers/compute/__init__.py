@@ -1,7 +1,8 @@
 """ComputeController: the schedule of a step and everything that decides it.
 
 - ``controller.py``: the step as a list of tasks, run in order, with a task log;
-- ``schedules.py``: pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as task generators;
+- ``pipeline_schedules.py``: the registered pipeline schedules (GPipe, 1F1B, interleaved 1F1B);
+- ``schedules.py``: a schedule's actions as the step's task list;
 - ``stage_cut.py``: how the model is cut into pipeline stages (by modelled cost);
 - ``batch_split.py``: how many micro-batches a step is cut into (fixed, or measured: dynamic);
 - ``load_balance.py`` / ``expert_balance.py``: the expert load-balancing policy (static, greedy,
