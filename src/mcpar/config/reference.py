@@ -20,11 +20,12 @@ from mcpar.config import (
     MAX_YAML_NODES,
     JobConfig,
 )
-from mcpar.registry import Registry
+from mcpar.registry import RegisteredName
 
 
 def _type_name(annotation: object, field: FieldInfo | None = None) -> str:
-    registry = next((m for m in field.metadata if isinstance(m, Registry)), None) if field else None
+    registry = next((m.registry for m in field.metadata if isinstance(m, RegisteredName)),
+                    None) if field else None
     if registry is not None:  # a registered name: the built-in entries
         return " \\| ".join(f"`{name}`" for name in registry.names())
     if annotation is type(None):

@@ -9,7 +9,7 @@ the same rules.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,7 +18,7 @@ from mcpar.config.model import (
     MAX_LAYERS,
     ModelConfig,
 )
-from mcpar.registry import Registered
+from mcpar.registry import RegisteredName
 from mcpar.registry.codec import CODECS
 from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
@@ -92,7 +92,7 @@ class ParallelismConfig(_Section):
     virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS,
                                 description="Pipeline stages per rank (interleaving).")
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")
-    schedule: Registered[SCHEDULES] = Field(  # type: ignore[valid-type]
+    schedule: Annotated[str, RegisteredName(SCHEDULES)] = Field(
         DEFAULT_SCHEDULE,
         description="Pipeline schedule (a registered one: mcpar.registry.schedule).")
 
@@ -163,7 +163,7 @@ class MemoryControllerConfig(_Section):
 
 
 class CommunicationControllerConfig(_Section):
-    compression: Registered[CODECS] = Field(  # type: ignore[valid-type]
+    compression: Annotated[str, RegisteredName(CODECS)] = Field(
         "none", description="Gradient compression codec (int8: the parameter store's inter-node "
         "reduce-scatter, with error feedback)."
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from typing import Annotated, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import AfterValidator
 
@@ -90,17 +90,16 @@ class Registry(Generic[T]):
         return f"unknown {self.what} {name!r}; choose one of {', '.join(map(repr, self.names()))}"
 
 
-class _RegisteredName:
-    """``Registered[REGISTRY]``: a config field naming an entry of REGISTRY (any registered one,
-    plug-ins included), checked when the config is validated; the docs list the names."""
+class RegisteredName(AfterValidator):
+    """``Annotated[str, RegisteredName(REGISTRY)]``: a config field naming an entry of REGISTRY
+    (any registered one, plug-ins included), checked when the config is validated; the
+    generated reference lists the built-in names."""
 
-    def __class_getitem__(cls, registry: Registry[Any]) -> Any:
+    def __init__(self, registry: Registry[Any]):
         def check(name: str) -> str:
             if name not in registry:
                 raise ValueError(registry.unknown(name))
             return name
 
-        return Annotated[str, AfterValidator(check), registry]
-
-
-Registered = _RegisteredName
+        super().__init__(check)
+        object.__setattr__(self, "registry", registry)
