@@ -40,7 +40,7 @@ class PipelineSchedule:
     def problem(self, pp: int, num_microbatches: int,
                 virtual_stages: int) -> tuple[str, str] | None:
         """None if the schedule runs with these degrees, else (the layout field at fault: 'pp',
-        'vp' or 'gradient_accumulation'; one line with the fix)."""
+        'vp', 'schedule' or 'gradient_accumulation'; one line with the fix)."""
         if pp < 1:
             return "pp", f"pipeline degree must be at least 1, got {pp}"
         if num_microbatches < 1:
@@ -50,9 +50,10 @@ class PipelineSchedule:
             return "vp", f"virtual_stages must be at least 1, got {virtual_stages}"
         if not self.multi_chunk and virtual_stages != 1:
             multi = [s.name for s in SCHEDULES if s.multi_chunk]
-            return "vp", (f"schedule {self.name} runs one stage per rank, but virtual_stages is "
-                          f"{virtual_stages}; use virtual_stages 1"
-                          + (f" or schedule {' / '.join(multi)}" if multi else ""))
+            # Named on the schedule: chunks per rank ask for a schedule that runs them.
+            return "schedule", (f"schedule {self.name} runs one stage per rank, but "
+                                f"virtual_stages is {virtual_stages}; use virtual_stages 1"
+                                + (f" or schedule {' / '.join(multi)}" if multi else ""))
         if self.multi_chunk and virtual_stages < 2:
             return "vp", (f"schedule {self.name} needs virtual_stages >= 2 (stages per rank); "
                           "set virtual_stages or use schedule 1f1b")
