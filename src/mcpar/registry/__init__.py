@@ -46,6 +46,7 @@ T = TypeVar("T", bound=Named)
 
 # The module whose import registers every built-in entry (see the docstring).
 BUILTINS = "mcpar.controllers.registered"
+_builtins_loaded = False
 
 
 class Registry(Generic[T]):
@@ -66,7 +67,11 @@ class Registry(Generic[T]):
         self._entries.pop(name, None)
 
     def _loaded(self) -> dict[str, T]:
-        importlib.import_module(BUILTINS)
+        # Once per process: the planner and the cost model look entries up per layout.
+        global _builtins_loaded
+        if not _builtins_loaded:
+            importlib.import_module(BUILTINS)
+            _builtins_loaded = True
         return self._entries
 
     def __contains__(self, name: object) -> bool:

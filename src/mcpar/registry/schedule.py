@@ -14,6 +14,7 @@ stages; rank ``r`` holds stages ``r, r + pp, ...`` (its local chunks 0..v-1).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from mcpar.registry import Registry
@@ -30,7 +31,7 @@ class Action:
     micro: int  # micro-batch index
 
 
-class PipelineSchedule:
+class PipelineSchedule(ABC):
     """A pipeline schedule. Subclasses set ``name``, ``multi_chunk`` and ``actions``."""
 
     name: str = ""
@@ -61,9 +62,10 @@ class PipelineSchedule:
             return "pp", f"schedule {self.name} needs a pipeline of at least 2 ranks; use 1f1b"
         return None
 
+    @abstractmethod
     def actions(self, pp_rank: int, pp: int, num_microbatches: int,
                 virtual_stages: int) -> list[Action]:
-        raise NotImplementedError
+        """Rank `pp_rank`'s ordered actions for one step (every schedule defines its own)."""
 
     def checked_actions(self, pp_rank: int, pp: int, num_microbatches: int,
                         virtual_stages: int = 1) -> list[Action]:
