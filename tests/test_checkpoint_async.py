@@ -44,6 +44,7 @@ from mcpar.checkpoint.manager import (
 from mcpar.config import load_config
 from mcpar.errors import UserError
 from mcpar.metrics import read_metrics
+from mcpar.plan import resolve_plan
 
 BASE = [*TINY, "training.steps=40", "parallelism.data=2", "optimization.checkpoint.interval=10"]
 ASYNC = ["optimization.checkpoint.async_save=true"]
@@ -166,7 +167,8 @@ def test_missing_zstd_is_a_user_error(reference: Path, monkeypatch: pytest.Monke
     dims = SimpleNamespace(dp=1, tp=1, pp=1, ep=1, world_size=1)
     with pytest.raises(UserError, match="optimization.checkpoint.compression.*pip install "
                                         "zstandard"):
-        FaultRecoveryManager(cfg, tmp_path, dims, [], None, None, 0,  # type: ignore[arg-type]
+        FaultRecoveryManager(resolve_plan(cfg, 1), tmp_path, dims, [], None,  # type: ignore[arg-type]
+                             None, 0,
                              barrier=lambda: None, agree=lambda v: v)
     # An uncompressed checkpoint reads without it.
     assert load_tensors(reference / "checkpoints" / "step-40", "model/")

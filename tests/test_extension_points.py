@@ -181,8 +181,8 @@ def test_check_accepts_the_plugins_and_enforces_their_rules(
 
 def test_the_memory_estimate_counts_the_codecs_error_buffer() -> None:
     before = CALLS["codec.memory"]
-    plain = resolve_plan(load_config(None, DP2), 2).memory
-    topk = resolve_plan(load_config(None, TOPK), 2).memory
+    plain = resolve_plan(load_config(None, DP2), 2).memory.estimate
+    topk = resolve_plan(load_config(None, TOPK), 2).memory.estimate
     assert CALLS["codec.memory"] > before
     # 4 bytes per parameter of the rank: the error feedback buffer.
     assert topk.comm_bytes - plain.comm_bytes == 4 * topk.params_per_rank

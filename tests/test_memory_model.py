@@ -96,7 +96,7 @@ def test_check_and_simulate_print_the_same_memory(name: str, tmp_path: Path,
     cfg = load_config(str(path))
     plan = resolve_plan(cfg, None)
     est = estimate_memory(plan.config, plan.parallel_dims())
-    assert est.rows() == list(rows.items()) == plan.memory.rows()
+    assert est.rows() == list(rows.items()) == plan.memory.estimate.rows()
     pred = simulate(config_model(cfg), config_layout(cfg, gpus), cluster_preset(f"a100x{gpus}"))
     assert pred.memory.rows() == est.rows()
     assert pred.memory.total == pytest.approx(pred.memory.per_rank + 2 * 2**30)
@@ -138,7 +138,7 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     heads = plan.config.model.num_heads
     activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s)
     params = params_per_pipeline_rank(plan.config, plan.parallel_dims())[0]
-    assert plan.memory.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
+    assert plan.memory.estimate.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
                                   ("optimizer state", 8 * params),
                                   ("activations", activations),
                                   ("communication buffers", 0), ("gathered working set", 0),

@@ -100,11 +100,69 @@ def test_codec_names_are_tested_only_where_no_entry_owns_the_rule_yet() -> None:
         # 1-bit Adam keeps optimizer state of its own: offload refuses it (a memory rule)
         "mcpar/capabilities.py": 1,
         # PowerSGD's start step against training.steps, and onebit_adam beside another codec
-        # (config-only rules)
-        "mcpar/plan.py": 2,
-        # optimization.optimizer onebit_adam is the 1bit codec asked by another key
-        "mcpar/controllers/communication/grad_exchange.py": 1,
+        # (config-only rules); optimization.optimizer onebit_adam is the 1bit codec asked by
+        # another key
+        "mcpar/controllers/communication/plan.py": 3,
     }
     found = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
              if (n := _codec_name_tests(p)) and "communication/codecs.py" not in str(p)}
     assert found == remaining
+
+
+# The config's controller sections and pipeline keys are read where the plan is made: the config
+# package, the job plan, each controller's plan module and the MemoryController's planners (the
+# placement to a budget and the estimate it searches with), and the simulator's translation of
+# a config into its layout. The runtime (trainer, checkpoints, meter, profiler, executors,
+# exchanges, store, offload) reads plans.
+PLANNING_MODULES = (
+    "mcpar/config/", "mcpar/plan.py", "mcpar/controllers/compute/plan.py",
+    "mcpar/controllers/memory/plan.py", "mcpar/controllers/communication/plan.py",
+    "mcpar/controllers/memory/placement.py", "mcpar/controllers/memory/estimate.py",
+    "mcpar/controllers/memory/zero_plan.py", "mcpar/sim/fromconfig.py",
+    # Checks of a config before it is planned (what this version cannot train, paths).
+    "mcpar/capabilities.py", "mcpar/path_checks.py",
+)
+PLAN_KEYS = (("controllers",), ("parallelism", "schedule"), ("parallelism", "virtual_stages"))
+
+
+def _plan_key_reads(tree: ast.AST) -> list[str]:
+    """``<x>.controllers`` and ``<x>.parallelism.schedule`` / ``.virtual_stages`` reads."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        for key in PLAN_KEYS:
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute) and len(chain) < len(key):
+                chain.insert(0, value.attr)
+                value = value.value
+            if tuple(chain) == key:
+                found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_controller_sections_are_read_only_where_the_plan_is_made() -> None:
+    offending = {}
+    for path in (SRC / "mcpar").rglob("*.py"):
+        rel = str(path.relative_to(SRC))
+        if rel.startswith(PLANNING_MODULES):
+            continue
+        reads = _plan_key_reads(ast.parse(path.read_text()))
+        if reads:
+            offending[rel] = reads
+    assert offending == {}, f"read the plan instead: {offending}"
+
+
+def test_the_ratchet_sees_a_read_of_the_config() -> None:
+    """The check above finds the reads it looks for (and not a plan's attribute)."""
+    tree = ast.parse("z = cfg.controllers.memory.zero_stage\ns = self.cfg.parallelism.schedule\n"
+                     "ok = plan.compute.schedule\nv = cfg.parallelism.virtual_stages\n")
+    assert sorted(r.split(" ")[0] for r in _plan_key_reads(tree)) == [
+        "cfg.controllers", "cfg.parallelism.virtual_stages", "self.cfg.parallelism.schedule"]
+
+
+def test_the_trainer_constructor_is_an_ordered_list_of_builds() -> None:
+    init = next(node for node in ast.walk(_trainer_tree())
+                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assert init.end_lineno is not None
+    assert init.end_lineno - init.lineno + 1 <= 60

@@ -191,7 +191,7 @@ def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunD
     written: an existing run is never overwritten by a plain run, nor by a resume that would
     change its model or data order.
     """
-    cfg, dims = plan.config, plan.parallel_dims()
+    cfg = plan.config
     ckpt_dir = checkpoint_dir(cfg, run_dir)
     lock = RunDirLock(run_dir).acquire()
     try:
@@ -207,7 +207,7 @@ def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunD
         found = find_latest_valid(ckpt_dir) if resume else None
         if found is not None:
             # Refuse before any worker starts: a mismatch is a user error (exit 2), not a crash.
-            problems = resume_problems(read_meta(found[1]), cfg, layout_of(dims, cfg))
+            problems = resume_problems(read_meta(found[1]), cfg, layout_of(plan))
             if problems:
                 raise UserError(problems)
         if resume:
@@ -309,10 +309,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     plan = resolve_plan(_load(args), args.nproc)
     cfg = plan.config
-    m, ctl = cfg.model, cfg.controllers
+    m, compute, memory, exchange = cfg.model, plan.compute, plan.memory, plan.communication
     spec = get_model_spec(m.kind)
-    est = plan.memory
-    exchange = plan.grad_exchange
+    est = memory.estimate
     lines = [
         f"mcpar check: {args.config} is valid",
         f"layout:  {plan.parallel_dims().describe()}",
@@ -327,12 +326,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         + (f", {m.num_experts} experts top-{m.top_k}" if m.is_moe else "")
         + f": {est.num_params:,} parameters, "
         f"{spec.flops_per_token(m) / 1e6:.1f} MFLOPs per training token",
-        f"controllers: compute scheduler={ctl.compute.scheduler} "
-        f"batch_splitting={ctl.compute.batch_splitting}; memory allocation="
-        f"{ctl.memory.allocation} offload={ctl.memory.offload} zero_stage={ctl.memory.zero_stage}; "
-        f"communication compression={ctl.communication.compression} "
-        f"topology={ctl.communication.topology} "
-        f"weight_gather={ctl.communication.weight_gather}",
+        f"controllers: compute scheduler={compute.balance.scheduler} "
+        f"batch_splitting={compute.batch_splitting}; memory allocation="
+        f"{'topology_aware' if memory.store.node_cache else 'default'} "
+        f"offload={memory.offload.target} zero_stage={memory.zero_stage}; "
+        f"communication codec={exchange.codec} topology={exchange.topology} "
+        f"weight_gather={memory.store.weight_codec}",
         f"gradient exchange: {exchange.strategy}, {exchange.topology}, codec {exchange.codec}",
         f"pipeline: {len(plan.stage_cut)} stages of blocks "
         + " | ".join(f"{a}-{b - 1}" for a, b in plan.stage_cut)
@@ -343,9 +342,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         + f" (single process: {est.num_params:,})",
     ]
     lines += est.report_lines()
-    if plan.memory_plan is not None:  # the MemoryController's placement to the budget
-        lines += plan.memory_plan.report_lines()
-    lines += plan.placement.report_lines()
+    if memory.budget is not None:  # the MemoryController's placement to the budget
+        lines += memory.budget.report_lines()
+    lines += memory.holdings.report_lines()
     pending = unsupported_settings(cfg)
     if pending:
         lines.append("not trainable with this version yet (mcpar train will refuse):")

@@ -3,16 +3,18 @@
 ``resolve_plan`` is the one place where a config meets a world size: it runs every cross-field
 check (degrees against the world and the model, batch divisibility, schedule, gradient exchange,
 node layout), derives what the config leaves open (the data degree, the micro-batch count, the
-global batch) and asks each controller for its part of the plan:
+global batch) and asks each controller for its plan:
 
-- ComputeController: the stage cut (``stage_cut.partition_layers``), the schedule;
-- CommunicationController: the gradient exchange (``grad_exchange.plan_grad_exchange``);
-- MemoryController: the per-rank memory estimate (``memory.estimate``).
+- ComputeController: ``ComputePlan`` (schedule, stage cut, micro-batches, expert balancing);
+- MemoryController: ``MemoryPlan`` (ZeRO stage, store, offload, recompute, the estimate), after
+  the placement to the memory budget;
+- CommunicationController: ``CommPlan`` (the gradient exchange).
 
-``mcpar check``, ``mcpar train`` (the launcher and every worker) and ``mcpar simulate`` all go
-through it, so they accept and refuse the same configs. The config itself is never written to:
-``JobPlan.config`` is a new, frozen config with the derived values filled in (the run
-directory's ``config.yaml``); dynamic batch splitting produces a new plan (``with_split``).
+Each plan builds its runtime; the runtime reads plans, never ``controllers.*``. ``mcpar check``,
+``mcpar train`` (the launcher and every worker) and ``mcpar simulate`` all go through here, so
+they accept and refuse the same configs. ``JobPlan.config`` is a new, frozen config with the
+derived values filled in (the run directory's ``config.yaml``, a record of the decisions);
+dynamic batch splitting produces a new plan (``with_split``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from mcpar.config import JobConfig
-from mcpar.controllers.communication.grad_exchange import (
-    GradExchangePlan,
-    codec_config_problems,
-    plan_grad_exchange,
-    uses_onebit_adam,
+from mcpar.controllers.communication.plan import (
+    CommPlan,
+    communication_problems,
+    plan_communication,
 )
-from mcpar.controllers.compute.schedules import schedule_problems
-from mcpar.controllers.compute.stage_cut import partition_layers
-from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory
-from mcpar.controllers.memory.placement import Placement, place
-from mcpar.controllers.memory.zero import MemoryPlacement, plan_placement, zero_problems
+from mcpar.controllers.compute.plan import ComputePlan, plan_compute, schedule_problems
+from mcpar.controllers.memory.estimate import estimate_memory
+from mcpar.controllers.memory.placement import place, with_settings
+from mcpar.controllers.memory.plan import MemoryPlan, plan_memory
+from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
 
@@ -46,19 +47,38 @@ class JobPlan:
     tp: int
     pp: int
     ep: int
-    virtual_stages: int
-    sequence_parallel: bool
-    micro_batch_size: int  # sequences per micro-batch per data-parallel rank
-    num_microbatches: int  # per step
-    global_batch_size: int  # sequences per step, all ranks
-    schedule: str | None  # pipeline schedule; None without a pipeline
-    stage_cut: tuple[tuple[int, int], ...]  # [start, end) blocks of every global stage
-    grad_exchange: GradExchangePlan
-    memory: MemoryEstimate  # the largest rank's
-    placement: MemoryPlacement  # what each rank holds of every parameter group (ZeRO)
-    batch_splitting: str  # how the micro-batch count was chosen: 'fixed' or 'dynamic'
-    # The MemoryController's placement to the memory budget (None beside dynamic splitting).
-    memory_plan: Placement | None = None
+    compute: ComputePlan
+    memory: MemoryPlan
+    communication: CommPlan
+
+    # The compute plan's batch and pipeline terms, which most readers of a plan want.
+    @property
+    def virtual_stages(self) -> int:
+        return self.compute.virtual_stages
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.compute.sequence_parallel
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.compute.micro_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.compute.num_microbatches
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.compute.global_batch_size
+
+    @property
+    def schedule(self) -> str | None:
+        return self.compute.schedule
+
+    @property
+    def stage_cut(self) -> tuple[tuple[int, int], ...]:
+        return self.compute.stage_cut
 
     def parallel_dims(self) -> ParallelDims:
         """A new ParallelDims of this plan's degrees (it holds the process groups it builds)."""
@@ -77,29 +97,32 @@ class JobPlan:
         problems = schedule_problems(config, num_microbatches)
         if problems:
             raise UserError(problems)
+        compute = dataclasses.replace(self.compute.with_split(micro_batch_size,
+                                                              num_microbatches),
+                                      batch_splitting="dynamic")
         return dataclasses.replace(
-            self, config=config, micro_batch_size=micro_batch_size,
-            num_microbatches=num_microbatches, batch_splitting="dynamic",
-            memory=estimate_memory(config, self.parallel_dims()))
+            self, config=config, compute=compute,
+            memory=self.memory.with_estimate(estimate_memory(config, self.parallel_dims())))
 
     def to_json(self) -> dict[str, object]:
+        compute, memory = self.compute, self.memory
         return {
             "world_size": self.world_size,
             "degrees": {"data": self.dp, "tensor": self.tp, "pipeline": self.pp,
                         "experts": self.ep},
-            "mesh": {"order": ["pp", "dp", "tp"], "virtual_stages": self.virtual_stages,
-                     "sequence_parallel": self.sequence_parallel},
-            "batch": {"micro_batch_size": self.micro_batch_size,
-                      "num_microbatches": self.num_microbatches,
-                      "global_batch_size": self.global_batch_size,
-                      "batch_splitting": self.batch_splitting},
-            "schedule": self.schedule,
-            "stage_cut": [list(r) for r in self.stage_cut],
-            "grad_exchange": self.grad_exchange.to_json(),
-            "memory": {"params_per_rank": self.memory.params_per_rank,
-                       **{name: value for name, value in self.memory.rows()}},
-            "memory_placement": self.placement.to_json(),
-            **({"memory_plan": self.memory_plan.to_json()} if self.memory_plan else {}),
+            "mesh": {"order": ["pp", "dp", "tp"], "virtual_stages": compute.virtual_stages,
+                     "sequence_parallel": compute.sequence_parallel},
+            "batch": {"micro_batch_size": compute.micro_batch_size,
+                      "num_microbatches": compute.num_microbatches,
+                      "global_batch_size": compute.global_batch_size,
+                      "batch_splitting": compute.batch_splitting},
+            "schedule": compute.schedule,
+            "stage_cut": [list(r) for r in compute.stage_cut],
+            "grad_exchange": self.communication.to_json(),
+            "memory": {"params_per_rank": memory.estimate.params_per_rank,
+                       **{name: value for name, value in memory.estimate.rows()}},
+            "memory_placement": memory.holdings.to_json(),
+            **({"memory_plan": memory.budget.to_json()} if memory.budget else {}),
         }
 
 
@@ -174,18 +197,15 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
                                                "global_batch_size": global_batch}),
     })
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, world_size=dp * tp * pp)
-    # Recompute per block, offload and ZeRO stage to the memory budget (what the user left unset).
-    resolved, memory_plan = place(resolved, dims)
+    # The MemoryController first: recompute per block, offload and ZeRO stage to the memory
+    # budget (what the user left unset); the exchange serves its ZeRO stage.
+    memory = plan_memory(resolved, dims, place(resolved, dims))
+    resolved = with_settings(resolved, memory.settings)  # config.yaml records the decision
     return JobPlan(
         config=resolved, world_size=dims.world_size, dp=dp, tp=tp, pp=pp, ep=par.experts,
-        virtual_stages=par.virtual_stages, sequence_parallel=par.sequence_parallel,
-        micro_batch_size=opt.micro_batch_size, num_microbatches=num_micro,
-        global_batch_size=global_batch, schedule=par.schedule if pp > 1 else None,
-        stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
-        grad_exchange=plan_grad_exchange(resolved, dp),
-        memory=estimate_memory(resolved, dims),
-        placement=plan_placement(resolved, dp, par.experts),
-        batch_splitting=cfg.controllers.compute.batch_splitting, memory_plan=memory_plan,
+        compute=plan_compute(resolved, opt.micro_batch_size, num_micro, global_batch),
+        memory=memory,
+        communication=plan_communication(resolved, dp, memory.zero_stage),
     )
 
 
@@ -270,39 +290,4 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
                 f"top_k {model.top_k} is larger than num_experts {model.num_experts}; use at "
                 f"most {model.num_experts}",
             ))
-    return problems
-
-
-def communication_problems(cfg: JobConfig, dp: int) -> list[str]:
-    """Combinations of compression, optimizer, topology and layout that cannot work."""
-    comm, opt, cluster = cfg.controllers.communication, cfg.optimization, cfg.cluster
-    problems: list[str] = []
-    if opt.optimizer == "onebit_adam" and comm.compression not in ("none", "1bit"):
-        problems.append(problem(
-            "controllers.communication.compression",
-            f"{comm.compression!r} cannot be combined with optimization.optimizer "
-            "'onebit_adam', which compresses the momentum in 1 bit itself; use compression "
-            "'1bit' or optimizer 'adamw'",
-        ))
-    if uses_onebit_adam(cfg):
-        if opt.freeze_step >= cfg.training.steps:
-            problems.append(problem(
-                "optimization.freeze_step",
-                f"{opt.freeze_step} is not below training.steps {cfg.training.steps}: 1-bit "
-                "Adam would never compress; use about 15-25% of the steps",
-            ))
-    if comm.compression == "powersgd" and comm.powersgd_start_step >= cfg.training.steps:
-        problems.append(problem(
-            "controllers.communication.powersgd_start_step",
-            f"{comm.powersgd_start_step} is not below training.steps {cfg.training.steps}: "
-            "PowerSGD would never compress",
-        ))
-    problems += codec_config_problems(cfg, dp)  # the codec's own rules (its registry entry)
-    link = [cluster.intra_node_bandwidth_gbps, cluster.intra_node_latency_us,
-            cluster.inter_node_bandwidth_gbps, cluster.inter_node_latency_us]
-    if any(v is not None for v in link) and any(v is None for v in link):
-        problems.append(problem(
-            "cluster", "give all four of intra/inter_node_bandwidth_gbps and "
-            "intra/inter_node_latency_us, or none (they are then measured)",
-        ))
     return problems

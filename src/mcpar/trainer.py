@@ -35,23 +35,17 @@ import torch.distributed as dist
 
 from mcpar.checkpoint.manager import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
-from mcpar.comm.communicator import CommHandle
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.communication.grad_exchange import build_grad_exchange
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.controllers.compute.batch_split import choose_split
 from mcpar.controllers.compute.controller import ComputeController, StepBatch
 from mcpar.controllers.compute.expert_balance import MoERoutingController
-from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMismatch
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.controllers.memory.measure import MemoryMeter, trainer_memory
-from mcpar.controllers.memory.offload import checkpoint_parameters, plan_offload
-from mcpar.controllers.memory.optimizer import build_optimizer
-from mcpar.controllers.memory.param_store import ParameterStore, build_stage3
-from mcpar.controllers.memory.recompute import apply_layer_recompute, layer_modes
+from mcpar.controllers.memory.recompute import apply_layer_recompute
 from mcpar.data import BatchStream, load_corpus
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
@@ -102,14 +96,45 @@ class Trainer:
         """``resume``: continue from the newest valid checkpoint (step 0 if there is none).
         ``stop_after``: stop after that step, saving a checkpoint, without changing the
         schedule (the LR decay still targets ``training.steps``). ``faults``: what a test
-        injects (None in production)."""
-        cfg = plan.config
-        self.cfg = cfg
-        self.stop_after = stop_after
-        self.faults = faults
-        self.skipped_steps = 0
-        self.nonfinite_in_a_row = 0
-        self.run_dir = run_dir
+        injects (None in production). The builds run in the module docstring's order."""
+        self.cfg, self.plan, self.run_dir = plan.config, plan, run_dir
+        self.stop_after, self.faults = stop_after, faults
+        self.skipped_steps = self.nonfinite_in_a_row = 0
+        mesh_device = self._start_process(env)  # 1
+        self.dims = plan.parallel_dims()  # 2
+        self.dims.build_mesh(mesh_device)
+        self.comm = CommunicationController(self.dims)  # 3
+        self._setup_topology(plan.communication.topology)
+        self.dp_rank = self.dims.axis_rank("dp")
+        self._build_data()  # 4
+        self._build_model()  # 5
+        self.memory = plan.memory.build(self.comm, self.pm.chunks, self.pm.params,  # 6
+                                        plan.communication, run_dir, self.rank, self.device)
+        self.grad_sync, self.store = self.memory.grad_sync, self.memory.store
+        self._log(*self.memory.notes)
+        if plan.compute.batch_splitting == "dynamic":
+            self.plan = self._split_batch(env)
+        if self.rank == 0 and not resume:
+            write_json_atomic(run_dir / "plan.json", self.plan.to_json())
+        self._build_update()  # 7
+        self._build_compute()  # 8
+        self._build_recovery(env, resume)  # 9
+        self.logger = RunLogger(run_dir, enabled=self.rank == 0,
+                                tensorboard=self.cfg.training.tensorboard,
+                                wandb=self.cfg.training.wandb)
+        self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
+        self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
+        self.consistency = ReplicaConsistency(self.memory.replicated(self.pm.chunks), self.comm)
+
+    # --- the builds, in order -----------------------------------------------------------------
+    def _log(self, *lines: str) -> None:
+        if self.rank == 0 and lines:
+            print("\n".join(f"mcpar: {line}" for line in lines), flush=True)
+
+    def _start_process(self, env: DistEnv | None) -> str:
+        """The explicit device and the process group (gloo on CPU, NCCL on CUDA); the device
+        type the mesh is built on."""
+        cfg = self.cfg
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
             dist.init_process_group(
@@ -118,125 +143,109 @@ class Trainer:
                 timeout=datetime.timedelta(seconds=cfg.training.collective_timeout_s),
             )
         self.rank = env.rank if env else 0
-        self.device = setup_worker(info, env.local_rank if env else 0,
-                                   env.local_world_size if env else 1)
+        self.local_world_size = env.local_world_size if env else 1
+        self.device = setup_worker(info, env.local_rank if env else 0, self.local_world_size)
         # The global RNG (dropout) starts from the config's seed, the same on every rank, so
         # that two runs of one config draw the same numbers (a resume restores its state).
         torch.manual_seed(cfg.training.seed)
         self.device_reason = info.reason
-        self.dims = plan.parallel_dims()
-        self.dims.build_mesh(info.type)
-        self.comm = CommunicationController(self.dims)
-        self._setup_topology(plan.grad_exchange.topology)
-        self.dp_rank = self.dims.axis_rank("dp")
+        return info.type
 
+    def _build_data(self) -> None:
+        """Corpus, training and validation streams (a layout-independent sample order)."""
+        cfg, gbs = self.cfg, self.plan.global_batch_size
         corpus = load_corpus(
             cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.val_fraction,
             token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir,
             is_main=self.rank == 0, barrier=self.comm.barrier,
         )
         self.corpus_description = corpus.description
-        gbs, tr = plan.global_batch_size, cfg.training
-        self.train_stream = BatchStream(corpus.train, cfg.model.seq_len, gbs, tr.seed)
-        self.val_stream = BatchStream(corpus.val, cfg.model.seq_len, gbs, tr.seed)
+        self.train_stream = BatchStream(corpus.train, cfg.model.seq_len, gbs, cfg.training.seed)
+        self.val_stream = BatchStream(corpus.val, cfg.model.seq_len, gbs, cfg.training.seed)
 
+    def _build_model(self) -> None:
+        """The model, parallelized in the fixed order on the plan's stage cut, then the
+        MemoryController's recompute and, last, torch.compile."""
+        cfg = self.cfg
         self.spec = get_model_spec(cfg.model.kind)
-        self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(plan.stage_cut))
+        self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(self.plan.stage_cut))
         if cfg.model.init_from:  # a Hugging Face model's weights (a resume then loads over them)
             init_shards(cfg, self.pm.chunks, self.dims)
         # The MemoryController's activation policy, last of the parallelize order (PP -> TP/SP
         # -> EP -> memory): the blocks (or attention cores) that rebuild in the backward pass.
         apply_layer_recompute(self.pm.chunks, self.pm.layer_ranges, self.dims.axis_rank("pp"),
-                              self.dims.pp, layer_modes(cfg))  # per block (placement.py)
+                              self.dims.pp, self.plan.memory.recompute)
         # The experts' kernel is probed before compiling (the probe must not be traced).
         dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
         notes = [describe_expert_kernel(self.device.type, dtype)] if cfg.model.is_moe else []
         notes += finish_blocks(self.pm.chunks, cfg, self.device)  # torch.compile: last
-        if self.rank == 0 and notes:
-            print("\n".join(f"mcpar: {n}" for n in notes), flush=True)
+        self._log(*notes)
         self.meter = MemoryMeter(self.pm.params, self.device)  # measures the first step run
-        comm_plan = plan.grad_exchange
-        # ZeRO (the MemoryController's placement): buckets reduce-scattered into shards over
-        # the data axis (experts: their replicas); stage 2 keeps no full gradient.
-        self.zero_stage = cfg.controllers.memory.zero_stage
-        # Offload, before the gradient buffers: with bf16 it makes the parameters bf16 copies.
-        offload = plan_offload(cfg, self.pm.params, run_dir, self.rank, self.device)
-        shards = tuple((self.comm.axis_size(a), self.comm.axis_rank(a)) for a in ("dp", "edp"))
-        self.store: ParameterStore | None = None
-        if self.zero_stage == 3:  # parameters sharded too, gathered per layer
-            self.grad_sync, self.store, store_text = build_stage3(
-                cfg, self.comm, self.pm.chunks, shards,  # type: ignore[arg-type]
-                comm_plan.bucket_size_mb, comm_plan.overlap)
-            if self.rank == 0:
-                print(f"mcpar: {store_text}", flush=True)
-        else:
-            self.grad_sync = DataParallelGradSync(
-                self.pm.params, comm_plan.bucket_size_mb, overlap=comm_plan.overlap,
-                shards=shards if self.zero_stage else None,  # type: ignore[arg-type]
-                release_grads=self.zero_stage == 2)
-        if plan.batch_splitting == "dynamic":
-            choice, report = choose_split(
-                cfg, self.dims, self.pm.chunks, self.pm.loss_fn, self.device, self.comm,
-                env.local_world_size if env else 1, self.activation_shape,
-                memory_bytes=lambda m, b: plan.with_split(b, m).memory.total_bytes)
-            plan = plan.with_split(choice.micro_batch_size, choice.num_microbatches)
-            if self.rank == 0:
-                print(f"mcpar: {report}", flush=True)
-        self.plan = plan
-        if self.rank == 0 and not resume:
-            write_json_atomic(run_dir / "plan.json", plan.to_json())
-        self.optimizer, self.update_params = build_optimizer(self.pm.params, cfg, comm_plan,
-                                                             self.comm, self.grad_sync,
-                                                             self.store, offload)
+
+    def _split_batch(self, env: DistEnv | None) -> JobPlan:
+        """Dynamic batch splitting: the ComputeController measures and plans a new split."""
+        plan = self.plan
+        choice, report = choose_split(
+            self.cfg, plan.compute, plan.memory.budget_gb, self.dims, self.pm.chunks,
+            self.pm.loss_fn, self.device, self.comm, self.local_world_size,
+            self.activation_shape,
+            memory_bytes=lambda m, b: plan.with_split(b, m).memory.estimate.total_bytes)
+        self._log(report)
+        return plan.with_split(choice.micro_batch_size, choice.num_microbatches)
+
+    def _build_update(self) -> None:
+        """The optimizer over what this rank holds, and the planned gradient exchange."""
+        exchange = self.plan.communication
+        self.optimizer, self.update_params = self.memory.build_optimizer(
+            self.pm.params, self.cfg, exchange, self.comm)
         self.grad_exchange, exchange_text = build_grad_exchange(
-            comm_plan, cfg, self.comm, self.grad_sync, self.optimizer, tr.seed)
+            exchange, self.cfg, self.comm, self.grad_sync, self.optimizer,
+            self.cfg.training.seed)
         if self.store is not None:  # the store reduces each layer's gradients and frees it
             self.grad_exchange.reducer = self.store.aggregate_gradients  # type: ignore[attr-defined]
-        if self.rank == 0 and comm_plan.strategy != "none":
-            print(f"mcpar: {exchange_text}", flush=True)
+        if exchange.strategy != "none":
+            self._log(exchange_text)
+
+    def _build_compute(self) -> None:
+        """The pipeline executor, the ComputeController over the step's task list, and the
+        expert balancer of a model with experts."""
+        cfg, plan, faults = self.cfg, self.plan, self.faults
+        loss_fn = faults.wrap_loss(self.pm.loss_fn, self.rank) if faults else self.pm.loss_fn
         self.executor = PipelineExecutor(
             self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
             plan.num_microbatches, self.activation_shape(plan.micro_batch_size),
-            self.meter.wrap_loss(faults.wrap_loss(self.pm.loss_fn, self.rank) if faults
-                                 else self.pm.loss_fn),
-            self.device, forward_context=lambda: autocast(self.device, cfg.training.dtype),
+            self.meter.wrap_loss(loss_fn), self.device,
+            forward_context=lambda: autocast(self.device, cfg.training.dtype),
             # The residual stream's dtype: fp32 under autocast, bf16 when offload keeps bf16
             # copies of the weights.
             activation_dtype=self.pm.params[0].dtype,
         )
         self.compute = ComputeController(
-            step_tasks(plan.schedule, self.dims.axis_rank("pp"), self.dims.pp,
-                       plan.num_microbatches, plan.virtual_stages,
-                       reduce_every_backward=self.zero_stage >= 2),
+            plan.compute.step_tasks(self.dims.axis_rank("pp"),
+                                    plan.memory.reduce_every_backward),
             self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
             self.grad_sync, self._update)
         self.moe: MoERoutingController | None = None
         if self.spec.expert_parallel is not None:  # a model with experts (its spec says)
-            # The planned split's config: its aux loss is scaled by the micro-batch count.
-            self.moe = MoERoutingController(plan.config, self.dims, self.comm, self.pm.chunks,
-                                            self.optimizer, run_dir, is_main=self.rank == 0)
+            self.moe = MoERoutingController(
+                cfg, plan.compute.balance, plan.num_microbatches, self.dims, self.comm,
+                self.pm.chunks, self.optimizer, self.run_dir, is_main=self.rank == 0)
+
+    def _build_recovery(self, env: DistEnv | None, resume: bool) -> None:
+        """Fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
+        optimizer, RNG, data position) before the run logger opens metrics.jsonl."""
         rank_state = RankStateGroup([
             CompressionState(self.optimizer, self.grad_exchange.compressor),
             *([self.moe] if self.moe is not None else [])])
         self.recovery = FaultRecoveryManager(
-            cfg, run_dir, self.dims, self.pm.chunks, self.optimizer, self.train_stream,
-            self.rank, barrier=self.comm.barrier, agree=self._agree, rank_state=rank_state,
-            full_params=(self.store.full_parameters if self.store is not None
-                         else checkpoint_parameters(offload)))
-        if env is not None and cfg.optimization.checkpoint.interval > 0:
+            self.plan, self.run_dir, self.dims, self.pm.chunks, self.optimizer,
+            self.train_stream, self.rank, barrier=self.comm.barrier, agree=self._agree,
+            rank_state=rank_state, full_params=self.memory.full_parameters())
+        if env is not None and self.cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
         self.start_step = self.recovery.restore() if resume else 0
         if resume and self.rank == 0:
-            _truncate_metrics(run_dir, self.start_step)
-        self.logger = RunLogger(run_dir, enabled=self.rank == 0, tensorboard=tr.tensorboard,
-                                wandb=tr.wandb)
-        self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
-        self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
-        # Replicated tensors (none under ZeRO-3, whose parameters are all sharded).
-        self.consistency = ReplicaConsistency(
-            [] if self.store is not None else
-            [(f"{i}.{n}", p) for i, c in enumerate(self.pm.chunks)
-             for n, p in c.named_parameters()], self.comm)
+            _truncate_metrics(self.run_dir, self.start_step)
 
     def _setup_topology(self, topology: str) -> None:
         """Split the data axis by node for hierarchical / hybrid all-reduces."""
@@ -271,7 +280,7 @@ class Trainer:
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape of the activations between pipeline stages (sequence-sharded under SP)."""
         seq = self.cfg.model.seq_len
-        if self.cfg.parallelism.sequence_parallel and self.dims.tp > 1:
+        if self.plan.sequence_parallel and self.dims.tp > 1:
             seq //= self.dims.tp
         return (micro_batch_size, seq, self.cfg.model.hidden_size)
 
@@ -303,10 +312,10 @@ class Trainer:
     def _update(self, step: int, losses: list[float]) -> StepResult:
         """The step's last task: gradients are complete (and reduced over data); clip them
         over the whole mesh, agree on skipping, and step the optimizer."""
-        if self.cfg.parallelism.sequence_parallel:
+        if self.plan.sequence_parallel:
             sync_sequence_parallel_grads(self.update_params, self.comm)
         grad_norm = clip_grad_norm(self.update_params, self.cfg.optimization.grad_clip,
-                                   self.comm, data_sharded=self.zero_stage > 0)
+                                   self.comm, data_sharded=self.plan.memory.data_sharded)
         self.grad_exchange.after_clip()
         local_loss = sum(losses) / len(losses) if losses else None
         nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
@@ -336,34 +345,6 @@ class Trainer:
             result.moe = self.moe.after_step(step)
         return result
 
-    def _pipeline_eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Forward-only pass of one micro-batch through every stage in order; the loss on the
-        rank holding the last stage, None elsewhere."""
-        pp, pp_rank = self.dims.pp, self.dims.axis_rank("pp")
-        num_stages = pp * self.cfg.parallelism.virtual_stages
-        shape = self.activation_shape(inputs.shape[0])
-        pending: list[CommHandle] = []
-        loss = None
-        for stage in range(num_stages):
-            if stage % pp != pp_rank:
-                continue
-            if stage == 0:
-                x = inputs
-            else:
-                x = torch.empty(shape, dtype=self.executor.activation_dtype, device=self.device)
-                self.comm.recv(x, (stage - 1) % pp, axis="pp", tag=EVAL_TAG_BASE + stage)
-            with autocast(self.device, self.cfg.training.dtype):
-                out = self.pm.chunks[stage // pp](x)
-            if stage == num_stages - 1:
-                loss = self.pm.loss_fn(out, targets).item()
-            else:
-                out = out.to(self.executor.activation_dtype)
-                pending.append(self.comm.send(out, (stage + 1) % pp, axis="pp",
-                                              tag=EVAL_TAG_BASE + stage + 1))
-        for handle in pending:
-            handle.wait()
-        return loss
-
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over `eval_batches` global batches (the same ones every time)."""
@@ -373,7 +354,8 @@ class Trainer:
             for micro in range(self.plan.num_microbatches):
                 inputs, targets = self._micro(self.val_stream, step, micro)
                 if self.dims.pp > 1:
-                    loss = self._pipeline_eval_loss(inputs, targets)
+                    loss = self.executor.forward_only_loss(inputs, targets, self.pm.loss_fn,
+                                                           EVAL_TAG_BASE)
                 else:
                     with autocast(self.device, self.cfg.training.dtype):
                         logits = self.pm.chunks[0](inputs)
@@ -489,7 +471,7 @@ class Trainer:
             if result.moe is not None:
                 record["moe"] = result.moe
             self.profiler.after_step(step, record)  # adds "mfu"
-            every = cfg.controllers.memory.consistency_interval
+            every = self.plan.memory.consistency_interval
             if every and (step + 1) % every == 0:  # before a checkpoint could keep a bad replica
                 record["consistency_check_s"] = self._check_replicas(step + 1)
             tokens_per_s_sum += record["tokens_per_s"]

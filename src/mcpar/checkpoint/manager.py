@@ -101,6 +101,7 @@ from mcpar.checkpoint.packing import PackedCheckpoint
 from mcpar.checkpoint.reshard import restore_resharded
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
+from mcpar.plan import JobPlan
 
 FORMAT_VERSION = 2  # 2: tensors packed per group and dtype (checkpoint_packing.py)
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
@@ -135,10 +136,11 @@ def config_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def layout_of(dims: Any, cfg: JobConfig) -> dict[str, int]:
-    return {"data": dims.dp, "tensor": dims.tp, "pipeline": dims.pp, "experts": dims.ep,
-            "virtual_stages": cfg.parallelism.virtual_stages, "world_size": dims.world_size,
-            "zero_stage": cfg.controllers.memory.zero_stage}
+def layout_of(plan: JobPlan) -> dict[str, int]:
+    """The layout a checkpoint records (and a resume compares)."""
+    return {"data": plan.dp, "tensor": plan.tp, "pipeline": plan.pp, "experts": plan.ep,
+            "virtual_stages": plan.virtual_stages, "world_size": plan.world_size,
+            "zero_stage": plan.memory.zero_stage}
 
 
 def saved_layout(meta: dict[str, Any]) -> dict[str, int]:
@@ -200,7 +202,7 @@ class FaultRecoveryManager:
     constructor too: it may create the process group of asynchronous saves).
     """
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
+    def __init__(self, plan: JobPlan, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
                  optimizer: torch.optim.Optimizer, stream: Any, rank: int,
                  barrier: Callable[[], None], agree: Callable[[int], int],
                  rank_state: Any = None,
@@ -211,7 +213,9 @@ class FaultRecoveryManager:
         ``full_params``: ZeRO-3's gather of every parameter for the time of a save (False) or a
         restore (True: the shards are then taken from what was loaded); the checkpoint's model
         keys are the unsharded parameters', whatever the stage."""
-        self.cfg = cfg
+        cfg = self.cfg = plan.config
+        # ZeRO: every replica owns a different shard of the optimizer state and saves it.
+        self.sharded = plan.memory.data_sharded
         self.ckpt = cfg.optimization.checkpoint
         self.dir = checkpoint_dir(cfg, run_dir)
         self.dims = dims
@@ -223,7 +227,7 @@ class FaultRecoveryManager:
         self.barrier = barrier
         self.agree = agree  # rank 0's integer, known to every rank
         self.rank_state = rank_state
-        self.layout = layout_of(dims, cfg)
+        self.layout = layout_of(plan)
         self.log = RecoveryLog(run_dir, enabled=rank == 0)
         self.stop_requested = False
         self.distributed = dist.is_initialized()
@@ -283,8 +287,7 @@ class FaultRecoveryManager:
         # 'edp' rank 0: the first replica of each expert group (data rank 0 without experts).
         writes_shards = (strategy == "full" or self.dims.axis_rank("edp") == 0
                          or saved_keys is not None)
-        # ZeRO: every replica owns a different shard of the optimizer state and saves it.
-        sharded = self.cfg.controllers.memory.zero_stage > 0
+        sharded = self.sharded
         if writes_shards or sharded:
             coord = self._coord(strategy)
             named = self._named_tensors()

@@ -174,7 +174,7 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
         return {key[len(start):]: value for key, value in model_saved.items()
                 if key.startswith(start)}
 
-    new_maps = shard_maps(cfg.model, cfg.model.kind, dims.pp, cfg.parallelism.virtual_stages,
+    new_maps = shard_maps(cfg.model, cfg.model.kind, dims.pp, manager.layout["virtual_stages"],
                           dims.axis_rank("pp"), dims.tp, dims.axis_rank("tp"))
     named = manager._named_tensors()
     kind = cfg.model.kind

@@ -151,7 +151,7 @@ def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any) -> None:
         raise UserError(problem(KEY, f"no tensor for mcpar's {missing[0]}"))
     full = [params[n].reshape(-1) for n in names]
     layout = {"pipeline": dims.pp, "tensor": dims.tp, "experts": dims.ep,
-              "virtual_stages": cfg.parallelism.virtual_stages}
+              "virtual_stages": len(chunks)}
     coord = (dims.axis_rank("pp"), dims.axis_rank("tp"), dims.axis_rank("ep"))
     maps = layout_maps(model_cfg, layout, coord)
     local = {f"{i}.{n}": p for i, chunk in enumerate(chunks)

@@ -73,10 +73,9 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: 
     full = spec.build(cfg.model, cfg.training.seed)
 
     # 2. pipeline cut
-    virtual = cfg.parallelism.virtual_stages
-    if len(layer_ranges) != dims.pp * virtual:
-        raise ValueError(f"{len(layer_ranges)} stage ranges for pipeline {dims.pp} x "
-                         f"virtual_stages {virtual}")
+    virtual = len(layer_ranges) // dims.pp  # the plan's virtual stages per rank
+    if not layer_ranges or len(layer_ranges) % dims.pp:
+        raise ValueError(f"{len(layer_ranges)} stage ranges for pipeline {dims.pp}")
     pp_rank = dims.axis_rank("pp")
     chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, dims.pp), spec.pieces)
               for c in range(virtual)]

@@ -98,6 +98,35 @@ class PipelineExecutor:
         self._stats = PipelineStats()
         self._start = 0.0
 
+    def forward_only_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          tag_base: int) -> float | None:
+        """Forward-only pass of one micro-batch through every stage in order (validation);
+        the loss on the rank holding the last stage, None elsewhere. ``tag_base`` keeps its
+        messages apart from the training steps'."""
+        pending: list[CommHandle] = []
+        loss = None
+        shape = (inputs.shape[0], *self.activation_shape[1:])
+        for stage in range(self.num_stages):
+            if stage % self.pp != self.pp_rank:
+                continue
+            if stage == 0:
+                x = inputs
+            else:
+                x = torch.empty(shape, dtype=self.activation_dtype, device=self.device)
+                self.comm.recv(x, (stage - 1) % self.pp, axis="pp", tag=tag_base + stage)
+            with self.forward_context():
+                out = self.chunks[stage // self.pp](x)
+            if stage == self.num_stages - 1:
+                loss = loss_fn(out, targets).item()
+            else:
+                out = out.to(self.activation_dtype)
+                pending.append(self.comm.send(out, (stage + 1) % self.pp, axis="pp",
+                                              tag=tag_base + stage + 1))
+        for handle in pending:
+            handle.wait()
+        return loss
+
     # -- layout helpers -------------------------------------------------------------------------
 
     def stage_of(self, chunk: int) -> int:

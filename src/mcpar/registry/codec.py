@@ -16,6 +16,7 @@ One entry per codec holds:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +73,11 @@ class GradientCodec:
 
     name: str = ""
     summary: str = ""
+
+    def settings(self, section: Mapping[str, object]) -> dict[str, object]:
+        """What the codec's build needs from the config's ``controllers.communication`` section
+        (as a dict), read once when the job is planned and carried by the plan."""
+        return {}
 
     def problems(self, facts: ExchangeFacts) -> list[tuple[str, str]]:
         return []

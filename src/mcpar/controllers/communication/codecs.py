@@ -15,6 +15,7 @@ the cost and memory models count for it, and the exchange it builds for a run (`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,13 @@ from mcpar.registry.codec import (
 
 @dataclass(frozen=True)
 class ExchangeContext:
-    """What a codec's build gets: the job, the controller, the sync it drives, the optimizer."""
+    """What a codec's build gets: the job, its plan's terms, the controller, the sync it
+    drives, the optimizer."""
 
-    cfg: JobConfig
+    cfg: JobConfig  # the job's model, optimization and parallelism (the plan has the rest)
     topology: str  # the data axis' planned algorithm
+    overlap: bool  # buckets may reduce from the backward pass
+    settings: Mapping[str, object]  # the entry's ``settings``, read when the job was planned
     comm: CommunicationController
     sync: DataParallelGradSync
     optimizer: torch.optim.Optimizer
@@ -147,7 +151,8 @@ class OneBit(RuntimeCodec):
         if not isinstance(ctx.optimizer, OneBitAdam):
             raise ValueError("the onebit gradient exchange needs the OneBitAdam optimizer")
         exchange: OneBitExchange
-        exchange, text = onebit_exchange(ctx.cfg, ctx.comm, ctx.sync, ctx.optimizer)
+        exchange, text = onebit_exchange(ctx.cfg, ctx.overlap, ctx.comm, ctx.sync,
+                                         ctx.optimizer)
         return exchange, text
 
     def price(self, wire: Wire) -> WireCost:
@@ -174,10 +179,14 @@ class PowerSGD(RuntimeCodec):
                              "'1bit' / 'fp16' / 'bf16' with a hierarchical topology"))
         return problems
 
+    def settings(self, section: Mapping[str, object]) -> dict[str, object]:
+        return {"powersgd_rank": section["powersgd_rank"],
+                "powersgd_start_step": section["powersgd_start_step"]}
+
     def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
-        wire = ctx.cfg.controllers.communication
-        compressor = PowerSGDCompressor(wire.powersgd_rank, start_iter=wire.powersgd_start_step,
-                                        seed=ctx.seed)
+        rank, start = ctx.settings["powersgd_rank"], ctx.settings["powersgd_start_step"]
+        assert isinstance(rank, int) and isinstance(start, int)
+        compressor = PowerSGDCompressor(rank, start_iter=start, seed=ctx.seed)
         return (PowerSGDExchange(ctx.comm, compressor),
                 f"gradient exchange: PowerSGD rank {compressor.rank}, flat over "
                 f"{ctx.comm.axis_size('dp')} data-parallel ranks")

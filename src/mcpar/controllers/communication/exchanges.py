@@ -156,13 +156,14 @@ class GradExchange(Protocol):
 
 
 
-def onebit_exchange(cfg: JobConfig, comm: CommunicationController, sync: DataParallelGradSync,
-                     optimizer: OneBitAdam) -> tuple[OneBitExchange, str]:
+def onebit_exchange(cfg: JobConfig, overlap: bool, comm: CommunicationController,
+                    sync: DataParallelGradSync, optimizer: OneBitAdam,
+                    ) -> tuple[OneBitExchange, str]:
     """Exchange 1-bit Adam's momentum per gradient bucket from the backward pass where the
     step allows it; otherwise in one exchange after the backward pass."""
     why_not = None
     has_expert_buckets = any(b.expert for b in sync.buckets)
-    if not cfg.controllers.communication.overlap:
+    if not overlap:
         why_not = "controllers.communication.overlap is false"
     elif cfg.optimization.grad_clip > 0:
         why_not = ("optimization.grad_clip > 0 needs the whole gradient's norm before the "

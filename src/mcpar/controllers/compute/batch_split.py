@@ -20,9 +20,9 @@ from torch import nn
 
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.compute.schedules import schedule_problem
+from mcpar.controllers.compute.plan import ComputePlan
 from mcpar.device import autocast, memory_budget_bytes, synchronize
-from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from mcpar.sim.memory import format_bytes
 from mcpar.topology import ParallelDims
 
@@ -104,15 +104,17 @@ def _time_forward_backward(cfg: JobConfig, chunks: list[nn.Module], loss_fn: Los
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def choose_split(cfg: JobConfig, dims: ParallelDims, chunks: list[nn.Module], loss_fn: LossFn,
+def choose_split(cfg: JobConfig, plan: ComputePlan, budget_gb: float | None, dims: ParallelDims,
+                 chunks: list[nn.Module], loss_fn: LossFn,
                  device: torch.device, comm: Communicator, local_world_size: int,
                  activation_shape: Callable[[int], tuple[int, ...]],
                  memory_bytes: Callable[[int, int], float]) -> tuple[SplitChoice, str]:
     """The micro-batch split of ``cfg``'s global batch that this rank and its peers measure
     best (every rank reaches the same choice); and a one-line report. ``memory_bytes(m, b)``:
     the MemoryController's per-rank estimate with m micro-batches of b sequences. The
-    gradients the measurement leaves are zeroed; nothing is synchronized (no bucket is armed)."""
-    opt, par = cfg.optimization, cfg.parallelism
+    gradients the measurement leaves are zeroed; nothing is synchronized (no bucket is armed).
+    ``budget_gb``: the MemoryController's budget (None: the device's capacity)."""
+    opt = cfg.optimization
     assert opt.global_batch_size is not None
     rank_batch = opt.global_batch_size // dims.dp
     sizes = (1, min(rank_batch, 4))
@@ -130,16 +132,11 @@ def choose_split(cfg: JobConfig, dims: ParallelDims, chunks: list[nn.Module], lo
     comm.all_reduce(figures, axis="world", op="max")
     fixed, per_sequence = float(figures[0]), float(figures[1])
 
-    budget_gb = cfg.controllers.memory.memory_budget_gb
     budget = budget_gb * 2**30 if budget_gb else memory_budget_bytes(device, local_world_size)
 
-    def allowed(m: int) -> bool:
-        return dims.pp == 1 or schedule_problem(par.schedule, dims.pp, m,
-                                                par.virtual_stages) is None
-
     choice = choose_num_microbatches(rank_batch, fixed, per_sequence, dims.pp,
-                                     par.virtual_stages, par.schedule, memory_bytes, budget,
-                                     allowed)
+                                     plan.virtual_stages, plan.schedule or DEFAULT_SCHEDULE,
+                                     memory_bytes, budget, plan.split_allowed)
     options = ", ".join(f"m={m}: {step * 1e3:.0f} ms{'' if fits else ' (over budget)'}"
                         for m, step, _, fits in choice.table)
     return choice, (

@@ -40,6 +40,7 @@ from mcpar.controllers.compute.load_balance import (
     imbalance,
     rank_loads,
 )
+from mcpar.controllers.compute.plan import BalancePlan
 from mcpar.models.moe import MoELayer
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
@@ -49,10 +50,13 @@ BALANCER_PREFIX = "balancer/"
 
 
 class MoERoutingController:
-    def __init__(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
+    def __init__(self, cfg: JobConfig, balance: BalancePlan, num_microbatches: int,
+                 dims: ParallelDims, comm: Communicator,
                  chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  run_dir: Path | None, is_main: bool):
-        model, compute = cfg.model, cfg.controllers.compute
+        """``balance``: the ComputeController's planned balancing; ``num_microbatches``: the
+        plan's (the auxiliary loss is scaled by it)."""
+        model = cfg.model
         self.comm, self.optimizer, self.dims = comm, optimizer, dims
         self.num_layers, self.num_experts = model.num_layers, model.num_experts
         self.bias_rate = model.router_bias_update_rate
@@ -68,19 +72,19 @@ class MoERoutingController:
                                      "layers; the routing table holds one per block")
                 if found:
                     self.layers[chunk.first_layer + i] = found[0]
-        num_micro = cfg.optimization.gradient_accumulation or 1
+        num_micro = num_microbatches
         for layer in self.layers.values():
             # The language-model loss of a micro-batch is divided by the number of
             # micro-batches before backward; the auxiliary loss must be too.
             layer.aux_grad_scale = 1.0 / num_micro
             layer.reset_step_stats()  # forward passes before training (measurements) don't count
-        self.measured = compute.balance_costs == "measured"
+        self.measured = balance.costs == "measured"
         self._migration_s = 0.0  # wall time of the last step's migrations, on this rank
         self.balancer: ExpertLoadBalancer | None = None
-        if dims.ep > 1 and compute.scheduler != "static":
+        if dims.ep > 1 and balance.scheduler != "static":
             self.balancer = ExpertLoadBalancer(
-                compute.scheduler, model.num_layers, model.num_experts, dims.ep,
-                interval=compute.balance_interval, migration_cost=compute.migration_cost,
+                balance.scheduler, model.num_layers, model.num_experts, dims.ep,
+                interval=balance.interval, migration_cost=balance.migration_cost,
                 seed=cfg.training.seed)
         self.migrations_total = 0
         self.decision_log = (run_dir / "load_balance.jsonl"

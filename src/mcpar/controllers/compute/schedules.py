@@ -22,14 +22,11 @@ order they are sent, so a backend that matches point-to-point messages by order 
 
 from __future__ import annotations
 
-from mcpar.config import JobConfig
-from mcpar.errors import problem
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.tasks import Task, TaskKind
-from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action
 
-__all__ = ["Action", "build_schedule", "schedule_problem", "schedule_problems", "step_tasks"]
+__all__ = ["Action", "build_schedule", "schedule_problem", "step_tasks"]
 
 
 def build_schedule(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
@@ -48,26 +45,6 @@ def schedule_problem(schedule: str, pp: int, num_microbatches: int,
         return SCHEDULES.unknown(schedule)
     found = SCHEDULES.get(schedule).problem(pp, num_microbatches, virtual_stages)
     return None if found is None else found[1]
-
-
-def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
-    """Problems of the pipeline schedule with this layout and micro-batch count."""
-    par = cfg.parallelism
-    if par.schedule not in SCHEDULES:
-        return [problem("parallelism.schedule", SCHEDULES.unknown(par.schedule))]
-    if par.pipeline == 1:
-        if par.virtual_stages > 1:
-            return [problem("parallelism.virtual_stages",
-                            f"{par.virtual_stages} virtual stages need parallelism.pipeline > 1")]
-        return []
-    found = SCHEDULES.get(par.schedule).problem(par.pipeline, num_microbatches,
-                                                par.virtual_stages)
-    if found is None:
-        return []
-    field, text = found
-    if field == "gradient_accumulation" and cfg.controllers.compute.batch_splitting == "dynamic":
-        return []  # the controller only considers micro-batch counts the schedule accepts
-    return [problem(LAYOUT_KEYS[field], text)]
 
 
 def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: int,

@@ -25,7 +25,6 @@ import torch
 
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
-from mcpar.controllers.memory.recompute import layer_modes
 from mcpar.models.spec import get_model_spec
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import (
@@ -40,7 +39,7 @@ from mcpar.sim.memory import (
 )
 from mcpar.topology import ParallelDims
 
-__all__ = ["MemoryEstimate", "config_offload", "estimate_memory", "format_bytes",
+__all__ = ["MemoryEstimate", "config_offload", "estimate_memory", "format_bytes", "layer_modes",
            "memory_breakdown", "params_per_pipeline_rank"]
 
 # One streaming group's MiB when the config does not say (``controllers.memory.offload_buffer_mb``).
@@ -131,3 +130,12 @@ def params_per_pipeline_rank(cfg: JobConfig, dims: ParallelDims) -> list[int]:
         counts[stage % dims.pp] += spec.stage_num_params(
             cfg.model, end - start, stage == 0, stage == num_stages - 1, dims.tp, dims.ep)
     return counts
+
+
+def layer_modes(cfg: JobConfig) -> tuple[str, ...]:
+    """Each block's recompute mode, in the model's order."""
+    mem = cfg.controllers.memory
+    if mem.recompute_blocks is None:
+        return (mem.activation_checkpointing,) * cfg.model.num_layers
+    none, selective, full = mem.recompute_blocks
+    return ("full",) * full + ("selective",) * selective + ("none",) * none

@@ -194,9 +194,9 @@ def trainer_memory(trainer: Any) -> dict[str, dict[str, int]]:
     held = model_state_bytes(trainer.pm.params, trainer.grad_sync, trainer.optimizer,
                              store.held_tensors() if store is not None else ([], []))
     feedback = CompressionState(trainer.optimizer, trainer.grad_exchange.compressor).tensors()
-    measured = trainer.meter.rows(held, trainer.grad_sync, trainer.zero_stage,
+    measured = trainer.meter.rows(held, trainer.grad_sync, trainer.plan.memory.zero_stage,
                                   [t for t in feedback.values() if t.dim()])
-    estimate = trainer.plan.memory
+    estimate = trainer.plan.memory.estimate
     return memory_summary(estimate.rows() + estimate.off_device_rows(), measured, trainer.comm)
 
 

@@ -49,35 +49,10 @@ from pathlib import Path
 
 import torch
 
-from mcpar.config import JobConfig
 from mcpar.device import host_empty
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FLOAT_BYTES = 4
-
-
-def offload_fields(cfg: JobConfig) -> int:
-    """fp32 values offloaded per parameter: the two moments, plus the master weights when the
-    model trains on bf16 copies."""
-    return 3 if holds_masters(cfg) else 2
-
-
-def holds_masters(cfg: JobConfig) -> bool:
-    """Whether the offloaded state holds fp32 master weights (the model bf16 copies)."""
-    mem = cfg.controllers.memory
-    return mem.offload != "none" and cfg.training.dtype == "bfloat16" and mem.zero_stage == 0
-
-
-def offload_buffer_bytes(cfg: JobConfig) -> int:
-    """Host memory the offload itself keeps per rank, for the MemoryController's estimate:
-    ``nvme``: two group buffers of at most ``offload_buffer_mb`` each; ``cpu``: the whole
-    offloaded state is host memory (not device memory): 0 here, the caller counts the state.
-    What stays on the device: the parameters (bf16 copies when ``holds_masters``) and their
-    gradients; no optimizer state."""
-    mem = cfg.controllers.memory
-    if mem.offload != "nvme":
-        return 0
-    return 2 * int(mem.offload_buffer_mb * 2**20)
 
 
 @dataclass
@@ -439,25 +414,32 @@ class OffloadSpec:
         return self.engine
 
 
-def plan_offload(cfg: JobConfig, params: list[torch.nn.Parameter], run_dir: Path, rank: int,
-                 device: torch.device) -> OffloadSpec | None:
-    """The offload of ``cfg`` (None without). With bf16 master weights, the store is filled
-    from the fp32 parameters here and the parameters become bf16 copies, one at a time (so
-    that no second full copy is ever resident): call it before the gradient buffers exist."""
-    mem = cfg.controllers.memory
-    if mem.offload == "none":
-        return None
-    folder = Path(mem.offload_dir) if mem.offload_dir else run_dir / "offload"
-    spec = OffloadSpec(mem.offload, folder / f"rank{rank}.state" if mem.offload == "nvme"
-                       else None, int(mem.offload_buffer_mb * 2**20), holds_masters(cfg),
-                       device)
-    if spec.masters:
-        unique = list({id(p): p for p in params if p.requires_grad}.values())
-        spec.build(unique)
-        with torch.no_grad():
-            for p in unique:
-                p.data = p.data.to(torch.bfloat16)
-    return spec
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The MemoryController's planned optimizer-state offload."""
+
+    target: str  # 'none', 'cpu' or 'nvme'
+    folder: str | None  # nvme: where the state files go (None: <run dir>/offload)
+    buffer_bytes: int  # one streaming group
+    masters: bool  # the fp32 master weights are offloaded too (the model trains on bf16 copies)
+
+    def build(self, params: list[torch.nn.Parameter], run_dir: Path, rank: int,
+              device: torch.device) -> OffloadSpec | None:
+        """The offload (None without). With bf16 master weights, the store is filled from the
+        fp32 parameters here and the parameters become bf16 copies, one at a time (so that no
+        second full copy is ever resident): build it before the gradient buffers exist."""
+        if self.target == "none":
+            return None
+        folder = Path(self.folder) if self.folder else run_dir / "offload"
+        spec = OffloadSpec(self.target, folder / f"rank{rank}.state" if self.target == "nvme"
+                           else None, self.buffer_bytes, self.masters, device)
+        if spec.masters:
+            unique = list({id(p): p for p in params if p.requires_grad}.values())
+            spec.build(unique)
+            with torch.no_grad():
+                for p in unique:
+                    p.data = p.data.to(torch.bfloat16)
+        return spec
 
 
 def checkpoint_parameters(spec: OffloadSpec | None,

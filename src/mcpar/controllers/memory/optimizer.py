@@ -13,8 +13,8 @@ import torch
 
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_exchange import GradExchangePlan
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+from mcpar.controllers.communication.plan import CommPlan
 from mcpar.controllers.memory.offload import OffloadAdamW, OffloadSpec
 from mcpar.controllers.memory.param_store import ParameterStore
 from mcpar.controllers.memory.zero import ZeroAdamW
@@ -29,8 +29,8 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
-                    exchange: GradExchangePlan, comm: CommunicationController,
+def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig, zero_stage: int,
+                    exchange: CommPlan, comm: CommunicationController,
                     sync: DataParallelGradSync, store: ParameterStore | None = None,
                     offload: OffloadSpec | None = None,
                     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
@@ -39,9 +39,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: JobConfig,
     ZeRO, the MemoryController's AdamW over this rank's shards. Also the parameters whose
     gradients the update reads (ZeRO: the shards' pieces)."""
     opt = cfg.optimization
-    stage = cfg.controllers.memory.zero_stage
-    if stage > 0:
-        zero = ZeroAdamW(sync, comm, stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
+    if zero_stage > 0:
+        zero = ZeroAdamW(sync, comm, zero_stage, lr=opt.lr, betas=(opt.beta1, opt.beta2),
                          weight_decay=opt.weight_decay, store=store, offload=offload)
         return zero, list(zero.pieces)
     groups = decay_groups(params, opt.weight_decay)

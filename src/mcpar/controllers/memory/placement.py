@@ -10,11 +10,11 @@ and run on another); the search runs when the key is set, or when a GPU cannot h
 Search space (every key the user set in the YAML is kept as set; pydantic's ``model_fields_set``
 tells which were):
 - recompute, per block: counts of blocks with none / selective / full (blocks are alike, so the
-  counts are the plan; the first blocks recompute the most: ``recompute.layer_modes``);
+  counts are the plan; the first blocks recompute the most: ``estimate.layer_modes``);
 - offload: none, nvme, and cpu on CUDA (a CPU device has no host to move to); a candidate the
   run could not train (``capabilities.offload_problems``) is left out;
 - the ZeRO stage 0-3, when the data axis has more than one rank and the layout allows it
-  (``zero.zero_problems``).
+  (``zero_plan.zero_problems``).
 Keys a user set are single points of their axis; ``recompute_blocks`` set by an earlier
 placement (a run directory's resolved config, every key written) is kept the same way.
 
@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 
 from mcpar.capabilities import offload_problems
 from mcpar.config import JobConfig
-from mcpar.controllers.memory.estimate import memory_breakdown
-from mcpar.controllers.memory.recompute import layer_modes
-from mcpar.controllers.memory.zero import zero_problems
+from mcpar.controllers.memory.estimate import layer_modes, memory_breakdown
+from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.device import memory_budget_bytes, select_device
 from mcpar.errors import UserError, problem
 from mcpar.sim.costmodel import simulate
@@ -217,11 +216,12 @@ def search(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[P
 
 
 def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = None,
-          ) -> tuple[JobConfig, Placement | None]:
-    """The config with the chosen plan's settings, and the placement (None when dynamic batch
-    splitting owns the budget). Raises UserError when no plan fits."""
+          ) -> Placement | None:
+    """The placement to the budget: the chosen plan (``chosen.settings()``: the memory keys it
+    sets, when ``searched``), or None when dynamic batch splitting owns the budget. Raises
+    UserError when no plan fits."""
     if cfg.controllers.compute.batch_splitting == "dynamic":
-        return cfg, None
+        return None
     device_type = select_device(cfg.training.device).type
     if cfg.controllers.memory.memory_budget_gb is None:
         # No budget asked for: the config as given, while it fits a GPU. A CPU's share of host
@@ -230,10 +230,10 @@ def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = Non
         given = Plan(cfg.controllers.memory.zero_stage, cfg.controllers.memory.offload,
                      _blocks(cfg), 0.0, mem.per_rank, mem.offloaded)
         if device_type != "cuda":
-            return cfg, Placement(given, 0.0, "none set", 0)
+            return Placement(given, 0.0, "none set", 0)
         budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
         if mem.per_rank <= budget:
-            return cfg, Placement(given, budget, source, 0)
+            return Placement(given, budget, source, 0)
     budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
     plans, fixed = search(cfg, dims, device_type)
     fitting = [p for p in plans if p.peak_bytes <= budget]
@@ -249,5 +249,4 @@ def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = Non
                 f"controllers.memory.{k}" for k in fixed) + " are set)" if fixed else "")))
     chosen = fitting[0]
     rejected = [p for p in plans if p.step_s < chosen.step_s and p.peak_bytes > budget]
-    placed = with_settings(cfg, chosen.settings())
-    return placed, Placement(chosen, budget, source, len(plans), rejected, fixed)
+    return Placement(chosen, budget, source, len(plans), rejected, fixed)

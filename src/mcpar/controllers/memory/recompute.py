@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mcpar.config import JobConfig
 from mcpar.models.gpt import AttentionCore
 
 MODES = ("none", "selective", "full")
@@ -66,15 +65,6 @@ def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> int:
     for module in targets:
         _recompute_forward(module)
     return len(targets)
-
-
-def layer_modes(cfg: JobConfig) -> tuple[str, ...]:
-    """Each block's recompute mode, in the model's order."""
-    mem = cfg.controllers.memory
-    if mem.recompute_blocks is None:
-        return (mem.activation_checkpointing,) * cfg.model.num_layers
-    none, selective, full = mem.recompute_blocks
-    return ("full",) * full + ("selective",) * selective + ("none",) * none
 
 
 def apply_layer_recompute(chunks: list[nn.Module], layer_ranges: list[tuple[int, int]],

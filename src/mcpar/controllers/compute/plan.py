@@ -1,0 +1,96 @@
+"""The ComputeController's plan: the pipeline schedule, the stage cut, the micro-batch split
+and the expert balancing policy of a job, decided once.
+
+``plan_compute`` reads ``parallelism``'s pipeline keys and ``controllers.compute``; the runtime
+(the executor's task list, the expert balancer, dynamic batch splitting) builds from the frozen
+``ComputePlan`` and never reads those keys again. The schedule's rules are its registry entry's
+(``mcpar.registry.schedule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mcpar.config import JobConfig
+from mcpar.controllers.compute.schedules import step_tasks
+from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.errors import problem
+from mcpar.parallel.tasks import Task
+from mcpar.registry import LAYOUT_KEYS
+from mcpar.registry.schedule import SCHEDULES
+
+
+@dataclass(frozen=True)
+class BalancePlan:
+    """How the expert load balancer runs (``controllers.compute``)."""
+
+    scheduler: str  # 'static' (no balancer), 'greedy' or 'reinforcement'
+    interval: int  # steps between balancing decisions
+    migration_cost: float
+    costs: str  # 'measured' or 'modeled' expert-phase costs
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """What the ComputeController runs each step."""
+
+    pp: int
+    virtual_stages: int
+    schedule: str | None  # the registered pipeline schedule; None without a pipeline
+    sequence_parallel: bool
+    micro_batch_size: int  # sequences per micro-batch per data-parallel rank
+    num_microbatches: int  # per step
+    global_batch_size: int  # sequences per step, all ranks
+    stage_cut: tuple[tuple[int, int], ...]  # [start, end) blocks of every global stage
+    batch_splitting: str  # how the micro-batch count is chosen: 'fixed' or 'dynamic'
+    balance: BalancePlan
+
+    def with_split(self, micro_batch_size: int, num_microbatches: int) -> ComputePlan:
+        return dataclasses.replace(self, micro_batch_size=micro_batch_size,
+                                   num_microbatches=num_microbatches)
+
+    def step_tasks(self, pp_rank: int, reduce_every_backward: bool) -> list[Task]:
+        """Every task of one optimizer step on pipeline rank ``pp_rank``, in order."""
+        return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
+                          self.virtual_stages, reduce_every_backward=reduce_every_backward)
+
+    def split_allowed(self, num_microbatches: int) -> bool:
+        """Whether the schedule runs with this micro-batch count (dynamic splitting asks)."""
+        return self.schedule is None or SCHEDULES.get(self.schedule).problem(
+            self.pp, num_microbatches, self.virtual_stages) is None
+
+
+def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
+    """Problems of the pipeline schedule with this layout and micro-batch count."""
+    par = cfg.parallelism
+    if par.schedule not in SCHEDULES:
+        return [problem("parallelism.schedule", SCHEDULES.unknown(par.schedule))]
+    if par.pipeline == 1:
+        if par.virtual_stages > 1:
+            return [problem("parallelism.virtual_stages",
+                            f"{par.virtual_stages} virtual stages need parallelism.pipeline > 1")]
+        return []
+    found = SCHEDULES.get(par.schedule).problem(par.pipeline, num_microbatches,
+                                                par.virtual_stages)
+    if found is None:
+        return []
+    field, text = found
+    if field == "gradient_accumulation" and cfg.controllers.compute.batch_splitting == "dynamic":
+        return []  # the controller only considers micro-batch counts the schedule accepts
+    return [problem(LAYOUT_KEYS[field], text)]
+
+
+def plan_compute(cfg: JobConfig, micro_batch_size: int, num_microbatches: int,
+                 global_batch_size: int) -> ComputePlan:
+    """The ComputeController's plan of a checked config."""
+    par, ctl = cfg.parallelism, cfg.controllers.compute
+    pp = par.pipeline
+    return ComputePlan(
+        pp=pp, virtual_stages=par.virtual_stages, schedule=par.schedule if pp > 1 else None,
+        sequence_parallel=par.sequence_parallel, micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches, global_batch_size=global_batch_size,
+        stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
+        batch_splitting=ctl.batch_splitting,
+        balance=BalancePlan(ctl.scheduler, ctl.balance_interval, ctl.migration_cost,
+                            ctl.balance_costs))

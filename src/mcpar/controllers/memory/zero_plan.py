@@ -1,0 +1,93 @@
+"""The ZeRO stage's part of the MemoryController's plan: the rules a stage runs under for a config
+(``capabilities.zero_layout_problems``, shared with the planner) and what each rank holds of
+every parameter group under it (``plan.json``'s ``memory_placement``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mcpar.capabilities import zero_layout_problems
+from mcpar.config import JobConfig
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where one group of parameters and its training state live on a rank."""
+
+    group: str  # 'dense' or 'experts'
+    axis: str  # the replicas it is sharded (or reduced) over: 'dp' or 'edp'
+    degree: int  # how many replicas
+    parameters: str
+    gradients: str
+    optimizer_state: str
+
+
+@dataclass(frozen=True)
+class MemoryPlacement:
+    """The MemoryController's placement decision: per parameter group, what each rank holds."""
+
+    zero_stage: int
+    groups: tuple[GroupPlacement, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"zero_stage": self.zero_stage, "groups": [asdict(g) for g in self.groups]}
+
+    def report_lines(self) -> list[str]:
+        lines = [f"memory placement: ZeRO stage {self.zero_stage}"]
+        for g in self.groups:
+            lines.append(f"  {g.group} ({g.degree} replica{'s' if g.degree > 1 else ''} over "
+                         f"'{g.axis}'): parameters "
+                         f"{g.parameters}; gradients {g.gradients}; AdamW state "
+                         f"{g.optimizer_state}")
+        return lines
+
+
+def plan_placement(cfg: JobConfig, dp: int, ep: int) -> MemoryPlacement:
+    """What each rank holds of every parameter group under ``cfg``'s ZeRO stage (and, at
+    stage 3, the parameter store's copies)."""
+    mem = cfg.controllers.memory
+    stage, store = mem.zero_stage, mem.allocation == "topology_aware"
+    groups = [("dense", "dp", dp)]
+    if ep > 1:
+        groups.append(("experts", "edp", dp // ep))
+    placed = []
+    for name, axis, n in groups:
+        shard = f"a 1/{n} shard"
+        if stage < 3:
+            parameters = "a full copy"
+        else:
+            parameters = (f"{shard} (the global store); each layer gathered over '{axis}' "
+                          "just before its forward and its backward, freed after")
+            if mem.gather_mb > 0:
+                parameters += (f"; small blocks in groups of {mem.gather_mb:g} MiB per gather "
+                               "(controllers.memory.gather_mb)")
+            parameters += "; the last layer (or group) kept from its forward into its backward"
+            if store and name == "dense":
+                parameters += ("; a node-local 1/(ranks per node) copy of each layer, filled by "
+                               "the forward gather, serves the backward gather inside the node")
+        placed.append(GroupPlacement(
+            name, axis, n, parameters=parameters,
+            gradients=("a full copy (all-reduced)" if stage == 0 else
+                       f"a full buffer, reduce-scattered into {shard} once per step"
+                       if stage == 1 else
+                       f"{shard} (each bucket reduce-scattered and freed per backward"
+                       + (", inside the node then across nodes)" if store and name == "dense"
+                          else ")")),
+            optimizer_state="a full copy" if stage == 0 else shard))
+    return MemoryPlacement(stage, tuple(placed))
+
+
+def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
+    """ZeRO settings this version cannot honour as described; each names its key (the rules
+    are shared with the planner: ``capabilities.zero_layout_problems``)."""
+    par, ctl = cfg.parallelism, cfg.controllers
+    if ctl.memory.zero_stage == 0:
+        # The store and its codecs without ZeRO-3 are refused by ``mcpar train`` alone
+        # (capabilities.unsupported_settings): plans of the seed's own file stay checkable.
+        return []
+    return zero_layout_problems(
+        ctl.memory.zero_stage, dp, pp=par.pipeline, vp=par.virtual_stages,
+        topology=ctl.communication.topology,
+        allocation=ctl.memory.allocation, weight_gather=ctl.communication.weight_gather,
+        scheduler=ctl.compute.scheduler)
