@@ -1,7 +1,7 @@
-"""Extension points, proven from outside: a gradient codec and a pipeline schedule registered
-from this file alone (no edit under ``src/``), each accepted by ``mcpar check`` with its own
-rules enforced, trained at 2 ranks, priced by the cost model and ranked by the planner through
-its registry entry.
+"""Extension points, proven from outside: a gradient codec, a pipeline schedule and a memory
+option registered from this file alone (no edit under ``src/``), each accepted by ``mcpar
+check`` with its own rules enforced, trained at 2 ranks, priced by the cost model and ranked by
+the planner through its registry entry.
 
 - ``topk_ef``: top-k sparsification with error feedback (Stich et al. 2018, Lin et al.'s Deep
   Gradient Compression): each rank adds its error to the bucket, keeps the k largest entries,
@@ -10,6 +10,9 @@ its registry entry.
 - ``lifo_gpipe``: GPipe whose backwards run last-in first-out (the freshest activations first);
   it prices itself with no formula of its own (the registry's replay of its actions), and its
   rule asks for at least as many micro-batches as stages.
+- ``mlp_only``: a recompute policy that rebuilds each block's MLP in the backward pass (its
+  inner tensors are not kept; attention's are); its rule refuses MoE models, whose MLP is the
+  routed expert layer.
 
 Every consumer meets these names for the first time: a consumer that switched on names would
 refuse them, or run its default instead, and the hooks' counters and the measured bytes below
@@ -37,6 +40,13 @@ from mcpar.errors import UserError
 from mcpar.launch import find_free_port
 from mcpar.plan import resolve_plan
 from mcpar.registry.codec import CODECS, ExchangeFacts, Wire, WireCost
+from mcpar.registry.recompute import (
+    RECOMPUTE_POLICIES,
+    LayerActivations,
+    LayerWork,
+    RecomputeFacts,
+    RecomputePolicy,
+)
 from mcpar.registry.schedule import SCHEDULES, Action, PipelineSchedule
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
@@ -128,13 +138,41 @@ class LifoGPipe(PipelineSchedule):
                 + [Action("B", 0, i) for i in reversed(range(m))])
 
 
+class MlpRecompute(RecomputePolicy):
+    """Each block's MLP runs its forward again in the backward pass."""
+
+    name = "mlp_only"
+    summary = "the MLP's inner tensors rebuilt in the backward pass"
+
+    def problems(self, facts: RecomputeFacts) -> list[tuple[str, str]]:
+        CALLS["recompute.problems"] += 1
+        if facts.is_moe:
+            return [("recompute", "mlp_only rebuilds dense MLPs; an MoE layer would route its "
+                                  "tokens again; use 'selective'")]
+        return []
+
+    def saved(self, acts: LayerActivations) -> tuple[float, float]:
+        CALLS["recompute.saved"] += 1
+        return acts.full - acts.mlp, acts.mlp
+
+    def recompute_seconds(self, work: LayerWork) -> float:
+        CALLS["recompute.cost"] += 1
+        return work.mlp
+
+    def targets(self, block: torch.nn.Module) -> list[torch.nn.Module]:
+        CALLS["recompute.targets"] += 1
+        return [block.get_submodule("mlp")]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def plugins() -> Iterator[None]:
     CODECS.register(TopKCodec())
     SCHEDULES.register(LifoGPipe())
+    RECOMPUTE_POLICIES.register(MlpRecompute())
     yield
     CODECS.unregister("topk_ef")
     SCHEDULES.unregister("lifo_gpipe")
+    RECOMPUTE_POLICIES.unregister("mlp_only")
 
 
 BASE = [*TINY, "model.num_layers=2", "training.steps=6", "optimization.micro_batch_size=2",
@@ -145,6 +183,8 @@ TOPK = [*DP2, "controllers.communication.compression=topk_ef"]
 PP2 = [*BASE, "parallelism.pipeline=2", "model.tie_embeddings=false",
        "optimization.gradient_accumulation=2"]
 LIFO = [*PP2, "parallelism.schedule=lifo_gpipe"]
+MLP = [*DP2, "controllers.memory.activation_checkpointing=mlp_only"]
+MOE = ["model.kind=moe", "model.num_experts=2", "model.top_k=1"]
 
 
 def _problems(settings: list[str], world: int) -> list[str]:
@@ -159,11 +199,12 @@ def test_check_accepts_the_plugins_and_enforces_their_rules(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
-    for settings in (TOPK, LIFO):
+    for settings, shown in ((TOPK, "codec topk_ef"), (LIFO, "(schedule lifo_gpipe)"),
+                            (MLP, "recompute=2xmlp_only")):
         proc = run_cli_in_process(capsys, "check", str(empty), "--nproc", "2",
                                   *[a for s in settings for a in ("--set", s)])
         assert proc.returncode == 0, proc.stderr
-    assert "topk_ef" in proc.stdout or "lifo_gpipe" in proc.stdout
+        assert shown in proc.stdout
     assert _problems([*TOPK, "controllers.communication.topology=hierarchical"], 2) == [
         "controllers.communication.topology: topk_ef gathers every rank's entries over one "
         "flat group; use topology 'flat'"]
@@ -174,9 +215,16 @@ def test_check_accepts_the_plugins_and_enforces_their_rules(
     refused = _problems([*LIFO, "optimization.gradient_accumulation=1"], 2)
     assert refused == ["optimization.gradient_accumulation: lifo_gpipe needs at least as many "
                        "micro-batches as stages (2); raise gradient_accumulation to 2"]
+    before = CALLS["recompute.problems"]
+    assert _problems([*MLP, *MOE], 2) == [
+        "controllers.memory.activation_checkpointing: mlp_only rebuilds dense MLPs; an MoE "
+        "layer would route its tokens again; use 'selective'"]
+    assert CALLS["recompute.problems"] > before
     # An unknown name is refused with the registered names, plug-ins included.
     with pytest.raises(UserError, match="'topk_ef'"):
         load_config(None, [*DP2, "controllers.communication.compression=topk"])
+    with pytest.raises(UserError, match="'mlp_only'"):
+        load_config(None, [*DP2, "controllers.memory.activation_checkpointing=mlp"])
 
 
 def test_the_memory_estimate_counts_the_codecs_error_buffer() -> None:
@@ -191,7 +239,7 @@ def test_the_memory_estimate_counts_the_codecs_error_buffer() -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("plugins")
-    settings = {"none": DP2, "topk": TOPK, "1f1b": PP2, "lifo": LIFO}
+    settings = {"none": DP2, "topk": TOPK, "1f1b": PP2, "lifo": LIFO, "mlp": MLP}
     spawn_workers(train_in_turn, args=(find_free_port(), str(root), settings, 2), nprocs=2)
     return root
 
@@ -225,6 +273,43 @@ def test_the_schedule_trains_at_two_ranks_with_1f1bs_losses(runs: Path) -> None:
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
+def test_the_memory_option_trains_at_two_ranks_with_the_same_losses(runs: Path) -> None:
+    mlp, reference = _metrics(runs / "mlp"), _metrics(runs / "none")
+    assert len(mlp) == len(reference) == 6
+    # Rebuilding the MLP changes what is kept, not what is computed (dropout replays its RNG).
+    for a, b in zip(mlp, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-6)
+
+
+def test_the_memory_option_builds_through_its_entry() -> None:
+    """The runtime asks the entry which modules rerun: each block's MLP, checkpointed."""
+    from mcpar.controllers.memory.recompute import apply_recompute
+    from mcpar.models.spec import get_model_spec
+
+    cfg = load_config(None, MLP)
+    spec = get_model_spec(cfg.model.kind)
+    model = spec.build(cfg.model, 0)
+    blocks = spec.blocks(model)
+    before = CALLS["recompute.targets"]
+    assert apply_recompute(blocks, "mlp_only") == len(blocks)
+    assert CALLS["recompute.targets"] - before == len(blocks)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+    model(x).float().mean().backward()  # the checkpointed MLPs rerun in this backward
+    assert all(p.grad is not None for p in blocks[0].get_submodule("mlp").parameters())
+
+
+def test_the_memory_estimate_prices_the_memory_option() -> None:
+    def activations(settings: list[str]) -> int:
+        return resolve_plan(load_config(None, settings), 2).memory.estimate.activation_bytes
+
+    before = CALLS["recompute.saved"]
+    none, mlp = activations(DP2), activations(MLP)
+    full = activations([*DP2, "controllers.memory.activation_checkpointing=full"])
+    assert CALLS["recompute.saved"] > before
+    assert full < mlp < none
+
+
 def _small() -> tuple[ModelShape, Layout]:
     cfg = load_config(None, [*PP2, "model.hidden_size=256", "model.num_heads=4",
                              "model.num_layers=4", "optimization.gradient_accumulation=8"])
@@ -248,6 +333,12 @@ def test_simulate_prices_both_through_their_entries() -> None:
     plain = simulate(model, data, eight)
     assert CALLS["codec.price"] > before
     assert topk.dp_comm_s != plain.dp_comm_s
+    before = CALLS["recompute.cost"]
+    none, mlp, full = (simulate(model, data.with_(recompute=r), eight)
+                       for r in ("none", "mlp_only", "full"))
+    assert CALLS["recompute.cost"] > before
+    assert none.step_s < mlp.step_s < full.step_s
+    assert full.memory.activations < mlp.memory.activations < none.memory.activations
 
 
 def test_the_planner_ranks_both_and_keeps_their_rules() -> None:
@@ -260,6 +351,11 @@ def test_the_planner_ranks_both_and_keeps_their_rules() -> None:
     ranked = [c.layout for c in result.candidates]
     assert any(lay.compression == "topk_ef" for lay in ranked)
     assert any(lay.schedule == "lifo_gpipe" for lay in ranked)
+    assert any(lay.recompute == "mlp_only" for lay in ranked)
+    # The memory option's rule: no MoE model is planned with it.
+    moe = replace(m, experts=8, top_k=2)
+    moe_ranked = [c.layout for c in plan(moe, cluster, 64, "bf16", space, keep=100).candidates]
+    assert moe_ranked and not any(lay.recompute == "mlp_only" for lay in moe_ranked)
     # Its own rules, applied by the planner as by check: never hierarchical, never with ZeRO.
     assert all(lay.topology == "flat" and lay.zero_stage == 0
                for lay in ranked if lay.compression == "topk_ef")

@@ -1,8 +1,8 @@
 """Rules written once: over a generated grid of layouts x gradient codecs x pipeline schedules x
-ZeRO stages x topologies, ``mcpar check``, ``mcpar train`` (its checks before launch),
-``mcpar simulate`` and ``mcpar plan`` accept or refuse each point identically, with the same
-messages. The codec and schedule rules are their registry entries'; the ZeRO and store rules
-are ``capabilities.zero_layout_problems`` (one function, not yet an entry)."""
+memory options (ZeRO stages, recompute policies) x topologies, ``mcpar check``, ``mcpar train``
+(its checks before launch), ``mcpar simulate`` and ``mcpar plan`` accept or refuse each point
+identically, with the same messages. The codec, schedule and recompute rules are their registry
+entries'; the ZeRO and store rules are ``capabilities.zero_layout_problems`` (one function)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from mcpar.config import load_config
 from mcpar.errors import UserError
 from mcpar.plan import resolve_plan
 from mcpar.registry.codec import CODECS
+from mcpar.registry.recompute import RECOMPUTE_POLICIES
 from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
 from mcpar.sim.planner import train_problems
@@ -31,13 +32,15 @@ LAYOUTS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2), (2, 2, 2, 2), (1, 4, 1, 3),
 
 def _grid() -> list[list[str]]:
     points = []
-    for (dp, pp, vp, m), codec, schedule, zero, topology in itertools.product(
-            LAYOUTS, CODECS.names(), SCHEDULES.names(), (0, 1, 3), ("flat", "hierarchical")):
+    for (dp, pp, vp, m), codec, schedule, zero, recompute, topology in itertools.product(
+            LAYOUTS, CODECS.names(), SCHEDULES.names(), (0, 1, 3), RECOMPUTE_POLICIES.names(),
+            ("flat", "hierarchical")):
         points.append([*BASE, f"parallelism.data={dp}", f"parallelism.pipeline={pp}",
                        f"parallelism.virtual_stages={vp}", f"parallelism.schedule={schedule}",
                        f"optimization.gradient_accumulation={m}",
                        f"controllers.communication.compression={codec}",
                        f"controllers.memory.zero_stage={zero}",
+                       f"controllers.memory.activation_checkpointing={recompute}",
                        f"controllers.communication.topology={topology}"])
     return points
 
@@ -81,7 +84,7 @@ GRID = _grid()
 
 def test_the_grid_is_large_and_has_both_verdicts() -> None:
     verdicts = [bool(_check(p)) for p in GRID]
-    assert len(GRID) >= 6 * 6 * 3 * 3 * 2
+    assert len(GRID) >= 6 * 6 * 3 * 3 * 3 * 2
     assert 0.1 < sum(verdicts) / len(verdicts) < 0.95
 
 

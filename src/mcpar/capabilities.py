@@ -16,6 +16,7 @@ import importlib.util
 
 from mcpar.config import JobConfig
 from mcpar.errors import problem
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 
 
 def unsupported_settings(cfg: JobConfig) -> list[str]:
@@ -29,11 +30,9 @@ def unsupported_settings(cfg: JobConfig) -> list[str]:
         for key, value, works in checks
         if value != works
     ]
-    if ctl.memory.activation_checkpointing == "full" and cfg.model.is_moe:
-        problems.append(problem(
-            "controllers.memory.activation_checkpointing", "'full' would replay the MoE "
-            "layers' routing (and its statistics) in the backward pass, which this version "
-            "does not support; use 'selective' (the attention core) or 'none' with MoE models"))
+    policy = RECOMPUTE_POLICIES.get(ctl.memory.activation_checkpointing)
+    problems += [problem(RECOMPUTE_POLICIES.key, text)
+                 for text in policy.unsupported(RecomputeFacts(is_moe=cfg.model.is_moe))]
     if ctl.memory.zero_stage == 0:  # with ZeRO, the plan checks them (controllers/memory)
         problems += zero_layout_problems(0, 1, allocation=ctl.memory.allocation,
                                          weight_gather=ctl.communication.weight_gather)

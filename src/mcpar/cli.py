@@ -329,7 +329,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"controllers: compute scheduler={compute.balance.scheduler} "
         f"batch_splitting={compute.batch_splitting}; memory allocation="
         f"{'topology_aware' if memory.store.node_cache else 'default'} "
-        f"offload={memory.offload.target} zero_stage={memory.zero_stage}; "
+        f"offload={memory.offload.target} zero_stage={memory.zero_stage} recompute="
+        + "+".join(f"{memory.recompute.count(mode)}x{mode}"
+                   for mode in dict.fromkeys(memory.recompute)) + "; "
         f"communication codec={exchange.codec} topology={exchange.topology} "
         f"weight_gather={memory.store.weight_codec}",
         f"gradient exchange: {exchange.strategy}, {exchange.topology}, codec {exchange.codec}",

@@ -31,7 +31,7 @@ from mcpar.controllers.communication.plan import (
 from mcpar.controllers.compute.plan import ComputePlan, plan_compute, schedule_problems
 from mcpar.controllers.memory.estimate import estimate_memory
 from mcpar.controllers.memory.placement import place, with_settings
-from mcpar.controllers.memory.plan import MemoryPlan, plan_memory
+from mcpar.controllers.memory.plan import MemoryPlan, plan_memory, recompute_problems
 from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
@@ -154,6 +154,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
     problems += model_layout_problems(cfg, dp)
     problems += communication_problems(cfg, dp)
     problems += zero_problems(cfg, dp)
+    problems += recompute_problems(cfg)
     accum = opt.gradient_accumulation
     if opt.global_batch_size is not None:
         per_micro = opt.micro_batch_size * dp

@@ -20,6 +20,7 @@ from mcpar.config.model import (
 )
 from mcpar.registry import RegisteredName
 from mcpar.registry.codec import CODECS
+from mcpar.registry.recompute import RECOMPUTE_POLICIES
 from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 
@@ -140,7 +141,7 @@ class MemoryControllerConfig(_Section):
     gather_mb: float = Field(1.0, ge=0.0, le=1e6, description="ZeRO-3: one parameter gather "
         "carries the fewest consecutive blocks holding this many MiB (small blocks: fewer, "
         "larger collectives; that many blocks plus one gathered at once). 0: one block each.")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+    activation_checkpointing: Annotated[str, RegisteredName(RECOMPUTE_POLICIES)] = Field(
         "none", description="Activation recompute in the backward pass: 'selective' rebuilds "
         "each attention core (softmax(qk^T)v and its dropout), 'full' each block."
     )

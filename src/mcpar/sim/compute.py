@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerWork
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -166,13 +167,11 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     out.add("gemm", 3 * gemm_f)
     out.add("attention", core_f + core_b)
     out.add("elementwise", 3 * elementwise)
-    if lay.recompute == "full":
-        out.add("recompute", out.fwd)
-    elif lay.recompute == "selective":
-        # Recompute only the attention core: the s^2 scores (unfused) or, with flash, the
-        # kernel's forward, which keeps its output for nothing else.
-        out.add("recompute", core_f)
-    passes = 3 if lay.recompute == "full" else 2  # forward, backward (, forward again)
+    policy = RECOMPUTE_POLICIES.get(lay.recompute)  # what the backward pass runs again
+    again = policy.recompute_seconds(LayerWork(forward=out.fwd, core=core_f, mlp=mlp))
+    if again:
+        out.add("recompute", again)
+    passes = policy.tp_passes  # forward, backward (, forward again)
 
     # Tensor parallelism: two all-reduces per pass on the residual stream, or under sequence
     # parallelism two reduce-scatter + all-gather pairs (the same bytes on a ring).

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from mcpar.errors import UserError
 from mcpar.registry.codec import CODECS
+from mcpar.registry.recompute import RECOMPUTE_POLICIES
 from mcpar.registry.schedule import SCHEDULES, replay
 from mcpar.sim.collectives import (
     Group,
@@ -330,7 +331,7 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
     emb = embedding_times(m, lay, cluster, eff, rl)
     p, v = lay.pp, lay.vp
     counts = rank_layers(m, lay)
-    overhead_per_layer = eff.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
+    overhead_per_layer = eff.layer_overhead_s * RECOMPUTE_POLICIES.get(lay.recompute).layer_overhead
 
     p2p_s = 0.0
     if p > 1:

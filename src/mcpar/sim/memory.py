@@ -78,6 +78,7 @@ import math
 from dataclasses import dataclass
 
 from mcpar.registry.codec import CODECS
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerActivations
 from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
@@ -223,26 +224,22 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
     ffn_tensors += 1 if mcpar_rmsnorm else 0
     rotary = 1 + ratio_kv if lay.autocast and not m.learned_positions else 0
     routed = (m.top_k + (1 if m.shared_expert else 0)) if m.is_moe else 1
-    inside = a * x * (1 + 2 * ratio_kv + 1 + rotary) / t + a * x * ffn_tensors * routed * m.ffn \
-        / m.hidden / t
+    attention = a * x * (1 + 2 * ratio_kv + 1 + rotary) / t
+    mlp = a * x * ffn_tensors * routed * m.ffn / m.hidden / t
+    copies = 0.0
     if lay.autocast and lay.precision != "fp32" and not weights16:
         # Autocast's 16-bit copies of the layer's weights, saved by each matmul's backward.
         split, _, expert = m.layer_param_split()
-        inside += a * (split / t + expert / t / lay.ep)
+        copies = a * (split / t + expert / t / lay.ep)
     if lay.attention_kind == "unfused":
         per_score = a + (a + 1 if m.dropout else 0)
         core = per_score * lay.micro_batch * m.heads / t * (m.seq_len / lay.cp) * m.seq_len
     else:  # the flash kernel's fp32 log-sum-exp per query and head
         core = 4 * lay.micro_batch * m.heads / t * m.seq_len / lay.cp
-    full = outside + inside + core
-    if lay.recompute == "full":
-        # The block's input is kept; the re-forward rebuilds the rest of its set.
-        return resid * x / sp, full - resid * x / sp
-    if lay.recompute == "selective":
-        # The core's inputs (Q, K, V) and output (the projection's input) stay saved by their
-        # neighbours; the re-forward rebuilds the output once more and the core's own.
-        return outside + inside, a * x / t + core
-    return full, 0.0
+    # The recompute policy's entry says what of the layer's set stays saved.
+    return RECOMPUTE_POLICIES.get(lay.recompute).saved(LayerActivations(
+        block_input=resid * x / sp, outside=outside, attention=attention, mlp=mlp,
+        weight_copies=copies, core=core, core_output=a * x / t))
 
 
 def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from mcpar.capabilities import zero_layout_problems
 from mcpar.errors import UserError, problem
 from mcpar.registry.codec import CODECS, LAYOUT_KEYS, codec_problems
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.schedule import SCHEDULES, default_schedule
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
@@ -94,7 +95,7 @@ def _divisors(n: int) -> list[int]:
 class SearchSpace:
     """Which values each setting may take (the planner's defaults, or fixed by the user)."""
 
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] | None = None  # registered recompute policies; None: all
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     compression: tuple[str, ...] | None = None  # registered gradient codecs; None: all
     topology: tuple[str, ...] = ("flat", "hierarchical")
@@ -118,9 +119,17 @@ def _schedules(space: SearchSpace, pp: int, vp: int, num_microbatches: int) -> l
             and s.problem(pp, num_microbatches, vp) is None]
 
 
+def _recompute(space: SearchSpace, m: ModelShape) -> list[str]:
+    """The registered recompute policies the model runs with."""
+    facts = RecomputeFacts(is_moe=m.is_moe)
+    return [p.name for p in RECOMPUTE_POLICIES
+            if (space.recompute is None or p.name in space.recompute) and not p.problems(facts)]
+
+
 def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
                  space: SearchSpace, attention: str) -> Iterator[Layout]:
     n, g = cluster.num_gpus, cluster.gpus_per_node
+    policies = _recompute(space, m)
     for tp in _divisors(min(g, n)):
         if n % tp:
             continue
@@ -151,7 +160,7 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                                     space.micro_batch is not None and b not in space.micro_batch):
                                 continue
                             for schedule in _schedules(space, pp, vp, per_rank // b):
-                                for rc in space.recompute:
+                                for rc in policies:
                                     yield Layout(
                                         tp=tp, pp=pp, vp=vp, cp=cp, dp=dp, ep=ep,
                                         seq_parallel=space.sequence_parallel and tp > 1,

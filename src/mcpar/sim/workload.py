@@ -18,11 +18,11 @@ from functools import lru_cache
 from mcpar.config.model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
 from mcpar.errors import problem
 from mcpar.registry.codec import ExchangeFacts, codec_problems
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.schedule import SCHEDULES, default_schedule
 
 FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
 GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
-RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
 # secondary copy of every block sharded inside the node so that backward gathers stay there.
@@ -278,7 +278,13 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
         bad("vp", "virtual stages need pp > 1")
     if not 0 <= lay.zero_stage <= 3:
         bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
-    for key, allowed in (("recompute", RECOMPUTE), ("precision", PRECISIONS),
+    if lay.recompute not in RECOMPUTE_POLICIES:
+        bad("recompute", RECOMPUTE_POLICIES.unknown(lay.recompute))
+    else:  # the policy's own rules (its registry entry)
+        for field, text in RECOMPUTE_POLICIES.get(lay.recompute).problems(
+                RecomputeFacts(is_moe=m.is_moe)):
+            bad(field, text)
+    for key, allowed in (("precision", PRECISIONS),
                          ("topology", TOPOLOGY),
                          ("attention", ATTENTION),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):

@@ -162,6 +162,11 @@ def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[in
     if "recompute_blocks" in user and mem.recompute_blocks is not None:
         blocks = [tuple(mem.recompute_blocks)]
     elif "activation_checkpointing" in user:
+        if mem.activation_checkpointing not in MODES:
+            raise UserError(problem(
+                BUDGET_KEY, f"the placement to a budget mixes the recompute modes {MODES} per "
+                f"block; {mem.activation_checkpointing!r} is not one of them: set "
+                "controllers.memory.activation_checkpointing to one, or leave the budget unset"))
         mode = MODES.index(mem.activation_checkpointing)
         blocks = [tuple(layers if i == mode else 0 for i in range(3))]
     else:

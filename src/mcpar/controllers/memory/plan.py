@@ -29,6 +29,9 @@ from mcpar.controllers.memory.optimizer import build_optimizer
 from mcpar.controllers.memory.param_store import ParameterStore, StorePlan
 from mcpar.controllers.memory.placement import Placement, with_settings
 from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement
+from mcpar.errors import problem
+from mcpar.registry import LAYOUT_KEYS
+from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.topology import ParallelDims
 
 
@@ -120,6 +123,13 @@ def holds_masters(cfg: JobConfig) -> bool:
     """Whether the offloaded state holds fp32 master weights (the model bf16 copies)."""
     mem = cfg.controllers.memory
     return mem.offload != "none" and cfg.training.dtype == "bfloat16" and mem.zero_stage == 0
+
+
+def recompute_problems(cfg: JobConfig) -> list[str]:
+    """The rules of the recompute policies the config's blocks use (their registry entries)."""
+    facts = RecomputeFacts(is_moe=cfg.model.is_moe)
+    return [problem(LAYOUT_KEYS[field], text) for mode in dict.fromkeys(layer_modes(cfg))
+            for field, text in RECOMPUTE_POLICIES.get(mode).problems(facts)]
 
 
 def plan_memory(cfg: JobConfig, dims: ParallelDims, budget: Placement | None) -> MemoryPlan:

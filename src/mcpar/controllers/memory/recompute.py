@@ -1,6 +1,7 @@
 """Activation recompute: which activations the backward pass finds saved, and which it rebuilds.
 
-``controllers.memory.activation_checkpointing``:
+``controllers.memory.activation_checkpointing`` names a policy, a registry entry
+(``mcpar.registry.recompute``); the built-ins:
 - ``full``: each transformer block keeps only its input; its forward runs again in the backward
   pass (one more forward per block, the least activation memory);
 - ``selective``: only the attention core (``models.gpt.AttentionCore``: softmax(q k^T) v and its
@@ -27,8 +28,73 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mcpar.models.gpt import AttentionCore
+from mcpar.registry.recompute import (
+    RECOMPUTE_POLICIES,
+    LayerActivations,
+    LayerWork,
+    RecomputeFacts,
+    RecomputePolicy,
+)
 
-MODES = ("none", "selective", "full")
+
+class NoRecompute(RecomputePolicy):
+    name = "none"
+    summary = "every activation saved"
+
+    def saved(self, acts: LayerActivations) -> tuple[float, float]:
+        return acts.full, 0.0
+
+    def recompute_seconds(self, work: LayerWork) -> float:
+        return 0.0
+
+    def targets(self, block: nn.Module) -> list[nn.Module]:
+        return []
+
+
+class SelectiveRecompute(RecomputePolicy):
+    name = "selective"
+    summary = "the attention core rebuilt (its s^2 scores in an unfused kernel)"
+
+    def saved(self, acts: LayerActivations) -> tuple[float, float]:
+        # The core's inputs (Q, K, V) and output (the projection's input) stay saved by their
+        # neighbours; the re-forward rebuilds the output once more and the core's own.
+        return acts.outside + acts.inside, acts.core_output + acts.core
+
+    def recompute_seconds(self, work: LayerWork) -> float:
+        # The s^2 scores (unfused) or, with flash, the kernel's forward, which keeps its output
+        # for nothing else.
+        return work.core
+
+    def targets(self, block: nn.Module) -> list[nn.Module]:
+        return [m for m in block.modules() if isinstance(m, AttentionCore)]
+
+
+class FullRecompute(RecomputePolicy):
+    name = "full"
+    summary = "each block keeps its input and runs its forward again"
+    tp_passes = 3  # forward, backward, forward again
+    layer_overhead = 4 / 3
+
+    def unsupported(self, facts: RecomputeFacts) -> list[str]:
+        if facts.is_moe:
+            return ["'full' would replay the MoE layers' routing (and its statistics) in the "
+                    "backward pass, which this version does not support; use 'selective' (the "
+                    "attention core) or 'none' with MoE models"]
+        return []
+
+    def saved(self, acts: LayerActivations) -> tuple[float, float]:
+        # The block's input is kept; the re-forward rebuilds the rest of its set.
+        return acts.block_input, acts.full - acts.block_input
+
+    def recompute_seconds(self, work: LayerWork) -> float:
+        return work.forward
+
+    def targets(self, block: nn.Module) -> list[nn.Module]:
+        return [block]
+
+
+for _policy in (NoRecompute(), SelectiveRecompute(), FullRecompute()):
+    RECOMPUTE_POLICIES.register(_policy)
 
 # The memory measurement's probe of the re-forward's working set (``measure.py``): called with
 # a recomputed module's forward and inputs after its checkpointed forward, at a measured step only.
@@ -56,12 +122,9 @@ def _recompute_forward(module: nn.Module) -> None:
 
 
 def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> int:
-    """Set ``mode`` on these transformer blocks; how many modules now recompute."""
-    targets: list[nn.Module] = []
-    if mode == "full":
-        targets = list(blocks)
-    elif mode == "selective":
-        targets = [m for block in blocks for m in block.modules() if isinstance(m, AttentionCore)]
+    """Set the policy ``mode`` on these transformer blocks; how many modules now recompute."""
+    policy = RECOMPUTE_POLICIES.get(mode)
+    targets = [m for block in blocks for m in policy.targets(block)]
     for module in targets:
         _recompute_forward(module)
     return len(targets)
