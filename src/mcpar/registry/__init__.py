@@ -18,11 +18,12 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import AfterValidator
 
-# A layout field (the simulator's Layout spells them so) -> its config key.
+# A layout field (the simulator's Layout spells them so) -> its config key. The context degree
+# ("cp") is the simulator's only: no config key sets it, so its problems keep the layout's name.
 LAYOUT_KEYS = {
     "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
     "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
-    "cp": "parallelism.context", "seq_parallel": "parallelism.sequence_parallel",
+    "seq_parallel": "parallelism.sequence_parallel",
     "schedule": "parallelism.schedule",
     "zero_stage": "controllers.memory.zero_stage",
     "recompute": "controllers.memory.activation_checkpointing",
