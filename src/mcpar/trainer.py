@@ -40,8 +40,7 @@ from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.communication.grad_exchange import build_grad_exchange
 from mcpar.controllers.compute.batch_split import choose_split
-from mcpar.controllers.compute.controller import ComputeController, StepBatch
-from mcpar.controllers.compute.expert_balance import MoERoutingController
+from mcpar.controllers.compute.controller import StepBatch
 from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMismatch
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.controllers.memory.measure import MemoryMeter, trainer_memory
@@ -58,7 +57,6 @@ from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
-from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.plan import JobPlan, resolve_plan
 from mcpar.profiler.session import RunProfiler
@@ -207,29 +205,20 @@ class Trainer:
             self._log(exchange_text)
 
     def _build_compute(self) -> None:
-        """The pipeline executor, the ComputeController over the step's task list, and the
-        expert balancer of a model with experts."""
+        """The ComputeController's runtime from its plan: the pipeline executor, the step's
+        task list, and the expert balancer of a model with experts."""
         cfg, plan, faults = self.cfg, self.plan, self.faults
         loss_fn = faults.wrap_loss(self.pm.loss_fn, self.rank) if faults else self.pm.loss_fn
-        self.executor = PipelineExecutor(
-            self.pm.chunks, self.dims.axis_rank("pp"), self.dims.pp, self.comm,
-            plan.num_microbatches, self.activation_shape(plan.micro_batch_size),
-            self.meter.wrap_loss(loss_fn), self.device,
-            forward_context=lambda: autocast(self.device, cfg.training.dtype),
+        runtime = plan.compute.build(
+            cfg, self.dims, self.comm, self.pm.chunks, self.device, self.meter.wrap_loss(loss_fn),
+            self.activation_shape(plan.micro_batch_size),
             # The residual stream's dtype: fp32 under autocast, bf16 when offload keeps bf16
             # copies of the weights.
-            activation_dtype=self.pm.params[0].dtype,
-        )
-        self.compute = ComputeController(
-            plan.compute.step_tasks(self.dims.axis_rank("pp"),
-                                    plan.memory.reduce_every_backward),
-            self.executor, [list(chunk.parameters()) for chunk in self.pm.chunks],
-            self.grad_sync, self._update)
-        self.moe: MoERoutingController | None = None
-        if self.spec.expert_parallel is not None:  # a model with experts (its spec says)
-            self.moe = MoERoutingController(
-                cfg, plan.compute.balance, plan.num_microbatches, self.dims, self.comm,
-                self.pm.chunks, self.optimizer, self.run_dir, is_main=self.rank == 0)
+            self.pm.params[0].dtype, lambda: autocast(self.device, cfg.training.dtype),
+            self.grad_sync, self._update, plan.memory.reduce_every_backward, self.optimizer,
+            self.run_dir, has_experts=self.spec.expert_parallel is not None,
+            is_main=self.rank == 0)
+        self.executor, self.compute, self.moe = runtime.executor, runtime.controller, runtime.moe
 
     def _build_recovery(self, env: DistEnv | None, resume: bool) -> None:
         """Fault recovery: when resuming, the newest valid checkpoint is restored (parameters,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +40,22 @@ from mcpar.controllers.compute.load_balance import (
     imbalance,
     rank_loads,
 )
-from mcpar.controllers.compute.plan import BalancePlan
 from mcpar.models.moe import MoELayer
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
 from mcpar.topology import ParallelDims
 
 BALANCER_PREFIX = "balancer/"
+
+
+@dataclass(frozen=True)
+class BalancePlan:
+    """How the expert load balancer runs (``controllers.compute``)."""
+
+    scheduler: str  # 'static' (no balancer), 'greedy' or 'reinforcement'
+    interval: int  # steps between balancing decisions
+    migration_cost: float
+    costs: str  # 'measured' or 'modeled' expert-phase costs
 
 
 class MoERoutingController:

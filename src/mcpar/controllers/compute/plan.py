@@ -10,25 +10,28 @@ and the expert balancing policy of a job, decided once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
+from torch import nn
+
+from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
+from mcpar.controllers.compute.controller import ComputeController, GradientSync
+from mcpar.controllers.compute.expert_balance import BalancePlan, MoERoutingController
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import problem
+from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.tasks import Task
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.schedule import SCHEDULES
+from mcpar.topology import ParallelDims
 
-
-@dataclass(frozen=True)
-class BalancePlan:
-    """How the expert load balancer runs (``controllers.compute``)."""
-
-    scheduler: str  # 'static' (no balancer), 'greedy' or 'reinforcement'
-    interval: int  # steps between balancing decisions
-    migration_cost: float
-    costs: str  # 'measured' or 'modeled' expert-phase costs
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,41 @@ class ComputePlan:
         return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
                           self.virtual_stages, reduce_every_backward=reduce_every_backward)
 
+    def build(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
+              chunks: list[nn.Module], device: torch.device, loss_fn: LossFn,
+              activation_shape: tuple[int, int, int], activation_dtype: torch.dtype,
+              forward_context: Callable[[], AbstractContextManager[object]],
+              grad_sync: GradientSync, update: Callable[[int, list[float]], object],
+              reduce_every_backward: bool, optimizer: torch.optim.Optimizer,
+              run_dir: Path | None, has_experts: bool, is_main: bool) -> ComputeRuntime:
+        """The pipeline executor of this rank's chunks, the ComputeController over the step's
+        task list (``update``: the step's last task), and a model with experts' balancer."""
+        pp_rank = dims.axis_rank("pp")
+        executor = PipelineExecutor(
+            chunks, pp_rank, self.pp, comm, self.num_microbatches, activation_shape, loss_fn,
+            device, forward_context=forward_context, activation_dtype=activation_dtype)
+        controller = ComputeController(
+            self.step_tasks(pp_rank, reduce_every_backward), executor,
+            [list(chunk.parameters()) for chunk in chunks], grad_sync, update)
+        moe = None
+        if has_experts:
+            moe = MoERoutingController(cfg, self.balance, self.num_microbatches, dims, comm,
+                                       chunks, optimizer, run_dir, is_main=is_main)
+        return ComputeRuntime(executor, controller, moe)
+
     def split_allowed(self, num_microbatches: int) -> bool:
         """Whether the schedule runs with this micro-batch count (dynamic splitting asks)."""
         return self.schedule is None or SCHEDULES.get(self.schedule).problem(
             self.pp, num_microbatches, self.virtual_stages) is None
+
+
+@dataclass
+class ComputeRuntime:
+    """The ComputeController's live objects for one run."""
+
+    executor: PipelineExecutor
+    controller: ComputeController
+    moe: MoERoutingController | None  # a model with experts: routing metrics and balancing
 
 
 def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
