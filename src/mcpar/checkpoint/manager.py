@@ -64,7 +64,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,10 @@ from mcpar.checkpoint.reshard import restore_resharded
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
 
+if TYPE_CHECKING:
+    from mcpar.data.stream import BatchStream
+    from mcpar.topology import ParallelDims
+
 FORMAT_VERSION = 2  # 2: tensors packed per group and dtype (checkpoint_packing.py)
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
 _FROZEN_KEYS = ("model", "data", "training.seed")
@@ -135,7 +139,7 @@ def config_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def layout_of(dims: Any, cfg: JobConfig) -> dict[str, int]:
+def layout_of(dims: ParallelDims, cfg: JobConfig) -> dict[str, int]:
     return {"data": dims.dp, "tensor": dims.tp, "pipeline": dims.pp, "experts": dims.ep,
             "virtual_stages": cfg.parallelism.virtual_stages, "world_size": dims.world_size,
             "zero_stage": cfg.controllers.memory.zero_stage}
@@ -193,6 +197,13 @@ def optim_prefix(p: torch.nn.Parameter, name_of: dict[int, str], coord: str,
 
 # --- the manager ---------------------------------------------------------------------------------
 
+class RankState(Protocol):
+    """Per-rank state a checkpoint keeps under ``rank<r>/`` (compression errors)."""
+
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+    def load(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
 class FaultRecoveryManager:
     """Saves this rank's part of every checkpoint and restores the newest valid one.
 
@@ -200,10 +211,11 @@ class FaultRecoveryManager:
     constructor too: it may create the process group of asynchronous saves).
     """
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
-                 optimizer: torch.optim.Optimizer, stream: Any, rank: int,
+    def __init__(self, cfg: JobConfig, run_dir: Path, dims: ParallelDims,
+                 chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 stream: BatchStream, rank: int,
                  barrier: Callable[[], None], agree: Callable[[int], int],
-                 rank_state: Any = None,
+                 rank_state: RankState | None = None,
                  full_params: Callable[[bool], contextlib.AbstractContextManager[None]]
                  | None = None):
         """``rank_state``: an object with ``tensors()`` (name -> live tensor) and
