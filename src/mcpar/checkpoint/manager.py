@@ -64,7 +64,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,7 @@ from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
 
 if TYPE_CHECKING:
+    from mcpar.comm.compression_state import RankState
     from mcpar.data.stream import BatchStream
     from mcpar.topology import ParallelDims
 
@@ -196,13 +197,6 @@ def optim_prefix(p: torch.nn.Parameter, name_of: dict[int, str], coord: str,
 
 
 # --- the manager ---------------------------------------------------------------------------------
-
-class RankState(Protocol):
-    """Per-rank state a checkpoint keeps under ``rank<r>/`` (compression errors)."""
-
-    def tensors(self) -> dict[str, torch.Tensor]: ...
-    def load(self, tensors: dict[str, torch.Tensor]) -> None: ...
-
 
 class FaultRecoveryManager:
     """Saves this rank's part of every checkpoint and restores the newest valid one.

@@ -40,6 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 
 from mcpar.errors import UserError
 from mcpar.launch.env import find_free_port
@@ -273,12 +274,17 @@ class _ForkedWorker:
 
 
 Worker = subprocess.Popen | _ForkedWorker
+# What signal.signal takes and gives back: a function, SIG_DFL / SIG_IGN, or None (not set from
+# Python).
+_SignalHandler = Callable[[int, FrameType | None], object] | int | None
 
 
 def _signal_group(proc: Worker, sig: int) -> None:
     # Each worker leads its own process group, so this also reaches processes it started.
-    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-        os.killpg(proc.pid, sig)  # type: ignore[arg-type]  (None: never started)
+    if proc.pid is None:  # never started
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 def _teardown(procs: list[Worker], kill_grace_s: float) -> None:
@@ -343,7 +349,7 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
     # Signals are turned into a flag checked by the poll loop, so teardown never runs half-way
     # inside a handler. Handlers can only be installed from the main thread.
     received: list[int] = []
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, _SignalHandler] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda s, _f: received.append(s))
@@ -391,7 +397,7 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
         if job is not None:
             job.close()
         for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
         shutil.rmtree(err_dir, ignore_errors=True)
 
 
@@ -412,8 +418,9 @@ def record_worker_errors() -> Iterator[None]:
                 message = str(exc)
                 error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
             rank_raw = os.environ.get("RANK", "")
-            record = {"rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
-                      "traceback": traceback.format_exc()}
+            record: dict[str, object] = {
+                "rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
+                "traceback": traceback.format_exc()}
             if isinstance(exc, UserError):
                 record["user_errors"] = list(exc.problems)
             with contextlib.suppress(OSError):

@@ -76,7 +76,7 @@ class SavedBytes:
         self.live = 0
         self.peak = 0
 
-    def pack(self, t: torch.Tensor) -> object:
+    def pack(self, t: torch.Tensor) -> _Saved | torch.Tensor:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if not nbytes or ptr in self.already or ptr in self.excluded():
@@ -91,8 +91,8 @@ class SavedBytes:
         return _Saved(self, ptr, t)
 
     @staticmethod
-    def unpack(packed: object) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
+    def unpack(packed: _Saved | torch.Tensor) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
 
     def release(self, ptr: int) -> None:
         entry = self.refs[ptr]
