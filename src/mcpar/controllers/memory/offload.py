@@ -56,28 +56,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 FLOAT_BYTES = 4
 
 
-def offload_fields(cfg: JobConfig) -> int:
-    """fp32 values offloaded per parameter: the two moments, plus the master weights when the
-    model trains on bf16 copies."""
-    return 3 if holds_masters(cfg) else 2
-
-
 def holds_masters(cfg: JobConfig) -> bool:
     """Whether the offloaded state holds fp32 master weights (the model bf16 copies)."""
     mem = cfg.controllers.memory
     return mem.offload != "none" and cfg.training.dtype == "bfloat16" and mem.zero_stage == 0
-
-
-def offload_buffer_bytes(cfg: JobConfig) -> int:
-    """Host memory the offload itself keeps per rank, for the MemoryController's estimate:
-    ``nvme``: two group buffers of at most ``offload_buffer_mb`` each; ``cpu``: the whole
-    offloaded state is host memory (not device memory): 0 here, the caller counts the state.
-    What stays on the device: the parameters (bf16 copies when ``holds_masters``) and their
-    gradients; no optimizer state."""
-    mem = cfg.controllers.memory
-    if mem.offload != "nvme":
-        return 0
-    return 2 * int(mem.offload_buffer_mb * 2**20)
 
 
 @dataclass
@@ -509,6 +491,3 @@ class OffloadAdamW(torch.optim.AdamW):
         for index, state in state_dict["state"].items():
             self.state[params[index]] = {k: v.clone() for k, v in state.items()}
         self.state.flush()
-
-    def offload_times(self) -> dict[str, float]:
-        return {} if self.engine is None else self.engine.times.to_json()
