@@ -1,6 +1,6 @@
 """What every multi-process benchmark here does around its workers.
 
-A benchmark script starts its own worker processes (``mcpar.launch.launch_local``) by running
+A benchmark script starts its own worker processes (``mcpar.launch.local.launch_local``) by running
 itself again with ``--worker``; these helpers are the parts every such script shares, with
 how every bench hands over its result (JSON on stdout, and in a file when asked).
 """
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mcpar.errors import UserError
-from mcpar.launch import DistEnv, detect_env, record_worker_errors
+from mcpar.launch.env import DistEnv, detect_env
+from mcpar.launch.local import record_worker_errors
 
 
 def run_worker(args: argparse.Namespace,

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from bench_workers import run_worker, settings_problem
 
 from mcpar.config import JobConfig, load_config
-from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer
 

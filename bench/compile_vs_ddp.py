@@ -41,9 +41,10 @@ from bench_workers import emit_result, run_worker, settings_problem
 from dp_vs_ddp import DDPSide, timed_round
 
 from mcpar.config import JobConfig, load_config
-from mcpar.data import BatchStream
+from mcpar.data.stream import BatchStream
 from mcpar.device import keep_freed_host_memory
-from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_modules, compile_seconds
 from mcpar.plan import resolve_plan

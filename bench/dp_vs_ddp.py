@@ -58,10 +58,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mcpar.config import JobConfig, load_config
 from mcpar.controllers.memory.optimizer import decay_groups
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data.corpus import load_corpus
+from mcpar.data.stream import BatchStream
 from mcpar.device import autocast, keep_freed_host_memory, synchronize
 from mcpar.errors import UserError
-from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer, lr_at

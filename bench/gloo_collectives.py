@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 from bench_workers import emit_result
 
 from mcpar.comm.communicator import Communicator
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.topology import ParallelDims
 
 OPS = ("all_reduce", "torch_reduce_scatter", "mcpar_reduce_scatter", "all_gather",

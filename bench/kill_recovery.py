@@ -9,8 +9,8 @@ What it measures
     logged step is ``>= kill step`` *and* the first checkpoint is committed (a ``step-N`` folder
     holding its manifest: saves are asynchronous by default and can commit a few steps after
     their step), and SIGKILLs that rank's worker process (found through ``/proc`` by its
-    command line ``-m mcpar.worker <run dir>`` and its rank, ``mcpar.launch.local_worker_pids``;
-    only a first-start worker,
+    command line ``-m mcpar.launch.worker <run dir>`` and its rank,
+    ``mcpar.launch.local.local_worker_pids``; only a first-start worker,
     ``MCPAR_RESTART_COUNT=0``, is ever killed). Nothing else is done to the job: the mcpar
     launcher must notice the death, tear the job down and restart it by itself from the newest
     valid checkpoint (``optimization.checkpoint.max_restarts``, 3 by default with checkpoints
@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mcpar.launch import local_worker_pids
+from mcpar.launch.local import local_worker_pids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
-    """RANK -> pid of the job's live workers of its first start (``mcpar.launch``'s
+    """RANK -> pid of the job's live workers of its first start (``mcpar.launch.local``'s
     ``local_worker_pids``)."""
     return local_worker_pids(run_dir, first_start_only=True)
 

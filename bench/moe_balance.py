@@ -4,7 +4,7 @@ traces priced with measured costs, and on the real MoE model.
 Section 1, traces (default)
     ``ExpertLoadBalancer`` under each policy is fed the SAME routing, trace by trace:
 
-    - three synthetic non-stationary traces (``mcpar.controllers.compute.routing_traces``, whose
+    - three synthetic non-stationary traces (``bench/routing_traces.py``, whose
       docstring says what each models and why it is realistic): ``zipf_shift`` (Zipf 0.8
       popularity whose ranking is redrawn at random times, segments of 150 steps on average),
       ``bursts`` (a mild Zipf 0.5 base, plus bursts of 2 experts taking 30% of the assignments
@@ -78,13 +78,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from mcpar.controllers.compute.routing_traces import (
-    TRACES,
-    StepCostModel,
-    make_trace,
-    run_policy,
-)
+from routing_traces import TRACES, StepCostModel, make_trace, run_policy
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

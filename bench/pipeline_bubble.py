@@ -49,7 +49,8 @@ from torch import nn
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
-from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model

@@ -82,7 +82,7 @@ def _mb(kib: int) -> float:
 def make_text(root: Path, sizes: list[float]) -> list[tuple[Path, int]]:
     """Copies of the stdlib sources: ``root/part-i/copy-j.txt``; part i completes size i.
     Returns each part's directory with the bytes of text up to and including it."""
-    from mcpar.text_files import stdlib_files
+    from mcpar.data.text_files import stdlib_files
 
     sources = [p.read_bytes() for p in stdlib_files()]
     per_copy = sum(len(s) for s in sources)
@@ -127,7 +127,7 @@ def _child(*args: str) -> dict:
 
 
 def step_prepare(out: str, tokenizer: str, workers: str, *sources: str) -> dict:
-    from mcpar.prepare import prepare
+    from mcpar.data.prepare import prepare
 
     start = time.perf_counter()
     result = prepare(list(sources), tokenizer, out, workers=int(workers),
@@ -167,7 +167,7 @@ def step_train(shards: str, tokenizer: str, run_dir: str) -> dict:
 def step_blend(small: str, large: str) -> dict:
     import numpy as np
 
-    from mcpar.prepared_corpus import load_prepared
+    from mcpar.data.prepared_corpus import load_prepared
 
     train = load_prepared(f"0.7 {small} 0.3 {large}", "bytes", 8192, 0.01)[0]
     shares = {}

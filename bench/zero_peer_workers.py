@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from mcpar.config import JobConfig, load_config
 from mcpar.controllers.memory.optimizer import decay_groups
-from mcpar.data import BatchStream
+from mcpar.data.stream import BatchStream
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import lr_at

@@ -122,9 +122,10 @@ from dp_vs_ddp import DDPSide, timed_round
 from zero_peer_workers import COUNTER, FSDP2Side, held_bytes, largest
 
 from mcpar.config import JobConfig, load_config
-from mcpar.data import BatchStream
+from mcpar.data.stream import BatchStream
 from mcpar.device import keep_freed_host_memory
-from mcpar.launch import DistEnv, LaunchFailed, launch_local
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from mcpar.config import load_config
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import DistEnv, local_worker_pids
+from mcpar.launch.env import DistEnv
+from mcpar.launch.local import local_worker_pids
 from mcpar.metrics import read_metrics
 from mcpar.plan import resolve_plan
 from mcpar.topology import ParallelDims

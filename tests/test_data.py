@@ -1,4 +1,5 @@
-"""Tests for mcpar.data: corpus loading, the train/val split, and layout-independent batches."""
+"""Tests for mcpar.data's corpus, stream and bpe modules: corpus loading, the train/val split,
+and layout-independent batches."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from mcpar import data
-from mcpar.data import BatchStream, TokenCorpus, load_corpus, stdlib_files
+from mcpar.data import bpe
+from mcpar.data.corpus import TokenCorpus, load_corpus
+from mcpar.data.stream import BatchStream
+from mcpar.data.text_files import stdlib_files
 from mcpar.errors import UserError
 
 EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -272,13 +275,13 @@ def test_bpe_trains_tokenizes_and_round_trips(
     from tokenizers import Tokenizer
 
     trained_on: list[int] = []
-    real_train = data._train_bpe
+    real_train = bpe._train_bpe
 
     def spy(text: np.ndarray, vocab_size: int) -> object:  # records the training text length
         trained_on.append(len(text))
         return real_train(text, vocab_size)
 
-    monkeypatch.setattr(data, "_train_bpe", spy)
+    monkeypatch.setattr(bpe, "_train_bpe", spy)
     calls: list[int] = []
     corpus = load_corpus(
         str(bpe_text), "bpe", 300, 0.1, cache_dir=tmp_path / "c", barrier=lambda: calls.append(1)
@@ -309,7 +312,7 @@ def test_bpe_cache_reuse_ranks_and_invalidation(
     def no_training(*_: object) -> None:
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(data, "_train_bpe", no_training)
+    monkeypatch.setattr(bpe, "_train_bpe", no_training)
     again = load_corpus(str(bpe_text), "bpe", 300, 0.1, cache_dir=cache)
     worker = load_corpus(str(bpe_text), "bpe", 300, 0.1, cache_dir=cache, is_main=False)
     assert npy.stat().st_mtime_ns == mtime

@@ -8,7 +8,7 @@ import os
 import torch
 from conftest import data_parallel_comm, spawn_workers
 
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 
 WORLD = 3  # odd: no layout that only works for 2 ranks
 RS_SIZES = (5, 1)  # elements per rank of each reduce-scatter's output

@@ -37,7 +37,7 @@ from mcpar.controllers.communication.codecs import ExchangeContext, RuntimeCodec
 from mcpar.controllers.communication.exchanges import AllReduceExchange, GradExchange
 from mcpar.controllers.communication.grad_sync import GradBucket
 from mcpar.errors import UserError
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.plan import resolve_plan
 from mcpar.registry.codec import CODECS, ExchangeFacts, Wire, WireCost
 from mcpar.registry.recompute import (

@@ -24,7 +24,8 @@ from conftest import REPO, TINY, launch_in_process, sets
 
 from mcpar.cli import main
 from mcpar.config import ModelConfig, load_config, to_yaml
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data.corpus import load_corpus
+from mcpar.data.stream import BatchStream
 from mcpar.interop.full_state import load_full_state
 from mcpar.interop.hf_import import read_tensors, section_yaml
 from mcpar.interop.hf_names import export_problems, from_hf

@@ -11,7 +11,7 @@ import torch
 from conftest import data_parallel_comm, spawn_workers
 
 from mcpar.comm.collectives import LinkModel, choose_all_reduce, fit_link
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.topology import detect_node_of_rank
 
 SIZES = [1, 3, 7, 1000, 12345]

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from mcpar import launch
 from mcpar.errors import UserError
-from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
+from mcpar.launch import env, local
+from mcpar.launch.env import DistEnv, detect_env
+
+# Written at the top of every worker: its pid, so tests can check nothing outlives the launcher.
+from mcpar.launch.local import LaunchFailed, WorkerFailure, launch_local
 
 # Written at the top of every worker: its pid, so tests can check nothing outlives the launcher.
 PRELUDE = """
@@ -100,7 +103,7 @@ def test_caller_omp_threads_is_kept(tmp_path: Path) -> None:
 
 def test_exception_is_reported_and_peers_stopped(tmp_path: Path) -> None:
     argv = _script(tmp_path, """
-        from mcpar.launch import record_worker_errors
+        from mcpar.launch.local import record_worker_errors
         with record_worker_errors():
             if rank == 1:
                 wait_for_peers()
@@ -142,7 +145,7 @@ def test_signal_death_is_reported_and_peers_stopped(tmp_path: Path) -> None:
 def test_user_error_is_recorded_as_problems(tmp_path: Path) -> None:
     argv = _script(tmp_path, """
         from mcpar.errors import UserError
-        from mcpar.launch import record_worker_errors
+        from mcpar.launch.local import record_worker_errors
         with record_worker_errors():
             raise UserError(["model.num_heads: must divide hidden_size", "data.source: missing"])
     """)
@@ -154,7 +157,7 @@ def test_user_error_is_recorded_as_problems(tmp_path: Path) -> None:
 
 def test_launcher_sigterm_stops_workers(tmp_path: Path) -> None:
     argv = _script(tmp_path, "time.sleep(60)\n")
-    driver = (f"from mcpar.launch import launch_local\n"
+    driver = (f"from mcpar.launch.local import launch_local\n"
               f"launch_local(2, {argv!r}, kill_grace_s=1.0)\n")
     proc = subprocess.Popen([sys.executable, "-c", driver])
     try:
@@ -174,7 +177,7 @@ def test_launcher_sigterm_stops_workers(tmp_path: Path) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     argv = _script(tmp_path, "time.sleep(60)\n")
-    driver = f"from mcpar.launch import launch_local\nlaunch_local(2, {argv!r})\n"
+    driver = f"from mcpar.launch.local import launch_local\nlaunch_local(2, {argv!r})\n"
     # A SIGKILLed launcher cannot clean up its error-file directory: keep it under tmp_path.
     proc = subprocess.Popen([sys.executable, "-c", driver],
                             env=dict(os.environ, TMPDIR=str(tmp_path)))
@@ -194,9 +197,9 @@ def test_same_poll_prefers_the_root_cause() -> None:
     cascade = WorkerFailure(0, 1, None, None)
     killed = WorkerFailure(3, None, "SIGKILL", None)
     raised = WorkerFailure(2, 1, None, "RuntimeError: boom")
-    assert launch._pick_first([cascade, killed]) is killed
-    assert launch._pick_first([cascade, raised]) is raised
-    assert launch._pick_first([WorkerFailure(2, 1, None, None), cascade]) is cascade
+    assert local._pick_first([cascade, killed]) is killed
+    assert local._pick_first([cascade, raised]) is raised
+    assert local._pick_first([WorkerFailure(2, 1, None, None), cascade]) is cascade
 
 
 # --- detect_env ------------------------------------------------------------------------------
@@ -266,7 +269,7 @@ def test_detect_slurm_uneven_nodes_and_fallback_addr(clean_env: pytest.MonkeyPat
          SLURM_TASKS_PER_NODE="4,4,1", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu-[01-03]",
          SLURM_LAUNCH_NODE_IPADDR="10.1.2.3")
     assert detect_env() == DistEnv(8, 9, 0, 1, "10.1.2.3", 29500, "slurm")
-    assert launch._expand_tasks_per_node("4(x2),1") == [4, 4, 1]
+    assert env._expand_tasks_per_node("4(x2),1") == [4, 4, 1]
 
 
 def test_a_user_error_found_by_a_worker_exits_2_without_a_restart(
@@ -283,7 +286,7 @@ def test_a_user_error_found_by_a_worker_exits_2_without_a_restart(
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     restarts: list[int] = []
     with pytest.raises(LaunchFailed) as info:
-        launch_local(2, ["-m", "mcpar.worker", str(run_dir)], max_restarts=3,
+        launch_local(2, ["-m", "mcpar.launch.worker", str(run_dir)], max_restarts=3,
                      on_restart=lambda attempt, failure: restarts.append(attempt))
     assert restarts == []  # a restart would only find the same problem again
     (line,) = info.value.failure.user_errors or [None]
@@ -308,7 +311,7 @@ def test_the_cli_reports_a_workers_user_error_with_exit_2(
 
 def test_forked_workers_train_bitwise_like_fresh_ones_and_are_found_by_rank(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """mcpar's workers fork from one zygote that imported torch once (``mcpar.zygote``): the
+    """mcpar's workers fork from one zygote that imported torch once (``mcpar.launch.zygote``): the
     same losses, bit for bit, as workers started afresh (MCPAR_FORK_WORKERS=0), each worker in a
     session of its own, named by its rank and found by ``local_worker_pids``."""
     import contextlib
@@ -317,7 +320,7 @@ def test_forked_workers_train_bitwise_like_fresh_ones_and_are_found_by_rank(
     from conftest import TINY, sets, step_losses
 
     from mcpar.cli import main
-    from mcpar.launch import local_worker_pids
+    from mcpar.launch.local import local_worker_pids
 
     args = [*sets(*TINY, "training.steps=4"), "--nproc", "2"]
 
@@ -343,9 +346,9 @@ def test_forked_workers_train_bitwise_like_fresh_ones_and_are_found_by_rank(
 
     forked, forked_parents = run("forked")
     assert sorted(forked_parents) == [0, 1]
-    assert all(b"mcpar.zygote" in cmdline for cmdline in forked_parents.values())
+    assert all(b"mcpar.launch.zygote" in cmdline for cmdline in forked_parents.values())
     monkeypatch.setenv("MCPAR_FORK_WORKERS", "0")
     fresh, fresh_parents = run("fresh")
     assert sorted(fresh_parents) == [0, 1]
-    assert not any(b"mcpar.zygote" in cmdline for cmdline in fresh_parents.values())
+    assert not any(b"mcpar.launch.zygote" in cmdline for cmdline in fresh_parents.values())
     assert step_losses(forked) == step_losses(fresh)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,12 @@ from mcpar.controllers.compute.load_balance import (
     plan_layer,
     rank_loads,
 )
-from mcpar.controllers.compute.routing_traces import StepCostModel, make_trace, run_policy
 
 REPO = Path(__file__).resolve().parents[1]
+# The synthetic routing traces and the step's cost model are the bench's (bench/routing_traces.py).
+sys.path.insert(0, str(REPO / "bench"))
+from routing_traces import StepCostModel, make_trace, run_policy  # noqa: E402
+
 # Prices measured by bench/moe_balance_costs.py (an expert of 1024 x 4096 with its Adam state;
 # loopback gloo and an emulated 100 Mbit/s link), committed with the bench.
 MEASURED = json.loads((REPO / "bench" / "data" / "moe_balance_costs.json").read_text())

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY, spawn_workers, train_in_turn
 
 from mcpar.config import load_config
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.plan import resolve_plan
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import rank_activations

@@ -33,7 +33,7 @@ from torch import nn
 
 from mcpar.config import ModelConfig, apply_overrides, parse_config
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,

@@ -29,7 +29,7 @@ from mcpar.comm.compression import (
 )
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.models.spec import get_model_spec
 from mcpar.optim import OneBitAdam
 from mcpar.topology import ParallelDims

@@ -32,7 +32,7 @@ from test_onebit_adam import (
 )
 
 from mcpar.comm.compression import OneBitErrorBuffers, simulate_onebit_allreduce
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 
 WORLD = 2
 DISCARDED = FREEZE + 3  # a compressed step whose first exchanges are thrown away

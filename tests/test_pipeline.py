@@ -28,7 +28,7 @@ from mcpar.controllers.compute.schedules import (
     schedule_problem,
     step_tasks,
 )
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model

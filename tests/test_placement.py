@@ -17,7 +17,7 @@ from conftest import TINY, run_cli_in_process, spawn_workers, train_in_turn
 
 from mcpar.config import load_config
 from mcpar.controllers.memory.placement import Plan, search
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.plan import resolve_plan
 
 WORLD = 2

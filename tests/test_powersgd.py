@@ -17,7 +17,7 @@ from conftest import data_parallel_comm, spawn_workers
 
 from mcpar.comm.powersgd import PowerSGDCompressor, _orthogonalize
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.topology import ParallelDims
 
 WORLD = 2

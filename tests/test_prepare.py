@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from conftest import REPO, TINY, run_cli_in_process, run_mcpar, sets
 
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data.corpus import load_corpus
+from mcpar.data.prepare import prepare
+from mcpar.data.shards import PreparedSplit, shard_name, write_manifest, write_shard
+from mcpar.data.stream import BatchStream
 from mcpar.errors import UserError
-from mcpar.prepare import prepare
-from mcpar.shards import PreparedSplit, shard_name, write_manifest, write_shard
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -149,7 +150,7 @@ def test_blend_proportions_and_layout_independence(tmp_path: Path) -> None:
 _PEAK = textwrap.dedent("""
     import resource, sys
     import numpy as np
-    from mcpar.prepared_corpus import load_prepared
+    from mcpar.data.prepared_corpus import load_prepared
     train = load_prepared(sys.argv[1], "bytes", 256, 0.01)[0]
     for k in range(200):
         train.windows(np.arange(k * 16, k * 16 + 16), 256, 1)

@@ -19,7 +19,7 @@ from torch import nn
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.controller import ComputeController
 from mcpar.controllers.compute.schedules import step_tasks
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.profiler import MCPProfiler
 from mcpar.profiler.timeline import pipeline_bubble, theoretical_bubble

@@ -16,9 +16,9 @@ from conftest import REPO, TINY, run_cli_in_process, run_mcpar, sets
 
 from mcpar.config import load_config, to_yaml
 from mcpar.errors import UserError
+from mcpar.launch.run_dir import LOCK_FILE, RunDirLock, config_differences, repair_jsonl
 from mcpar.metrics import read_metrics
 from mcpar.plan import resolve_plan
-from mcpar.run_dir import LOCK_FILE, RunDirLock, config_differences, repair_jsonl
 
 
 def resolved(*settings: str):
@@ -67,7 +67,8 @@ def test_lock_is_exclusive_and_names_its_owner(tmp_path: Path) -> None:
 def test_lock_of_a_dead_owner_is_free(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # The owner is killed (no cleanup runs): the kernel drops its lock, its record stays.
-    code = ("import os, signal; from pathlib import Path; from mcpar.run_dir import RunDirLock; "
+    code = ("import os, signal; from pathlib import Path; "
+            "from mcpar.launch.run_dir import RunDirLock; "
             f"RunDirLock(Path({str(run)!r})).acquire(); os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO)
     assert proc.returncode == -9

@@ -12,7 +12,7 @@ import torch
 from conftest import TINY, spawn_workers
 
 from mcpar.config import apply_overrides, parse_config
-from mcpar.launch import DistEnv, find_free_port
+from mcpar.launch.env import DistEnv, find_free_port
 from mcpar.plan import resolve_plan
 from mcpar.trainer import Trainer
 

@@ -18,7 +18,7 @@ from conftest import spawn_workers
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.launch import find_free_port
+from mcpar.launch.env import find_free_port
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.stage import cut_model, whole_model
 from mcpar.parallel.tensor import (

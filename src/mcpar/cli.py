@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-from mcpar import prepare
 from mcpar.capabilities import unsupported_settings
 from mcpar.checkpoint.manager import (
     RecoveryLog,
@@ -30,16 +29,19 @@ from mcpar.controllers.memory.estimate import (
     format_bytes,
     params_per_pipeline_rank,
 )
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data import prepare
+from mcpar.data.corpus import load_corpus
+from mcpar.data.stream import BatchStream
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
 from mcpar.faults import FaultInjector
-from mcpar.launch import DistEnv, LaunchFailed, WorkerFailure, detect_env, launch_local
+from mcpar.launch.env import DistEnv, detect_env
+from mcpar.launch.local import WORKER_MODULE, LaunchFailed, WorkerFailure, launch_local
+from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.models.spec import get_model_spec
 from mcpar.path_checks import path_problems, storage_error_line
 from mcpar.plan import JobPlan, resolve_plan
 from mcpar.profiler import command as profile_command
-from mcpar.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.sim.cli import add_subcommands as add_sim_subcommands
 from mcpar.sim.cli import run as run_sim_command
 
@@ -73,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     common(check)
     _add_interop_subcommands(sub)  # `export`, `import`, `generate`
     add_sim_subcommands(sub)  # `simulate` and `plan`: the cost model (mcpar.sim)
-    prepare.add_subcommand(sub)  # `prepare`: text to token shards (mcpar.prepare)
+    prepare.add_subcommand(sub)  # `prepare`: text to token shards (mcpar.data.prepare)
     return parser
 
 
@@ -287,7 +289,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         lock.release()
         return 0
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
-    argv = ["-m", "mcpar.worker", str(run_dir)] + (["--resume"] if args.resume else [])
+    argv = ["-m", WORKER_MODULE, str(run_dir)] + (["--resume"] if args.resume else [])
     if args.stop_after is not None:
         argv += ["--stop-after", str(args.stop_after)]
     log = RecoveryLog(run_dir)

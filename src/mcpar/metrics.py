@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,19 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def flatten_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+def flatten_scalars(record: dict[str, Any] | list[Any] | tuple[Any, ...],
+                    prefix: str = "") -> dict[str, float]:
     """Every numeric field of ``record`` (booleans as 0/1), nested dicts' keys joined with '/',
     lists' items by index; 'step' itself is the x axis, not a scalar."""
     out: dict[str, float] = {}
-    items = record.items() if isinstance(record, dict) else enumerate(record)
+    items: Iterable[tuple[object, Any]] = (record.items() if isinstance(record, dict)
+                                           else enumerate(record))
     for key, value in items:
         name = f"{prefix}{key}"
         if name == "step":
             continue
         if isinstance(value, (dict, list, tuple)):
-            out.update(flatten_scalars(value, f"{name}/"))  # type: ignore[arg-type]
+            out.update(flatten_scalars(value, f"{name}/"))
         elif isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
             out[name] = float(value)
     return out

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from mcpar.errors import UserError, problem
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -24,7 +28,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    _mesh: object | None = field(default=None, repr=False)
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
     # The data axis split by nodes (set by build_node_groups): 'dp_intra' joins the data-parallel
     # ranks of one node, 'dp_inter' the ranks at the same place on every node.
     dp_intra: int = 1
@@ -115,7 +119,7 @@ class ParallelDims:
             return self._expert_groups[axis]
         group = self._mesh_groups.get(axis)
         if group is None:
-            group = self._mesh_groups[axis] = self._mesh.get_group(axis)  # type: ignore[attr-defined]
+            group = self._mesh_groups[axis] = self._mesh.get_group(axis)
         return group
 
     @property
@@ -130,9 +134,9 @@ class ParallelDims:
             group = self._node_groups.get(axis)
             return 0 if group is None else dist.get_rank(group)
         if axis in ("ep", "edp"):
-            dp_rank = self._mesh.get_local_rank("dp")  # type: ignore[attr-defined]
+            dp_rank = self._mesh.get_local_rank("dp")
             return dp_rank % self.ep if axis == "ep" else dp_rank // self.ep
-        return self._mesh.get_local_rank(axis)  # type: ignore[attr-defined]
+        return self._mesh.get_local_rank(axis)
 
     def dp_group_ranks(self) -> list[list[int]]:
         """Global ranks of every data-parallel group (the mesh is row-major over

@@ -45,12 +45,13 @@ from mcpar.controllers.memory.consistency import ReplicaConsistency, ReplicaMism
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.controllers.memory.measure import MemoryMeter, trainer_memory
 from mcpar.controllers.memory.recompute import apply_layer_recompute
-from mcpar.data import BatchStream, load_corpus
+from mcpar.data.corpus import load_corpus
+from mcpar.data.stream import BatchStream
 from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
 from mcpar.errors import TrainingDiverged
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
-from mcpar.launch import DistEnv
+from mcpar.launch.env import DistEnv
 from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec

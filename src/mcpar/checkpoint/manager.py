@@ -64,7 +64,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,11 @@ from mcpar.checkpoint.reshard import restore_resharded
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
 from mcpar.plan import JobPlan
+
+if TYPE_CHECKING:
+    from mcpar.comm.compression_state import RankState
+    from mcpar.data.stream import BatchStream
+    from mcpar.topology import ParallelDims
 
 FORMAT_VERSION = 2  # 2: tensors packed per group and dtype (checkpoint_packing.py)
 # Config sections whose change makes saved state meaningless (shapes, data order, init).
@@ -202,10 +207,11 @@ class FaultRecoveryManager:
     constructor too: it may create the process group of asynchronous saves).
     """
 
-    def __init__(self, plan: JobPlan, run_dir: Path, dims: Any, chunks: list[torch.nn.Module],
-                 optimizer: torch.optim.Optimizer, stream: Any, rank: int,
+    def __init__(self, plan: JobPlan, run_dir: Path, dims: ParallelDims,
+                 chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 stream: BatchStream, rank: int,
                  barrier: Callable[[], None], agree: Callable[[int], int],
-                 rank_state: Any = None,
+                 rank_state: RankState | None = None,
                  full_params: Callable[[bool], contextlib.AbstractContextManager[None]]
                  | None = None):
         """``rank_state``: an object with ``tensors()`` (name -> live tensor) and

@@ -187,7 +187,7 @@ class Communicator:
         # Set by the profiler: each collective is a named range of the torch.profiler trace.
         self.trace_ranges = False
 
-    def run_async(self, fn) -> CommHandle:  # type: ignore[no-untyped-def]
+    def run_async(self, fn: Callable[[], object]) -> CommHandle:
         """Run `fn` (a sequence of blocking collectives) on the controller's one communication
         thread, in submission order, so a multi-stage collective overlaps with compute like a
         native asynchronous one. Only groups that the main thread is not using at the same time

@@ -9,9 +9,11 @@ are ordinary per-parameter optimizer state and are saved as AdamW's are.)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from mcpar.comm.powersgd import PowerSGDCompressor
+from mcpar.comm.powersgd import PowerSGDCompressor, SavedGroup
 
 
 class CompressionState:
@@ -32,7 +34,7 @@ class CompressionState:
             for key, group in self.powersgd.state_dict().items():
                 out[f"powersgd/{key}/iteration"] = torch.tensor([group["iteration"]],
                                                                 dtype=torch.int64)
-                for index, matrix in group["matrices"].items():  # type: ignore[union-attr]
+                for index, matrix in group["matrices"].items():
                     out[f"powersgd/{key}/{index}/error"] = matrix["error"]
                     out[f"powersgd/{key}/{index}/q"] = matrix["q"]
         return out
@@ -48,7 +50,7 @@ class CompressionState:
                                      f"this layout needs {tuple(live.shape)}")
                 live.copy_(saved)
         if self.powersgd is not None:
-            state: dict[int, dict[str, object]] = {}
+            state: dict[int, SavedGroup] = {}
             for name, tensor in tensors.items():
                 parts = name.split("/")
                 if parts[0] != "powersgd":
@@ -57,16 +59,22 @@ class CompressionState:
                 if parts[2] == "iteration":
                     group["iteration"] = int(tensor.item())
                 else:
-                    matrices: dict = group["matrices"]  # type: ignore[assignment]
-                    matrices.setdefault(int(parts[2]), {})[parts[3]] = tensor
+                    group["matrices"].setdefault(int(parts[2]), {})[parts[3]] = tensor
             self.powersgd.load_state_dict(state)
+
+
+class RankState(Protocol):
+    """Per-rank state a checkpoint keeps under ``rank<r>/`` keys (compression errors)."""
+
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+    def load(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 class RankStateGroup:
     """Several per-rank states saved under one rank prefix; each part names its own tensors
     (distinct names) and picks its own out of what a checkpoint holds."""
 
-    def __init__(self, parts: list) -> None:  # type: ignore[type-arg]
+    def __init__(self, parts: list[RankState]) -> None:
         self.parts = parts
 
     def tensors(self) -> dict[str, torch.Tensor]:

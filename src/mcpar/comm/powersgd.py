@@ -16,6 +16,7 @@ all-reduced uncompressed, batched into one flat buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -55,6 +56,14 @@ def _orthogonalize(matrix: torch.Tensor, passes: int = 2) -> None:
             if i + 1 < matrix.shape[1]:
                 rest = matrix[:, i + 1:]
                 rest.sub_(col * (col * rest).sum(dim=0, keepdim=True))
+
+
+class SavedGroup(TypedDict):
+    """One key's PowerSGD state as ``state_dict`` gives it: the step count, and per compressed
+    gradient index its ``error`` and ``q`` matrices."""
+
+    iteration: int
+    matrices: dict[int, dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -227,15 +236,17 @@ class PowerSGDCompressor:
         """This rank's error-feedback matrix of gradient ``index`` of ``key`` (rows x cols)."""
         group = self._groups.get(key)
         matrices = (group and group.matrices) or []
-        if index >= len(matrices) or matrices[index] is None:
+        matrix = matrices[index] if index < len(matrices) else None
+        if matrix is None:
             raise KeyError(f"gradient {index} of key {key} is not compressed")
-        return matrices[index].error  # type: ignore[union-attr]
+        return matrix.error
 
-    def state_dict(self) -> dict[int, dict[str, object]]:
+    def state_dict(self) -> dict[int, SavedGroup]:
         """Per key: step count, and per compressed gradient its error and Q (references to the
         live tensors; the errors differ per rank)."""
-        out: dict[int, dict[str, object]] = {}
+        out: dict[int, SavedGroup] = {}
         for key, group in self._groups.items():
+            matrices: dict[int, dict[str, torch.Tensor]]
             if group.matrices is not None:
                 matrices = {i: {"error": m.error, "q": m.q}
                             for i, m in enumerate(group.matrices) if m is not None}
@@ -244,14 +255,14 @@ class PowerSGDCompressor:
             out[key] = {"iteration": group.iteration, "matrices": matrices}
         return out
 
-    def load_state_dict(self, state: dict[int, dict[str, object]]) -> None:
+    def load_state_dict(self, state: dict[int, SavedGroup]) -> None:
         """Restore from :meth:`state_dict`. The matrices are checked against the gradients and
         copied in at the key's next compressed step (their shapes are known only then)."""
         self._groups = {}
         for key, saved in state.items():
-            matrices: dict[int, dict[str, torch.Tensor]] = saved["matrices"]  # type: ignore[assignment]
+            matrices = saved["matrices"]
             self._groups[int(key)] = _GroupState(
-                iteration=int(saved["iteration"]),  # type: ignore[arg-type]
+                iteration=int(saved["iteration"]),
                 pending={int(i): {k: t.clone() for k, t in m.items()}
                          for i, m in matrices.items()} or None,
             )

@@ -156,14 +156,14 @@ def _global_name(local: str, maps: dict[str, torch.Tensor], named: list[tuple[st
 def run_tokenizer_path(job: JobConfig, vocab_size: int) -> Path | None:
     """The tokenizer.json a run used: the configured file, or mcpar's cached BPE (read back
     through the corpus cache); None for the bytes tokenizer."""
-    from mcpar.tokenizer_file import is_tokenizer_file, resolve_tokenizer_path
+    from mcpar.data.tokenizer_file import is_tokenizer_file, resolve_tokenizer_path
 
     data = job.data
     if data.tokenizer == "bytes":
         return None
     if is_tokenizer_file(data.tokenizer):
         return resolve_tokenizer_path(data.tokenizer)
-    from mcpar.data import load_corpus
+    from mcpar.data.corpus import load_corpus
 
     corpus = load_corpus(data.source, data.tokenizer, vocab_size, data.val_fraction,
                          token_dtype=data.token_dtype, cache_dir=data.cache_dir)

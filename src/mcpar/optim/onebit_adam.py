@@ -195,9 +195,6 @@ class OneBitAdam(torch.optim.Optimizer):
         under a hierarchical data axis): the size its error buffers are made for."""
         return -(-self._segments[index].numel // self._intra)
 
-    def segment_errors(self, index: int) -> OneBitErrorBuffers:
-        return self._segments[index].errors[self._current]
-
     def gather_segment(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Segment ``index`` of a flat tensor in the optimizer's order (a view when it is one
         range)."""

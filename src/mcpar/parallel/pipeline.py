@@ -44,13 +44,6 @@ class PipelineStats:
     # (kind, chunk, micro, start, end) per task, in the order run, for timelines and benches
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
 
-    @property
-    def idle_fraction(self) -> float:
-        # Against this rank's own wall time. Ranks start and end a step at different moments, so
-        # the bubble of a training loop is 1 - busy_s / (the slowest rank's total_s), which is
-        # what bench/pipeline_bubble.py reports.
-        return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
-
 
 class PipelineExecutor:
     """Runs one pipeline rank's stage tasks (``mcpar.parallel.tasks``) of an optimizer step.

@@ -18,11 +18,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcpar.comm.communicator import Communicator
 from mcpar.profiler.bandwidth import from_sent
 from mcpar.profiler.trace import WindowTrace
+
+if TYPE_CHECKING:
+    from mcpar.controllers.compute.controller import ComputeController
 
 
 @dataclass
@@ -133,7 +136,7 @@ class MCPProfiler(CommunicationProfiler):
     """The seed's name: the communication profile, plus the ComputeController's task log of
     the last step when one is given (``report.tasks``)."""
 
-    def __init__(self, comm: Communicator, compute: Any | None = None,
+    def __init__(self, comm: Communicator, compute: ComputeController | None = None,
                  trace_dir: str | Path | None = None):
         super().__init__(comm, trace_dir)
         self.compute = compute

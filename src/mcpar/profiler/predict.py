@@ -8,12 +8,15 @@ report says how to get it, rather than stopping the run for a minute of measurem
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from mcpar.config import JobConfig
 
-def predicted(cfg: Any, world_size: int, device: torch.device) -> tuple[dict | None, str]:
+
+def predicted(cfg: JobConfig, world_size: int, device: torch.device) -> tuple[dict | None, str]:
     """The prediction's figures and where they come from, or None and why not."""
     from mcpar.sim.costmodel import simulate
     from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model

@@ -14,11 +14,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcpar.profiler import plots
 from mcpar.profiler.analysis import analyse
 from mcpar.profiler.timeline import CATEGORIES
+
+if TYPE_CHECKING:
+    import torch
+
+    from mcpar.config import JobConfig
+    from mcpar.plan import JobPlan
+    from mcpar.topology import ParallelDims
 
 SECTIONS = {
     "overview": "Overview", "step-time": "Step time split", "communication": "Collectives",
@@ -28,6 +35,23 @@ SECTIONS = {
 }
 GB = 1e9
 GIB = 2.0**30
+
+
+class ReportedRun(Protocol):
+    """What the report reads of the run it describes (the Trainer is one), read-only."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def plan(self) -> JobPlan: ...
+    @property
+    def dims(self) -> ParallelDims: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def device_reason(self) -> str: ...
+    @property
+    def run_dir(self) -> Path: ...
 
 
 @dataclass
@@ -172,7 +196,7 @@ def to_html(sections: list[Section], out_dir: Path) -> str:
             + "</body></html>\n")
 
 
-def context_of(trainer: Any) -> dict[str, Any]:
+def context_of(trainer: ReportedRun) -> dict[str, Any]:
     from mcpar.profiler.predict import predicted
 
     t, plan = trainer, trainer.plan
@@ -184,7 +208,7 @@ def context_of(trainer: Any) -> dict[str, Any]:
             "prediction_source": source}
 
 
-def _capacity(device: Any) -> float:
+def _capacity(device: torch.device) -> float:
     import torch
 
     if device.type == "cuda":
@@ -193,7 +217,7 @@ def _capacity(device: Any) -> float:
 
 
 def write_report(out_dir: Path, ranks: list[dict], summary: dict[str, Any],
-                 trainer: Any) -> Path:
+                 trainer: ReportedRun) -> Path:
     """Writes the report files; the path of report.html."""
     from mcpar.metrics import read_metrics
 

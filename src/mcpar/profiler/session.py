@@ -18,16 +18,35 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from mcpar.profiler.mfu import Peak, device_peak, mfu
+from mcpar.profiler.report import ReportedRun
 from mcpar.profiler.trace import WindowTrace
+
+if TYPE_CHECKING:
+    from mcpar.controllers.communication.controller import CommunicationController
+    from mcpar.controllers.compute.controller import ComputeController
+    from mcpar.models.spec import ModelSpec
+
+
+class ProfiledRun(ReportedRun, Protocol):
+    """What the profiler reads of the run it profiles (the Trainer is one), read-only."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def spec(self) -> ModelSpec: ...
+    @property
+    def comm(self) -> CommunicationController: ...
+    @property
+    def compute(self) -> ComputeController: ...
 
 
 class RunProfiler:
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: ProfiledRun):
         self.trainer = trainer
         cfg = trainer.cfg
         prof = cfg.training.profile

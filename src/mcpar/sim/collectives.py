@@ -1,32 +1,15 @@
-"""Collective costs from the alpha-beta model of each algorithm.
+"""Collective costs from the alpha-beta model of each algorithm: mcpar's one link model, priced
+by the simulator and by the runtime's ``hybrid`` choice (``mcpar.comm.collectives``) alike. The
+formulas and how a group's links are chosen: docs/cost_model.md ("Communication, α-β per
+algorithm").
 
-Notation (Thakur, Rabenseifner & Gropp 2005): p ranks, n bytes per rank, alpha seconds per
-message step, beta seconds per byte (1 / bandwidth). The reduction's arithmetic is left out: on
-GPUs it runs at memory speed, far above any link's.
-
-=============================  ==========================================================
-ring reduce-scatter            (p-1) alpha + (p-1)/p n beta
-ring all-gather                (p-1) alpha + (p-1)/p n beta     (n = the gathered size)
-ring all-reduce                2 (p-1) alpha + 2 (p-1)/p n beta
-pairwise all-to-all            (p-1) alpha + (p-1)/p n beta     (n = bytes a rank sends)
-point to point                 alpha + n beta
-=============================  ==========================================================
-
-A group is described by where its ranks sit (``Group``): ``size`` ranks, ``per_node`` of them in
-each node. Its links: the intra-node link when the whole group is inside one node, otherwise the
-inter-node fabric, with ``per_node`` NICs of the group's ranks working in parallel (NCCL stripes a
-ring's channels over the node's rails). Each step of a ring that leaves the node waits for the
-slow hop, so a flat ring pays the inter-node alpha at every one of its steps.
-
-Hierarchical all-reduce (intra-node reduce-scatter, inter-node all-reduce of the 1/k shard by the
-k local ranks in parallel, intra-node all-gather) has the same inter-node bytes per NIC as a
-well-formed flat ring; it wins on latency (2(N-1) inter-node steps instead of 2(p-1)) and is where
-compression of only the inter-node stage plugs in.
-
-These ring formulas and ``two_level_all_reduce`` are mcpar's one link model: the runtime's
-``hybrid`` choice (``mcpar.comm.collectives``) prices flat and hierarchical all-reduces with them,
-on the links it measured at start (one shared inter-node link per node), where the simulator
-builds its links from the cluster (one NIC per GPU).
+Notation (Thakur, Rabenseifner & Gropp 2005): p ranks, n bytes per rank (for an all-gather the
+gathered size, for an all-to-all what a rank sends), alpha seconds per message step, beta
+seconds per byte. The reduction's arithmetic is left out: on GPUs it runs at memory speed, far
+above any link's. A ``Group`` is ``size`` ranks, ``per_node`` of them in each node. The
+hierarchical all-reduce sends as many inter-node bytes per NIC as a well-formed flat ring; it
+wins on latency (2(N-1) inter-node steps instead of 2(p-1)) and is where compression of only
+the inter-node stage plugs in.
 """
 
 from __future__ import annotations

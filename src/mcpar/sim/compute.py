@@ -1,31 +1,11 @@
-"""Time of one layer (and of the embedding and head) for one micro-batch on one GPU.
+"""Time of one layer (and of the embedding and head) for one micro-batch on one GPU: the
+per-layer terms of the step that docs/cost_model.md states ("Per layer, per micro-batch, per
+GPU": roofline GEMMs, the attention kernels, element-wise work, MoE layers, recompute).
 
-Every matrix multiply is priced by a roofline: ``max(FLOPs / (peak x gemm), bytes / (HBM x
-memory))``, so small or skinny GEMMs (a narrow tensor-parallel slice, an expert that receives few
-tokens) become memory-bound by themselves. Backward GEMMs cost twice the forward (input and weight
-gradients).
-
-Attention's s^2 part depends on the kernel:
-
-- ``flash``: a fused kernel that never writes the scores. Causal, so it computes half of the
-  s x s square; its backward does 2.5x the forward FLOPs (it recomputes the scores). Priced at
-  the ``attention`` efficiency.
-- ``unfused``: two batched GEMMs over the full square plus the scores' round trips through memory:
-  scale-mask-softmax reads and writes them, dropout reads them and writes them and a 1-byte mask
-  (4.5 score-sized tensors forward, 5.5 backward).
-
-Memory-bound element-wise work per token, counted in tensor reads+writes of the hidden size:
-two LayerNorms (2 each) and two bias-dropout-residual adds (3.5 each, the mask at 1 byte), and
-the MLP activation (2 tensors of ffn width for GELU/ReLU^2, 3 for SwiGLU's gate); under fp8,
-each GEMM input's cast. Without sequence parallelism the hidden-sized part runs replicated on
-every tensor rank; with it, on 1/tp of the tokens. The backward moves twice the forward's bytes.
-
-MoE layers replace the MLP: a router GEMM, the local experts' GEMMs on the tokens routed to them
-(tokens x top_k; with experts spread over ranks the busiest rank gets ``MOE_LOAD_IMBALANCE``
-times its share), the permutation of tokens into expert order and back, and two all-to-alls
-(dispatch and combine) per pass over the expert-parallel group.
-
-Communication inside a layer (tensor, context and expert parallelism) is priced here too, per
+Beyond the doc: element-wise work is counted in tensor reads+writes of the hidden size, 2 per
+LayerNorm and 3.5 per bias-dropout-residual add (the mask at 1 byte), and the backward moves
+twice the forward's bytes; the busiest expert rank's share is ``MOE_LOAD_IMBALANCE``. The
+communication inside a layer (tensor, context and expert parallelism) is priced here too, per
 pass: forward, backward, and the forward again under full recompute.
 """
 

@@ -1,35 +1,12 @@
-"""This machine as a 'cluster': a short calibration micro-benchmark of the CPU and of gloo.
+"""This machine as a 'cluster': a short calibration micro-benchmark of the CPU and of gloo. What
+it measures and how ``--cluster local`` uses it: docs/cost_model.md ("The local profile").
 
-    python -m mcpar.sim.localprofile [--out FILE]    # measure (about 20 s) and save
+    python -m mcpar.sim.localprofile [--out FILE]    # measure and save
 
-``mcpar simulate|plan --cluster local`` loads the saved profile (``$MCPAR_LOCAL_PROFILE`` or
-``~/.cache/mcpar/local_profile.json``) and measures it first if there is none.
-
-What is measured, all in fp32 as mcpar trains on CPU:
-
-- matmul FLOP/s with one thread and with all cores, at shapes like a small GPT's projections
-  in the forward and both backward layouts, sustained over a few tenths of a second;
-- causal ``scaled_dot_product_attention`` forward+backward FLOP/s with one thread (its ratio to
-  the matmul rate is the profile's ``attention`` efficiency);
-- element-wise throughput in bytes/s as the cost model counts element-wise traffic, over a mix
-  of adds, GELU forward/backward and LayerNorm on 4 MiB tensors (cache-resident, as a small
-  model's activations are), with one thread and with all cores;
-- the fixed cost of one small transformer block's forward+backward (eager dispatch, autograd),
-  from a block so small its arithmetic is negligible;
-- gloo all-reduce, all-gather, reduce-scatter and send/recv over loopback between two processes
-  at 16 KiB-4 MiB, each call after a burst of compute as in training (the ranks arrive a little
-  apart, the data is cold), each fitted to t = alpha + n beta; a p-rank ring then costs
-  (p - 1) alpha + 2 (p - 1) / p n beta. gloo's collectives differ a lot from one another (its
-  reduce-scatter is much slower than its all-reduce), so each is priced with its own line.
-
-The profile's efficiencies are 1 (its peaks are achieved rates), except ``attention`` (measured)
-and ``overlap``: 0, because a gloo collective needs a CPU thread that competes with the compute
-for the same cores, so nothing is hidden.
-
-A thread's rates are the all-core rates over the cores (mcpar's workers keep every core busy
-together, and cores share caches, memory bandwidth and, as hyper-threads, execution units); the
-one-thread rates only give the attention efficiency. Each worker gets max(1, cores // workers)
-threads; with more threads than cores see ``oversubscription``.
+Beyond the doc: rates are sustained over a few tenths of a second; element-wise throughput is
+measured on 4 MiB tensors (cache-resident, as a small model's activations are); the block whose
+fixed cost is measured is so small that its arithmetic is negligible; gloo is timed at 16 KiB to
+4 MiB, and a p-rank ring is then priced (p - 1) alpha + 2 (p - 1) / p n beta from those lines.
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
-"""Memory per rank: mcpar's one memory model.
+"""Memory per rank: mcpar's one memory model, which ``mcpar check`` (and dynamic batch
+splitting), ``mcpar simulate`` and ``mcpar plan`` all price with. What it counts per category
+(model states, activations, in-flight micro-batches, the parameter store, ZeRO-3's gathered
+working set, error feedback) is docs/cost_model.md's "Memory per GPU"; what the doc leaves out:
 
-``mcpar check`` (``controllers.memory.estimate``, which the dynamic batch splitting also asks),
-``mcpar simulate`` and ``mcpar plan`` all price memory here: an mcpar config reaches this module
-through ``fromconfig``'s mapping, a published run or a plan through its ``ModelShape`` and
-``Layout``. The per-rank memory is the job's (``MemoryBreakdown.per_rank``); a device adds its own
-reserve (``Cluster.reserved_bytes``: CUDA context, NCCL and cuBLAS workspaces, fragmentation),
-which the simulator counts against the GPU and the runtime leaves to its memory budget's headroom.
+The per-rank memory is the job's (``MemoryBreakdown.per_rank``); a device adds its own reserve
+(``Cluster.reserved_bytes``: CUDA context, NCCL and cuBLAS workspaces, fragmentation), which the
+simulator counts against the GPU and the runtime leaves to its memory budget's headroom. Layers
+are placed by the layout's stage cut (mcpar's cost-balanced cut for a config), not by pp alone.
 
-Parameters. The busiest pipeline rank's parameters, counted exactly (``ModelShape`` flags give
-mcpar's biases, position table and tied head; tensor parallelism splits the matrices, the
-column-parallel biases and the vocabulary, and replicates norms, row-parallel biases and the
-router; expert weights are split over ep as well). Layers are placed by the layout's stage cut
-(mcpar's cost-balanced cut for a config), not by pp alone.
+Model states: mcpar keeps its parameters in fp32 and casts per op, so under autocast it has no
+16-bit copy and no separate master copy (4 + 4 + 8 bytes per parameter): the old runtime
+estimate's 16 bytes were right for mcpar, the simulator's 18 for bf16 were not; and expert state
+is sharded over dp x cp / ep, where the old runtime estimate divided it by all of dp.
 
-Model states per parameter (Adam):
-- 16-bit weight copies beside fp32 master weights (Megatron, DeepSpeed, the published runs):
-  2 (weights) + 2 or 4 (gradients: fp16, where Megatron-2021 reduced fp16 gradients; fp32 under
-  bf16, accumulated and reduced in fp32) + 12 (fp32 master weights and two moments);
-- autocast (PyTorch AMP, mcpar's ``training.dtype: bfloat16``) and fp32: 4 + 4 + 8. mcpar keeps
-  its parameters in fp32 and casts per op, so it has no 16-bit copy and no separate master copy:
-  the old runtime estimate's 16 bytes were right for mcpar, the simulator's 18 for bf16 were not.
-ZeRO shards the optimizer state (stage >= 1), the gradients (>= 2) and the weights (3) over the
-data-parallel group (dp x cp; dp x cp / ep for expert weights, which ep ranks do not share). The
-old runtime estimate divided expert state by all of dp, as if every data rank held every expert.
-
-Activations per layer and micro-batch follow Korthikanti et al. (2022), generalized to GQA,
-SwiGLU, MoE and the compute dtype, with X = b s h elements of the residual stream:
+Activations per layer and micro-batch (Korthikanti et al. 2022), with X = b s h elements of the
+residual stream:
 - outside tensor parallelism: two LayerNorm inputs (the residual stream: fp32 under autocast,
   16-bit otherwise), the attention and MLP inputs (16-bit) and two 1-byte dropout masks (none
   when the model has no dropout); divided by tp only under sequence parallelism;
@@ -34,35 +23,22 @@ SwiGLU, MoE and the compute dtype, with X = b s h elements of the residual strea
 - the unfused kernel's scores: softmax output, dropout mask and dropout output (2 x 2 + 1 bytes
   per score; 2 without dropout), gone with flash attention or selective recompute.
 At 16 bits this is the paper's s b h (34 + 5 a s / h) (34 / tp with sequence parallelism). The
-old runtime estimate used that sum for every model: it doubled the 1-byte masks in fp32 (fp32
-masks are still 1 byte), priced the s x s scores although mcpar's ``scaled_dot_product_attention``
-never keeps them (flash / memory-efficient kernels), ignored the ffn width, MoE routing,
-recompute and the fp32 residual stream of autocast, so the formula here replaced it.
-Full recompute keeps only each layer's input, plus one layer's full set while it is recomputed.
+old runtime estimate used that sum for every model (doubling the 1-byte masks in fp32, pricing
+the s x s scores mcpar's ``scaled_dot_product_attention`` never keeps, ignoring the ffn width,
+MoE routing, recompute and autocast's fp32 residual stream), so this formula replaced it; it
+also used min(pp, micro-batches) in flight for GPipe and ceil(layers / pp) layers on the first
+rank. Full recompute keeps only each layer's input, plus one layer's full set while it is
+recomputed.
 
-In flight on the first pipeline rank (the one holding the most): 1F1B keeps min(pp, micro-batches)
-micro-batches of its layers; the interleaved schedule (Narayanan et al. 2021) keeps
-pp (1 + (pp - 1) / (pp vp)) of them; GPipe keeps all micro-batches (the old runtime estimate
-used min(pp, micro-batches) for GPipe too). Its layers are the first rank's under the cut (the
-old estimate took ceil(layers / pp), the simulator layers / pp). The last rank's fp32 logits and
-their gradient (one micro-batch, vocabulary split by tp) count as activations.
+Gathered working set (ZeRO-3): the group of ``gather_span`` blocks prefetched behind the block
+computing (one block when blocks are large), at most the chunk's blocks.
 
-The hierarchical parameter store adds its secondary copy to the parameters (P / k of the dense
-parameters in the weights' dtype, k data ranks per node) and, with int8 gradient compression,
-its fp32 error feedback on the 1/k shard to the gradients: both are held between steps.
-
-Gathered working set (ZeRO-3): the root parameters (embedding, final norm, head: gathered at
-the start of each forward, freed after its backward), the block computing and the group of
-``gather_span`` blocks prefetched behind it (one block when blocks are large), at most the
-chunk's blocks.
-
-Communication buffers: what the exchange holds besides the model states. The error-feedback
-buffers of 1-bit Adam and PowerSGD; the gradient bucket in flight under ZeRO-2 (the full-size
-bucket a released gradient is copied into before its reduce-scatter: at most ``bucket_mb``, at
-most the rank's gradients; stages 0-1 reduce the gradient buffer in place, nothing extra);
-under ZeRO-3 the largest unit's full gradient (a block, or the root parameters) before the store
-reduces it; and with optimizer offload the two streaming groups (one being updated, one
-moving), each at most ``offload_buffer_mb`` and at most the state itself.
+Communication buffers besides the error feedback: under ZeRO-2 the full-size bucket a released
+gradient is copied into before its reduce-scatter (at most ``bucket_mb``, at most the rank's
+gradients; stages 0-1 reduce the gradient buffer in place, nothing extra); under ZeRO-3 the
+largest unit's full gradient (a block, or the root parameters) before the store reduces it; and
+with optimizer offload the two streaming groups (one being updated, one moving), each at most
+``offload_buffer_mb`` and at most the state itself.
 
 Offload (``Offload``): the optimizer state leaves the device; it is reported as an off-device row
 (``MemoryBreakdown.offloaded``), not in the peak. Under fp32 the state moved is the two moments,

@@ -1,32 +1,12 @@
-"""Search layouts and settings under the memory limit; rank them by predicted step time.
+"""Search layouts and settings under the memory limit; rank them by predicted step time
+(``mcpar plan``). The search space, and the rule that only what ``mcpar train`` accepts is
+ranked (``train_problems``): docs/cost_model.md ("The planner").
 
-The search space, for a model, a cluster, a global batch and a precision:
-
-- tp: divisors of the node size that split the heads and the MLP (sequence parallelism on
-  whenever tp > 1: it only removes work and memory in this model);
-- cp: 1, 2, 4, 8 while each rank keeps at least 2048 tokens of the sequence, and only with
-  flash-style attention (the plan keeps the attention kernel of its precision: see
-  ``Layout.attention_kind``; a planner may not switch software generations);
-- pp: divisors of the remaining GPUs that split the layers evenly; vp: divisors of the layers per
-  rank up to 8, with micro-batches a multiple of pp (Megatron's rule for interleaving);
-- dp: what is left; ep: divisors of experts and dp x cp (MoE);
-- micro-batch: divisors of the sequences per data-parallel rank, up to 32;
-- recompute: none, selective, full; ZeRO stage 0-3;
-- gradient compression: none, 16-bit, 1-bit (Adam), PowerSGD (rank 4) (the last two with ZeRO 0);
-  with the parameter store, bf16 or int8 on its inter-node reduce-scatter;
-- collective topology: flat ring or hierarchical;
-- ZeRO-3 only: the hierarchical parameter store (when the data axis crosses nodes) and int8
-  forward weight gathers.
-
-Only what ``mcpar train`` accepts is ranked: every variant passes ``train_problems`` (the rules
-``mcpar.capabilities.zero_layout_problems`` gives train), e.g. ZeRO > 0 runs its collectives
-flat and without 16-bit compression, ZeRO-3 without a pipeline. ``extra`` layouts are priced
-as given.
-
-Each (tp, cp, pp, vp, ep, micro-batch, recompute) "core" is priced once (``pipeline_core``); ZeRO
-stage, compression, topology and the store only change data-parallel traffic, memory and the
-optimizer, and are priced on top of it (``finish``). Layouts that do not fit in memory are
-dropped before pricing their traffic.
+Beyond the doc: sequence parallelism is on whenever tp > 1 (in this model it only removes work
+and memory); micro-batches are the divisors of the sequences per data-parallel rank, up to 32;
+PowerSGD runs at rank 4; ``extra`` layouts are priced as given. Each core is priced once
+(``pipeline_core``), ZeRO stage, compression, topology and the store on top of it (``finish``);
+layouts that do not fit in memory are dropped before their traffic is priced.
 """
 
 from __future__ import annotations

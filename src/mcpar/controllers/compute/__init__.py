@@ -8,6 +8,5 @@
 - ``load_balance.py`` / ``expert_balance.py``: the expert load-balancing policy (static, greedy,
   reinforcement) and the MoE side of a step (router bias, measured costs, expert migration);
   ``placement_agent.py``: the learning policy; ``balance_math.py``: rank loads and the swap
-  planner; ``routing_traces.py``: non-stationary routing traces and the measured-cost model
-  that the bench and the tests try the policies on.
+  planner (the bench's ``bench/routing_traces.py`` holds the traces the policies are tried on).
 """

@@ -40,7 +40,7 @@ Form: learning from exact counterfactuals which scheduling rule fits, and why
     every decision improves the estimate of every rule's value, nothing has to be explored, and
     it learns exactly the quantities greedy fixes by hand, how long skews last (H) and whether
     spikes are worth chasing (fast or slow), under the measured migration price. Two earlier
-    forms failed on the traces of ``routing_traces.py``: a tabular Q-learner over 48 binned
+    forms failed on the traces of ``bench/routing_traces.py``: a tabular Q-learner over 48 binned
     states (it visited 5 of them in 100 decisions and did no better than random actions), and
     a linear value of each candidate move learned from its realized saving against holding
     (1.03-1.12x greedy's cost where greedy's horizon happens to be right: "against holding for

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,6 +42,12 @@ from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.controllers.memory import recompute
 from mcpar.controllers.memory.held import model_state_bytes
 from mcpar.device import peak_memory_since_reset, reset_peak_memory
+
+if TYPE_CHECKING:
+    from mcpar.controllers.communication.exchanges import GradExchange
+    from mcpar.controllers.memory.param_store import ParameterStore
+    from mcpar.controllers.memory.plan import MemoryPlan
+    from mcpar.parallel.parallelize import ParallelModel
 
 ROWS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers",
         "gathered working set")
@@ -70,7 +76,7 @@ class SavedBytes:
         self.live = 0
         self.peak = 0
 
-    def pack(self, t: torch.Tensor) -> object:
+    def pack(self, t: torch.Tensor) -> _Saved | torch.Tensor:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if not nbytes or ptr in self.already or ptr in self.excluded():
@@ -85,8 +91,8 @@ class SavedBytes:
         return _Saved(self, ptr, t)
 
     @staticmethod
-    def unpack(packed: object) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
+    def unpack(packed: _Saved | torch.Tensor) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
 
     def release(self, ptr: int) -> None:
         entry = self.refs[ptr]
@@ -188,7 +194,33 @@ class MemoryMeter:
         return rows
 
 
-def trainer_memory(trainer: Any) -> dict[str, dict[str, int]]:
+class _PlannedMemory(Protocol):
+    @property
+    def memory(self) -> MemoryPlan: ...
+
+
+class MeasuredRun(Protocol):
+    """What ``trainer_memory`` reads of the run it measures (the Trainer is one), read-only."""
+
+    @property
+    def meter(self) -> MemoryMeter: ...
+    @property
+    def pm(self) -> ParallelModel: ...
+    @property
+    def grad_sync(self) -> DataParallelGradSync: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def grad_exchange(self) -> GradExchange: ...
+    @property
+    def store(self) -> ParameterStore | None: ...
+    @property
+    def plan(self) -> _PlannedMemory: ...
+    @property
+    def comm(self) -> CommunicationController: ...
+
+
+def trainer_memory(trainer: MeasuredRun) -> dict[str, dict[str, int]]:
     """``memory_summary`` of a Trainer (its meter, model states, gradient sync and plan)."""
     store = trainer.store
     held = model_state_bytes(trainer.pm.params, trainer.grad_sync, trainer.optimizer,

@@ -491,6 +491,3 @@ class OffloadAdamW(torch.optim.AdamW):
         for index, state in state_dict["state"].items():
             self.state[params[index]] = {k: v.clone() for k, v in state.items()}
         self.state.flush()
-
-    def offload_times(self) -> dict[str, float]:
-        return {} if self.engine is None else self.engine.times.to_json()

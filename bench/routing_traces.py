@@ -1,5 +1,6 @@
 """Non-stationary routing traces and a measured-cost model of the step, to try placement
-policies offline (the bench and the tests), on the same routing for every policy.
+policies offline (bench/moe_balance.py and tests/test_load_balance.py), on the same routing for
+every policy.
 
 Each trace is ``[steps, layers, experts]`` token-expert assignments per step, sampled from a
 multinomial over per-expert shares (so counts carry a real step's sampling noise). What moves the

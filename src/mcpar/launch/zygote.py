@@ -2,7 +2,7 @@
 
 Why: a worker spends 3-4 s of CPU importing torch and mcpar before its first step, and the N
 workers of a local job pay it N times at once, on the same cores. The launcher
-(``mcpar.launch``) starts this process instead: it imports ``mcpar.trainer`` once and forks
+(``mcpar.launch.local``) starts this process instead: it imports ``mcpar.trainer`` once and forks
 the N workers from that state (copy-on-write). Nothing here runs a torch operation or starts a
 thread before forking, so each child starts as clean as a fresh interpreter: torch's thread pool
 and RNG are untouched, Python's ``random`` reseeds itself in the child.
@@ -12,9 +12,9 @@ standard streams, environment and preloaded modules are fixed at its first use; 
 (or a test process) starting many jobs needs each job's own streams and environment, and each
 worker in a session of its own that the launcher signals by process group, as before.
 
-Protocol: ``python -m mcpar.zygote REPORT_FD -m mcpar.worker RUN_DIR ...`` (the worker's
-command line follows, so that ``ps`` and ``local_worker_pids`` find the job by it), with the
-job's common environment; one JSON line on stdin lists each rank's own variables,
+Protocol: ``python -m mcpar.launch.zygote REPORT_FD -m mcpar.launch.worker RUN_DIR ...`` (the
+worker's command line follows, so that ``ps`` and ``local_worker_pids`` find the job by it),
+with the job's common environment; one JSON line on stdin lists each rank's own variables,
 ``{"ranks": [{"RANK": "0", ...}, ...]}``. Each worker names itself ``mcpar-rank<R>``
 (``/proc/<pid>/comm``): its environment there is the zygote's. On REPORT_FD it writes
 ``start RANK PID`` for every worker, then ``exit RANK CODE`` as each one ends (CODE as
@@ -32,9 +32,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from mcpar.launch import PR_SET_NAME, die_with_parent, libc_prctl
+from mcpar.launch.local import PR_SET_NAME, WORKER_MODULE, die_with_parent, libc_prctl
 
-WORKER_MODULE = "mcpar.worker"
 COMM_PREFIX = "mcpar-rank"  # a forked worker's name in /proc/<pid>/comm, then its rank
 
 
@@ -55,10 +54,10 @@ def main() -> int:
     report_fd, argv = int(sys.argv[1]), sys.argv[2:]
     spec = json.loads(sys.stdin.readline())
     if argv[:2] != ["-m", WORKER_MODULE]:
-        raise SystemExit(f"mcpar.zygote runs {WORKER_MODULE} only, got {argv[:2]}")
+        raise SystemExit(f"mcpar.launch.zygote runs {WORKER_MODULE} only, got {argv[:2]}")
     with contextlib.suppress(Exception):  # a broken install fails in the worker, reported there
         import mcpar.trainer  # noqa: F401  (the preload: what every worker would import)
-    from mcpar import worker
+    from mcpar.launch import worker
 
     zygote_pid, pids, prctl = os.getpid(), {}, libc_prctl()
     for rank, env in enumerate(spec["ranks"]):

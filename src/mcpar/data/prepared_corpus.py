@@ -14,16 +14,16 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from mcpar.errors import UserError, problem
-from mcpar.prepare import prepare
-from mcpar.shards import (
+from mcpar.data.prepare import prepare
+from mcpar.data.shards import (
     TOKENIZER_COPY,
     PreparedSource,
     PreparedSplit,
     is_prepared_dir,
 )
-from mcpar.text_files import resolve_text_files
-from mcpar.tokenizer_file import load_tokenizer_file
+from mcpar.data.text_files import resolve_text_files
+from mcpar.data.tokenizer_file import load_tokenizer_file
+from mcpar.errors import UserError, problem
 
 KEY = "data.source"
 _CACHE_FORMAT = "mcpar-hf-v1"

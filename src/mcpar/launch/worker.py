@@ -1,5 +1,5 @@
 """Entry point of a worker started by ``mcpar train --nproc N``:
-``python -m mcpar.worker RUN_DIR [--resume] [--stop-after N]``.
+``python -m mcpar.launch.worker RUN_DIR [--resume] [--stop-after N]``.
 
 The parent process has already validated the job and written the resolved ``config.yaml`` into the
 run directory; every worker trains from that file, so all ranks see exactly the same settings.
@@ -16,11 +16,12 @@ from pathlib import Path
 
 from mcpar.config import load_config
 from mcpar.errors import UserError
-from mcpar.launch import detect_env, record_worker_errors
+from mcpar.launch.env import detect_env
+from mcpar.launch.local import record_worker_errors
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="mcpar.worker")
+    parser = argparse.ArgumentParser(prog="mcpar.launch.worker")
     parser.add_argument("run_dir")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-after", type=int, default=None)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         with record_worker_errors():
             env = detect_env()
             if env is None:
-                raise SystemExit("mcpar.worker is started by `mcpar train`, not by hand")
+                raise SystemExit("mcpar.launch.worker is started by `mcpar train`, not by hand")
             from mcpar.trainer import run_worker
 
             cfg = load_config(Path(run_dir) / "config.yaml")

@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mcpar.errors import UserError, problem
-from mcpar.shards import (
+from mcpar.data.shards import (
     FORMAT,
     MANIFEST,
     TOKENIZER_COPY,
@@ -37,8 +36,9 @@ from mcpar.shards import (
     write_manifest,
     write_shard,
 )
-from mcpar.text_files import resolve_text_files
-from mcpar.tokenizer_file import TokenizerFile, load_tokenizer_file, token_dtype_for
+from mcpar.data.text_files import resolve_text_files
+from mcpar.data.tokenizer_file import TokenizerFile, load_tokenizer_file, token_dtype_for
+from mcpar.errors import UserError, problem
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MB per uint16 shard: few files, yet many units to share
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")

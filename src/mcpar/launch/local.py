@@ -1,4 +1,4 @@
-"""Local multi-process launcher and the environment a worker process learns it was started in.
+"""Local multi-process launcher: ``mcpar train --nproc N`` starts, watches and restarts a job.
 
 Why not ``torch.distributed.elastic`` (what ``torchrun`` runs on)? Three things mcpar needs that it
 does not give cheaply:
@@ -13,12 +13,13 @@ does not give cheaply:
   workers resume from the newest valid checkpoint themselves; an elastic agent restarting on its
   own would fight that.
 
-mcpar's own workers (``-m mcpar.worker``) are forked by one ``mcpar.zygote`` process per start
-of the job, which imported torch and mcpar once, instead of N fresh interpreters importing them
-at once on the same cores (3-4 s of CPU each); ``MCPAR_FORK_WORKERS=0`` starts fresh ones.
+mcpar's own workers (``-m mcpar.launch.worker``) are forked by one ``mcpar.launch.zygote``
+process per start of the job, which imported torch and mcpar once, instead of N fresh
+interpreters importing them at once on the same cores (3-4 s of CPU each);
+``MCPAR_FORK_WORKERS=0`` starts fresh ones.
 
-Under ``torchrun`` or SLURM the CLI does not launch anything: ``detect_env`` reads what those
-launchers set and the workers use it as is.
+Under ``torchrun`` or SLURM the CLI does not launch anything: ``mcpar.launch.env.detect_env``
+reads what those launchers set and the workers use it as is.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import ctypes
 import dataclasses
 import json
 import os
-import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,129 +40,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 
 from mcpar.errors import UserError
+from mcpar.launch.env import find_free_port
 
-DEFAULT_MASTER_PORT = 29500
-
-
-@dataclass
-class DistEnv:
-    """Where this process sits in the job, as its launcher described it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "single" | "mcpar" | "torchrun" | "slurm"
-
-
-def _int_env(env: dict[str, str] | os._Environ[str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        if default is None:
-            raise UserError(f"environment variable {name} is not set; the launcher must set it")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
-def _expand_tasks_per_node(spec: str) -> list[int]:
-    """Expand SLURM's compressed per-node task counts: ``"4(x2),1"`` -> ``[4, 4, 1]``."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
-        if m is None:
-            raise UserError(f"cannot parse SLURM tasks per node {spec!r}")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts
-
-
-def _first_slurm_host(nodelist: str) -> str | None:
-    if "[" not in nodelist:  # a plain "host" or "a,b" list needs no scontrol
-        return nodelist.split(",")[0].strip() or None
-    if shutil.which("scontrol") is None:
-        return None
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
-
-
-# What torchrun sets for every worker; a shell holding only some of them (stale exports) would
-# otherwise wait the whole collective timeout for peers that never come, then trace.
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT")
-
-
-def _check_torchrun_env(env: dict[str, str] | os._Environ[str]) -> None:
-    missing = [name for name in TORCHRUN_VARS if not env.get(name, "").strip()]
-    if missing:
-        present = [name for name in TORCHRUN_VARS if name not in missing]
-        raise UserError(
-            f"environment: {', '.join(present)} set but {', '.join(missing)} missing: this is "
-            "not a complete torchrun environment; unset the stale variables to train on this "
-            "machine, or launch with torchrun")
-    rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
-    local_rank, local_world = _int_env(env, "LOCAL_RANK"), _int_env(env, "LOCAL_WORLD_SIZE")
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise UserError(
-            f"environment: RANK {rank} / WORLD_SIZE {world} / LOCAL_RANK {local_rank} / "
-            f"LOCAL_WORLD_SIZE {local_world} are inconsistent; unset them or launch with "
-            "torchrun")
-
-
-def detect_env() -> DistEnv | None:
-    """Return the distributed environment set by a launcher, or None when not launched."""
-    env = os.environ
-    # torchrun and mcpar's own launcher set the same variables; torchrun also sets
-    # TORCHELASTIC_RUN_ID, which marks it even when the job has a single process.
-    if "RANK" in env and ("WORLD_SIZE" in env or "TORCHELASTIC_RUN_ID" in env):
-        if env.get("MCPAR_LAUNCHED") != "1":
-            _check_torchrun_env(env)
-        rank = _int_env(env, "RANK")
-        world = _int_env(env, "WORLD_SIZE", 1)
-        return DistEnv(
-            rank=rank, world_size=world,
-            local_rank=_int_env(env, "LOCAL_RANK", rank),
-            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", world),
-            master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-            master_port=_int_env(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
-            launcher="mcpar" if env.get("MCPAR_LAUNCHED") == "1" else "torchrun",
-        )
-    # A one-task srun (or a login shell inside an allocation) is not a distributed job.
-    if "SLURM_PROCID" in env and _int_env(env, "SLURM_NTASKS", 1) > 1:
-        world = _int_env(env, "SLURM_NTASKS")
-        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        if per_node:
-            counts = _expand_tasks_per_node(per_node)
-            node = _int_env(env, "SLURM_NODEID", 0)
-            local_world = counts[node] if 0 <= node < len(counts) else counts[0]
-        else:
-            local_world = max(1, world // max(1, _int_env(env, "SLURM_NNODES", world)))
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-        addr = (env.get("MASTER_ADDR") or (_first_slurm_host(nodelist) if nodelist else None)
-                or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1")
-        return DistEnv(
-            rank=_int_env(env, "SLURM_PROCID"), world_size=world,
-            local_rank=_int_env(env, "SLURM_LOCALID", 0), local_world_size=local_world,
-            master_addr=addr, master_port=_int_env(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
-            launcher="slurm",
-        )
-    return None
-
-
-def find_free_port() -> int:
-    """A TCP port free right now on localhost (another process could still take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WORKER_MODULE = "mcpar.launch.worker"  # what ``mcpar train`` runs, by module name
 
 
 @dataclass
@@ -286,8 +168,8 @@ def _name_stalled_ranks(first: WorkerFailure, procs: list[Worker],
 def local_worker_pids(run_dir: str | os.PathLike[str],
                       first_start_only: bool = False) -> dict[int, int]:
     """RANK -> pid of the live local workers of the job whose run directory is ``run_dir``
-    (fault drills and their tests kill them): ``mcpar.worker`` and the run dir in the command
-    line, not a zombie, the rank from ``RANK`` in the environment a fresh worker was started
+    (fault drills and their tests kill them): ``mcpar.launch.worker`` and the run dir in the
+    command line, not a zombie, the rank from ``RANK`` in the environment a fresh worker was started
     with or from the name (``mcpar-rank<R>``) a forked one gives itself; the zygote (no rank)
     and processes a worker forked (their parent matches too) are left out.
     ``first_start_only``: only workers of the job's first start (``MCPAR_RESTART_COUNT`` 0)."""
@@ -298,7 +180,7 @@ def local_worker_pids(run_dir: str | os.PathLike[str],
         try:
             with open(f"{entry.path}/cmdline", "rb") as f:
                 cmdline = f.read().split(b"\0")
-            if b"mcpar.worker" not in cmdline or os.fsencode(run_dir) not in cmdline:
+            if WORKER_MODULE.encode() not in cmdline or os.fsencode(run_dir) not in cmdline:
                 continue
             with open(f"{entry.path}/stat") as f:
                 stat = f.read()
@@ -322,15 +204,15 @@ def local_worker_pids(run_dir: str | os.PathLike[str],
 
 
 class _ForkedJob:
-    """The workers of one job, forked by one ``mcpar.zygote`` process (see there why): its
-    report pipe tells each rank's pid and exit code."""
+    """The workers of one job, forked by one ``mcpar.launch.zygote`` process (see there why):
+    its report pipe tells each rank's pid and exit code."""
 
     def __init__(self, nproc: int, argv: list[str], base: dict[str, str],
                  rank_envs: list[dict[str, str]], preexec: Callable[[], None] | None):
         read_fd, write_fd = os.pipe()
         try:
             self.zygote = subprocess.Popen(
-                [sys.executable, "-m", "mcpar.zygote", str(write_fd), *argv], env=base,
+                [sys.executable, "-m", "mcpar.launch.zygote", str(write_fd), *argv], env=base,
                 stdin=subprocess.PIPE, start_new_session=True, preexec_fn=preexec,
                 pass_fds=(write_fd,))
         finally:
@@ -392,12 +274,17 @@ class _ForkedWorker:
 
 
 Worker = subprocess.Popen | _ForkedWorker
+# What signal.signal takes and gives back: a function, SIG_DFL / SIG_IGN, or None (not set from
+# Python).
+_SignalHandler = Callable[[int, FrameType | None], object] | int | None
 
 
 def _signal_group(proc: Worker, sig: int) -> None:
     # Each worker leads its own process group, so this also reaches processes it started.
-    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-        os.killpg(proc.pid, sig)  # type: ignore[arg-type]  (None: never started)
+    if proc.pid is None:  # never started
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 def _teardown(procs: list[Worker], kill_grace_s: float) -> None:
@@ -462,7 +349,7 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
     # Signals are turned into a flag checked by the poll loop, so teardown never runs half-way
     # inside a handler. Handlers can only be installed from the main thread.
     received: list[int] = []
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, _SignalHandler] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda s, _f: received.append(s))
@@ -473,7 +360,7 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
         preexec = _death_signal_preexec()
         rank_envs = [dict(RANK=str(rank), LOCAL_RANK=str(rank), MCPAR_ERROR_FILE=err_files[rank])
                      for rank in range(nproc)]
-        if argv[:2] == ["-m", "mcpar.worker"] and base.get("MCPAR_FORK_WORKERS", "1") != "0":
+        if argv[:2] == ["-m", WORKER_MODULE] and base.get("MCPAR_FORK_WORKERS", "1") != "0":
             # mcpar's own workers fork from one process that imported torch once
             # (MCPAR_FORK_WORKERS=0: each starts a fresh interpreter instead).
             job = _ForkedJob(nproc, argv, base, rank_envs, preexec)
@@ -510,7 +397,7 @@ def _launch_once(nproc: int, argv: list[str], env: dict[str, str] | None,
         if job is not None:
             job.close()
         for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
         shutil.rmtree(err_dir, ignore_errors=True)
 
 
@@ -531,8 +418,9 @@ def record_worker_errors() -> Iterator[None]:
                 message = str(exc)
                 error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
             rank_raw = os.environ.get("RANK", "")
-            record = {"rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
-                      "traceback": traceback.format_exc()}
+            record: dict[str, object] = {
+                "rank": int(rank_raw) if rank_raw.isdigit() else None, "error": error,
+                "traceback": traceback.format_exc()}
             if isinstance(exc, UserError):
                 record["user_errors"] = list(exc.problems)
             with contextlib.suppress(OSError):
