@@ -360,3 +360,144 @@ def test_the_planner_ranks_both_and_keeps_their_rules() -> None:
     assert all(lay.topology == "flat" and lay.zero_stage == 0
                for lay in ranked if lay.compression == "topk_ef")
     assert all(lay.num_microbatches >= lay.pp for lay in ranked if lay.schedule == "lifo_gpipe")
+
+
+# --- a model family, registered from this file alone -------------------------------------------
+# ``gpt_relu2``: GPT whose MLP is Primer's squared ReLU (So et al. 2021), relu(x)^2 instead of
+# GELU, under GPT's own attribute names so that GPT's tensor-parallel plan splits it. Its rule:
+# the head stays untied. Every consumer meets the kind for the first time: the config validates
+# it through the registry, ``check`` applies its rule, the trainer builds and splits it through
+# its entry, ``simulate`` and ``plan`` price it through its ``shape()`` (a relu2 MLP).
+from mcpar.config import ModelConfig  # noqa: E402
+from mcpar.errors import problem  # noqa: E402
+from mcpar.models.gpt import (  # noqa: E402
+    GPT,
+    GPT_TENSOR_PARALLEL,
+    Block,
+    gpt_flops_per_token,
+    gpt_num_params,
+    gpt_shape,
+    gpt_stage_num_params,
+)
+from mcpar.models.plan import ModelPieces  # noqa: E402
+from mcpar.models.spec import ModelSpec  # noqa: E402
+from mcpar.registry.model_family import MODEL_FAMILIES  # noqa: E402
+
+
+class ReLU2MLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.proj = torch.nn.Linear(cfg.ffn_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc(x)).square())
+
+
+class ReLU2Family(ModelSpec):
+    name = "gpt_relu2"
+    summary = "GPT with a squared-ReLU MLP"
+    tensor_parallel = GPT_TENSOR_PARALLEL
+
+    def build(self, cfg: ModelConfig, seed: int) -> torch.nn.Module:
+        CALLS["family.build"] += 1
+        model = GPT(cfg, block=lambda c: Block(c, mlp=ReLU2MLP))
+        model.init_weights(seed)
+        return model
+
+    def pieces(self, model: torch.nn.Module) -> ModelPieces:
+        return GPT.pieces(model)  # type: ignore[arg-type]
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        return gpt_num_params(cfg)  # the same weights as GPT's MLP
+
+    def stage_num_params(self, cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
+                         tp: int = 1, ep: int = 1) -> int:
+        return gpt_stage_num_params(cfg, num_blocks, first, last, tp, ep)
+
+    def flops_per_token(self, cfg: ModelConfig) -> float:
+        return gpt_flops_per_token(cfg)
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        CALLS["family.problems"] += 1
+        out = super().problems(cfg)
+        if cfg.tie_embeddings:
+            out.append(problem("model.tie_embeddings",
+                               "gpt_relu2 keeps its head untied; set it to false"))
+        return out
+
+    def shape(self, cfg: ModelConfig) -> ModelShape:
+        CALLS["family.shape"] += 1
+        return replace(gpt_shape(cfg), ffn_kind="relu2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def family_plugin() -> Iterator[None]:
+    MODEL_FAMILIES.register(ReLU2Family())
+    yield
+    MODEL_FAMILIES.unregister("gpt_relu2")
+
+
+RELU2 = [*BASE, "model.kind=gpt_relu2"]
+RELU2_TP2 = [*RELU2, "parallelism.tensor=2"]
+
+
+def test_check_accepts_the_family_and_enforces_its_rule(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    before = CALLS["family.problems"]
+    proc = run_cli_in_process(capsys, "check", str(empty), "--nproc", "2",
+                              *[a for s in RELU2_TP2 for a in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr
+    assert "model:   gpt_relu2" in proc.stdout
+    assert CALLS["family.problems"] > before
+    assert _problems([*RELU2, "model.tie_embeddings=true"], 1) == [
+        "model.tie_embeddings: gpt_relu2 keeps its head untied; set it to false"]
+    # The generic rules still apply, and the registry names the plug-in among the kinds.
+    assert any("parallelism.tensor 4" in p for p in _problems([*RELU2, "parallelism.tensor=4",
+                                                               "model.num_heads=2"], 4))
+    with pytest.raises(UserError, match="'gpt_relu2'"):
+        load_config(None, [*BASE, "model.kind=gpt_relu"])
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("family")
+    spawn_workers(train_in_turn, args=(find_free_port(), str(root), {"relu2": RELU2_TP2}, 2),
+                  nprocs=2)
+    return root
+
+
+def test_the_family_trains_at_two_ranks(family_runs: Path) -> None:
+    assert json.loads((family_runs / "relu2" / "plan.json").read_text())["degrees"]["tensor"] == 2
+    summary = json.loads((family_runs / "relu2" / "summary.json").read_text())
+    cfg = load_config(None, RELU2_TP2).model
+    assert summary["num_params"] == MODEL_FAMILIES.get("gpt_relu2").num_params(cfg)
+    rows = _metrics(family_runs / "relu2")
+    assert len(rows) == 6 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_simulate_and_plan_price_the_family_through_its_shape(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    sets = [a for s in [*RELU2, "model.hidden_size=256", "model.num_heads=4"]
+            for a in ("--set", s)]
+    before = CALLS["family.shape"]
+    proc = run_cli_in_process(capsys, "simulate", str(empty), "--json", "--cluster", "a100x8",
+                              *sets)
+    assert proc.returncode == 0, proc.stderr
+    priced = json.loads(proc.stdout)
+    assert priced["model"]["ffn_kind"] == "relu2" and CALLS["family.shape"] > before
+    before = CALLS["family.shape"]
+    proc = run_cli_in_process(capsys, "plan", str(empty), "--cluster", "a100x8", "--top", "3",
+                              *sets)
+    assert proc.returncode == 0, proc.stderr
+    assert CALLS["family.shape"] > before
+    # The planner ranks layouts of its shape as of any other.
+    cfg = load_config(None, [*RELU2, "model.hidden_size=256", "model.num_heads=4"])
+    result = plan(config_model(cfg), cluster_preset("a100x8", load_accelerators()), 64, "bf16",
+                  SearchSpace(cp=(1,)), keep=10)
+    assert result.candidates and result.candidates[0].layout.num_gpus == 8

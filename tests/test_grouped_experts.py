@@ -12,8 +12,8 @@ import torch
 
 from mcpar.config import ModelConfig
 from mcpar.device import grouped_mm_unavailable
-from mcpar.models import moe
 from mcpar.models.moe import MoELayer, describe_expert_kernel, expert_kernel, set_expert_kernel
+from mcpar.models.moe import model as moe
 
 
 @pytest.fixture

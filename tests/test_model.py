@@ -106,3 +106,29 @@ def test_spec_pieces_and_plans_describe_the_built_model() -> None:
             assert [resolve(routed, w.path).shape[0] for w in experts.weights] == [2, 2]
             for path in (*(c.path for c in experts.dense.column), *experts.dense.row):
                 assert isinstance(resolve(layer, path), torch.nn.Linear), path
+
+
+def test_each_family_is_a_registry_entry_whose_shape_counts_its_model() -> None:
+    """The simulator prices a family through its entry's ``shape``; for GPT and its MoE form
+    the shape's count is the built model's, parameter for parameter and FLOP for FLOP (Llama's
+    shape counts a bias per norm, which RMSNorm lacks, and a shared expert's FLOPs are not in
+    the shape's: the cost model's numbers are kept as they were)."""
+    from mcpar.registry.model_family import MODEL_FAMILIES
+
+    assert {"gpt", "moe", "llama", "llama_moe"} <= set(MODEL_FAMILIES.names())
+    moe = {"num_experts": 4, "top_k": 2}
+    for kind, extra in (("gpt", {}), ("gpt", {"tie_embeddings": True}), ("moe", moe),
+                        ("moe", {**moe, "shared_expert": True}), ("llama", {}),
+                        ("llama_moe", moe)):
+        cfg = CFG.model_copy(update={"kind": kind, **extra})
+        family = get_model_spec(kind)
+        assert family is MODEL_FAMILIES.get(kind) and family.moe == ("num_experts" in extra)
+        model = family.build(cfg, 0)
+        built = sum(p.numel() for p in model.parameters())
+        assert family.num_params(cfg) == built, kind
+        shape = family.shape(cfg)
+        assert (shape.experts > 0) == family.moe and shape.num_params() > 0
+        if not kind.startswith("llama"):
+            assert shape.num_params() == built, (kind, extra)
+        if not extra.get("shared_expert"):
+            assert shape.flops_per_token() == family.flops_per_token(cfg), (kind, extra)

@@ -1,4 +1,4 @@
-"""The model plug point: a model family plugs in through its ModelSpec alone.
+"""The model plug point: a model family plugs in through its registry entry (a ModelSpec) alone.
 
 ``Plug`` is a small pre-norm transformer whose attribute names are none of GPT's, laid out like
 TorchTitan's Llama: ``tok_embeddings`` (the bare table), ``layers`` of ``attention`` (separate
@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,10 +45,11 @@ from mcpar.models.plan import (
     OutputPlan,
     TensorParallelPlan,
 )
-from mcpar.models.spec import MODEL_SPECS, ModelSpec, get_model_spec
+from mcpar.models.spec import ModelSpec, get_model_spec
 from mcpar.parallel.expert import is_expert_sharded
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.tensor import is_tp_sharded, sync_sequence_parallel_grads
+from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.topology import ParallelDims
 
 KIND, MOE_KIND = "plug_test", "plug_test_moe"
@@ -192,14 +194,30 @@ PLUG_TENSOR_PARALLEL = TensorParallelPlan(
 )
 
 
-def _unused(*_: object) -> int:
-    raise AssertionError("not needed by parallelize")
+class PlugSpec(ModelSpec):
+    """The family entry: its module, its pieces and its plans (the counts are not needed by
+    parallelize)."""
+
+    def __init__(self, name: str, tensor_parallel: TensorParallelPlan | None = None,
+                 expert_parallel: ExpertPlan | None = None):
+        self.name, self.moe = name, expert_parallel is not None
+        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
+
+    def build(self, cfg: ModelConfig, seed: int) -> nn.Module:
+        return build_plug(cfg, seed)
+
+    def pieces(self, model: nn.Module) -> ModelPieces:
+        return plug_pieces(model)
+
+    def _unused(self, *_: object) -> Any:
+        raise AssertionError("not needed by parallelize")
+
+    num_params = stage_num_params = flops_per_token = shape = _unused
 
 
-PLUG_SPEC = ModelSpec(KIND, build_plug, _unused, _unused, _unused, pieces=plug_pieces,
-                      tensor_parallel=PLUG_TENSOR_PARALLEL)
-PLUG_MOE_SPEC = ModelSpec(
-    MOE_KIND, build_plug, _unused, _unused, _unused, pieces=plug_pieces,
+PLUG_SPEC = PlugSpec(KIND, tensor_parallel=PLUG_TENSOR_PARALLEL)
+PLUG_MOE_SPEC = PlugSpec(
+    MOE_KIND,
     expert_parallel=ExpertPlan(
         layers=lambda block: [m for m in block.modules() if isinstance(m, MoEFeedForward)],
         routed="routed",
@@ -323,8 +341,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    # This worker only: the spec is all mcpar learns of the model.
-    MODEL_SPECS[KIND], MODEL_SPECS[MOE_KIND] = PLUG_SPEC, PLUG_MOE_SPEC
+    # This worker only: the family entry is all mcpar learns of the model.
+    MODEL_FAMILIES.register(PLUG_SPEC)
+    MODEL_FAMILIES.register(PLUG_MOE_SPEC)
     try:
         results = {name: train_layout(rank, *layout) for name, layout in LAYOUTS.items()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -166,3 +166,38 @@ def test_the_trainer_constructor_is_an_ordered_list_of_builds() -> None:
                 if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     assert init.end_lineno is not None
     assert init.end_lineno - init.lineno + 1 <= 60
+
+
+MODEL_KIND_NAMES = ("gpt", "llama", "llama_moe", "moe")
+FAMILY_PACKAGES = ("mcpar/models/gpt/", "mcpar/models/llama/", "mcpar/models/moe/")
+
+
+def _model_kind_tests(path: Path) -> list[str]:
+    """Comparisons (==, !=, in, not in) of a model-kind name, alone or in a tuple, list or set,
+    with anything (``cfg.kind == "llama"``, ``kind in ("moe", "llama_moe")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            if any(isinstance(i, ast.Constant) and i.value in MODEL_KIND_NAMES for i in items):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+                break
+    return found
+
+
+def test_model_kinds_are_tested_only_in_their_family_packages() -> None:
+    """A consumer that tested ``model.kind`` would not know a registered plug-in family: it
+    asks the family's registry entry (``mcpar.registry.model_family``) instead."""
+    found = {str(p.relative_to(SRC)): hits for p in SRC.rglob("*.py")
+             if not str(p.relative_to(SRC)).startswith(FAMILY_PACKAGES)
+             and (hits := _model_kind_tests(p))}
+    assert found == {}, found
+
+
+def test_the_model_kind_ratchet_sees_a_kind_test(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(cfg, r):\n    a = cfg.kind == 'gpt'\n"
+                     "    b = cfg.kind in ('moe', 'llama_moe')\n    return r['moe'] is None\n")
+    assert len(_model_kind_tests(probe)) == 2

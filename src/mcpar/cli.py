@@ -323,7 +323,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"{plan.micro_batch_size} x accumulation {plan.num_microbatches} x data {plan.dp}; "
         f"{plan.global_batch_size * m.seq_len} tokens",
         f"model:   {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
-        + (f" ({m.kv_heads} key/value)" if m.is_llama else "") + ", "
+        + (f" ({m.kv_heads} key/value)" if m.family.grouped_query_attention else "") + ", "
         f"ffn {m.ffn_size}, seq {m.seq_len}, vocab {m.vocab_size}"
         + (f", {m.num_experts} experts top-{m.top_k}" if m.is_moe else "")
         + f": {est.num_params:,} parameters, "

@@ -225,13 +225,6 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
             "model.num_heads",
             f"{model.num_heads} heads are not divisible by parallelism.tensor {tp}",
         ))
-    if model.is_llama and model.kv_heads % tp:
-        problems.append(problem(
-            "model.num_kv_heads",
-            f"{model.kv_heads} key/value heads are not divisible by parallelism.tensor {tp} "
-            "(each tensor rank holds whole key/value heads); use more kv heads or a smaller "
-            "tensor degree",
-        ))
     if model.ffn_size % tp:
         problems.append(problem(
             "model.ffn_hidden_size",
@@ -272,23 +265,6 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
             f"expert degree {par.experts} does not divide the data degree {dp} (the expert "
             f"axis is carved out of the data axis); use a divisor of {dp}",
         ))
-    if model.is_moe and par.sequence_parallel:
-        problems.append(problem(
-            "parallelism.sequence_parallel",
-            f"is not supported with model.kind {model.kind!r} (the router needs every token of the "
-            "sequence on each tensor rank); set it to false",
-        ))
-    if model.is_moe:
-        if model.num_experts % par.experts:
-            problems.append(problem(
-                "model.num_experts",
-                f"{model.num_experts} experts are not divisible by parallelism.experts "
-                f"{par.experts}",
-            ))
-        if model.top_k > model.num_experts:
-            problems.append(problem(
-                "model.top_k",
-                f"top_k {model.top_k} is larger than num_experts {model.num_experts}; use at "
-                f"most {model.num_experts}",
-            ))
+    # The family's own rules against the degrees (its registry entry).
+    problems += model.family.layout_problems(model, tp, par.experts, par.sequence_parallel)
     return problems

@@ -11,13 +11,14 @@ its ``--model`` presets from the same rows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mcpar.errors import problem
+from mcpar.registry import RegisteredName
+from mcpar.registry.model_family import MODEL_FAMILIES, ModelFamily
 
 # Upper bounds of the model's numeric fields (see mcpar.config for the reasoning on bounds).
 MAX_LAYERS = 4096
@@ -27,16 +28,13 @@ MAX_SEQ_LEN = 1 << 21  # 2M tokens
 MAX_VOCAB = 1 << 24  # 16M; token ids fit a uint32 .bin source
 MAX_EXPERTS = 1 << 14
 
-MOE_KINDS = ("moe", "llama_moe")
-LLAMA_KINDS = ("llama", "llama_moe")
-
 
 @dataclass(frozen=True)
 class PublishedModel:
     """A published model's shape (the ``model`` keys it fills) and how it was trained (the
     batch in sequences and the precision, which only the cost model uses)."""
 
-    kind: Literal["gpt", "llama", "llama_moe"]
+    kind: str  # a registered model family
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -57,9 +55,12 @@ class PublishedModel:
             kind=self.kind, num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_heads=self.num_heads, ffn_hidden_size=self.ffn_hidden_size,
             vocab_size=self.vocab_size, seq_len=self.seq_len)
-        if self.kind in LLAMA_KINDS:  # GPT has full multi-head attention and learned positions
-            keys.update(num_kv_heads=self.num_kv_heads, rope_base=self.rope_base)
-        if self.kind in MOE_KINDS:
+        family = MODEL_FAMILIES.get(self.kind)
+        if family.grouped_query_attention:  # else full multi-head attention
+            keys.update(num_kv_heads=self.num_kv_heads)
+        if family.rotary_positions:  # else learned positions
+            keys.update(rope_base=self.rope_base)
+        if family.moe:
             keys.update(num_experts=self.num_experts, top_k=self.top_k)
         return keys
 
@@ -95,10 +96,10 @@ class ModelConfig(BaseModel):
     # validated config is frozen, NaN and infinity are refused.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    kind: Literal["gpt", "moe", "llama", "llama_moe"] = Field(
-        "gpt", description="Model family: dense GPT, its MoE form, Llama (RMSNorm, rotary "
-        "positions, SwiGLU, grouped-query attention, no biases) or Llama's MoE form "
-        "(Mixtral-style SwiGLU experts).")
+    kind: Annotated[str, RegisteredName(MODEL_FAMILIES)] = Field(
+        "gpt", description="Model family (a registered one: mcpar.registry.model_family): "
+        "dense GPT, its MoE form, Llama (RMSNorm, rotary positions, SwiGLU, grouped-query "
+        "attention, no biases) or Llama's MoE form (Mixtral-style SwiGLU experts).")
     preset: Literal[tuple(PUBLISHED_MODELS)] | None = Field(  # type: ignore[valid-type]
         None, description="Fill the model section from a published shape; keys set in the "
         "config win (e.g. fewer layers).")
@@ -183,12 +184,13 @@ class ModelConfig(BaseModel):
         return data
 
     @property
-    def is_moe(self) -> bool:
-        return self.kind in MOE_KINDS
+    def family(self) -> ModelFamily:
+        """The registry entry of ``kind``."""
+        return MODEL_FAMILIES.get(self.kind)
 
     @property
-    def is_llama(self) -> bool:
-        return self.kind in LLAMA_KINDS
+    def is_moe(self) -> bool:
+        return self.family.moe
 
     @property
     def kv_heads(self) -> int:
@@ -202,25 +204,14 @@ class ModelConfig(BaseModel):
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.is_llama:
-            # Llama's rule: a SwiGLU MLP of 2/3 of 4 x hidden (the same weights as a 4x GELU
-            # MLP with two matrices), rounded up to a multiple that suits the kernels.
-            inner = int(8 * self.hidden_size / 3)
-            return self.ffn_multiple_of * math.ceil(inner / self.ffn_multiple_of)
-        return 4 * self.hidden_size
+        return self.family.default_ffn_size(self)
 
     def problems(self) -> list[str]:
-        """Rules between fields of this section (those that need the layout are in mcpar.plan)."""
-        out = []
-        if self.num_kv_heads is not None and not self.is_llama and \
-                self.num_kv_heads != self.num_heads:
-            out.append(problem("model.num_kv_heads", f"model.kind {self.kind!r} has full "
-                               "multi-head attention; grouped-query attention needs kind llama "
-                               "or llama_moe (or leave num_kv_heads unset)"))
+        """Rules between fields of this section (those that need the layout are in mcpar.plan):
+        the family's own (its entry's ``problems``: which keys it reads, e.g. num_kv_heads only
+        with grouped-query attention), then the generic ones."""
+        out = self.family.problems(self)
         if self.num_heads % self.kv_heads:
             out.append(problem("model.num_kv_heads", f"{self.kv_heads} key/value heads do not "
                                f"divide num_heads {self.num_heads}; use a divisor of it"))
-        if self.is_llama and self.hidden_size % self.num_heads == 0 and self.head_dim % 2:
-            out.append(problem("model.num_heads", f"head size hidden_size / num_heads = "
-                               f"{self.head_dim} is odd; rotary embeddings rotate pairs"))
         return out

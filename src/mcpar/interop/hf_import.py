@@ -24,7 +24,8 @@ import yaml
 
 from mcpar.config import ModelConfig
 from mcpar.errors import UserError, problem
-from mcpar.interop.hf_names import KIND_OF_ARCHITECTURE, from_hf, hf_notes, hf_problems, model_keys
+from mcpar.interop.hf_names import architectures, from_hf, hf_notes, hf_problems, model_keys
+from mcpar.models.spec import get_model_spec
 
 PREFIX = "hf:"
 KEY = "model.init_from"
@@ -50,9 +51,9 @@ def read_config(path: Path, key: str = KEY) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise UserError(problem(key, f"{file}: not readable JSON ({exc})")) from None
     arch = (hf.get("architectures") or [None])[0]
-    if arch not in KIND_OF_ARCHITECTURE:
+    if arch not in architectures():
         raise UserError(problem(key, f"{file}: architectures {hf.get('architectures')!r} has "
-                                f"no mcpar model; supported: {sorted(KIND_OF_ARCHITECTURE)}"))
+                                f"no mcpar model; supported: {sorted(architectures())}"))
     bad = hf_problems(hf)
     if bad:
         raise UserError([problem(key, f"{file}: {b}: mcpar's model computes something else")
@@ -126,10 +127,12 @@ def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if problems:
         raise UserError(problems)
     tensors = read_tensors(path)
-    if not cfg.tie_embeddings and "lm_head.weight" not in tensors:
-        embed = "transformer.wte.weight" if cfg.kind == "gpt" else "model.embed_tokens.weight"
-        if embed in tensors or "wte.weight" in tensors:
-            tensors["lm_head.weight"] = tensors.get(embed, tensors.get("wte.weight"))
+    names = get_model_spec(cfg.kind).hf
+    if names is not None:  # the directory's names, as the family's map reads them
+        tensors = names.tensor_names(tensors)
+    if names is not None and not cfg.tie_embeddings and "lm_head.weight" not in tensors \
+            and names.embedding in tensors:
+        tensors["lm_head.weight"] = tensors[names.embedding]  # a head tied in the directory
     try:
         return from_hf(cfg, tensors)
     except KeyError as exc:
@@ -141,8 +144,6 @@ def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any) -> None:
     experts; ``dims``: the run's ParallelDims), before anything else holds the parameters."""
     from mcpar.checkpoint.reshard import take
     from mcpar.interop.full_state import layout_maps
-    from mcpar.models.spec import get_model_spec
-
     model_cfg = cfg.model
     params = load_init(model_cfg)
     names = [n for n, _ in get_model_spec(model_cfg.kind).build(model_cfg, 0).named_parameters()]

@@ -3,9 +3,9 @@
 A model is three kinds of pieces, ``embedding -> blocks -> head``: pipeline parallelism cuts it
 between any two pieces, tensor parallelism swaps linears inside each piece for sharded ones and
 expert parallelism spreads the experts of the MoE layers it finds in a block. Each family says
-where those things are in its modules here, next to its classes (gpt.py, moe.py), and its
-``ModelSpec`` (spec.py) carries it; ``mcpar.parallel`` reads only these descriptions and never
-names a model's attributes.
+where those things are in its modules in its package (``models/<family>/plans.py``), and its
+registry entry (``ModelSpec``, spec.py) carries it; ``mcpar.parallel`` reads only these
+descriptions and never names a model's attributes.
 
 Module paths are dotted attribute paths *relative to a piece* (``"attn.qkv"`` inside a block,
 ``"tok"`` inside the embedding; ``""`` is the piece itself, e.g. an embedding piece that is the

@@ -1,13 +1,14 @@
-"""One registry per decision: pipeline schedules, gradient codecs (and the memory options and
-model families as they move in). An entry is the one place that knows its name, its problems
+"""One registry per decision: pipeline schedules, gradient codecs, model families (and the
+memory options as they move in). An entry is the one place that knows its name, its problems
 for a layout, its cost and memory terms and its build; the config, the plan, the runtime,
 ``mcpar check``, the cost model and the planner all ask the registry and never test a name.
 
 The containers and the entries' contracts live here, at the bottom of the layering, so that the
 cost model (below the controllers) can price an entry it does not import. The built-in entries
 live with the controller that owns the decision (``controllers/compute/pipeline_schedules.py``,
-``controllers/communication/codecs.py``) and are loaded on the first lookup, the way a plug-in
-system loads its entry points; a plug-in registers its own with ``register``.
+``controllers/communication/codecs.py``) or in their family's package (``models/<family>/``)
+and are loaded on the first lookup, the way a plug-in system loads its entry points; a plug-in
+registers its own with ``register``.
 """
 
 from __future__ import annotations

@@ -107,15 +107,8 @@ class Prediction:
 
 
 def model_flops_per_token(m: ModelShape) -> float:
-    """Training FLOPs of one token without recompute: 3 x (2 per matmul weight touched, experts
-    x top_k, + attention scores and values over the full s x s square, as the published
-    formulas count them)."""
-    h = m.hidden
-    kv = m.kv_heads * m.head_dim
-    mlp = m.mlp_matrices * h * m.ffn * (m.top_k if m.is_moe else 1)
-    router = h * m.experts if m.is_moe else 0
-    per_layer = 2 * (h * (h + 2 * kv) + h * h + mlp + router) + 4 * m.seq_len * h
-    return 3.0 * (m.layers * per_layer + 2 * h * m.vocab)
+    """Training FLOPs of one token without recompute (the shape's count)."""
+    return m.flops_per_token()
 
 
 def cpu_threads(cluster: Cluster, ranks: int) -> int:

@@ -1,17 +1,13 @@
 """An mcpar job config (``JobConfig``) as the simulator's model shape and layout.
 
-mcpar's GPT is a GELU MLP with full multi-head attention, so ``kv_heads = heads``, with biases on
-its linears, a learned position table, an optionally tied head and dropout only when
-``model.dropout > 0``; mcpar's Llama has ``num_kv_heads`` key/value heads, a SwiGLU MLP, no biases
-and rotary positions (no table). An MoE config (``model.kind: moe`` or ``llama_moe``) has
-``num_experts`` bias-free experts of ``ffn_hidden_size`` each (and a shared expert when asked).
-With those flags the simulator counts every parameter a rank holds as the model spec does (but
-for Llama's RMSNorms, which have no bias: the simulator counts one of hidden per norm). The
-layout carries mcpar's stage cut (``stages``) and its mixed precision (autocast: fp32 weights), so
-that ``mcpar check`` (``controllers.memory.estimate``) and ``mcpar simulate`` price the same
-memory from the same mapping. Settings the cost model does not price (offload, the expert
-scheduler, dynamic batch splitting) are returned as notes, so the CLI says so instead of ignoring
-them silently.
+The model is its family's ``shape`` (``model.kind``'s registry entry, ``mcpar.registry.
+model_family``): the family says its attention, its MLP, its biases, its position table and
+experts, so that the simulator counts every parameter a rank holds as the family does, for a
+plug-in family as for the built-ins. The layout carries mcpar's stage cut (``stages``) and its
+mixed precision (autocast: fp32 weights), so that ``mcpar check`` (``controllers.memory.
+estimate``) and ``mcpar simulate`` price the same memory from the same mapping. Settings the
+cost model does not price (offload, the expert scheduler, dynamic batch splitting) are returned
+as notes, so the CLI says so instead of ignoring them silently.
 """
 
 from __future__ import annotations
@@ -30,16 +26,8 @@ PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def config_model(cfg: JobConfig) -> ModelShape:
-    m = cfg.model
-    return ModelShape(
-        layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.kv_heads,
-        ffn=m.ffn_size, ffn_kind="swiglu" if m.is_llama else "gelu", vocab=m.vocab_size,
-        seq_len=m.seq_len, experts=m.num_experts if m.is_moe else 0,
-        top_k=m.top_k if m.is_moe else 0, name="config",
-        # Llama: no biases, rotary positions (no table); GPT: biases and a position table.
-        bias=not m.is_llama, learned_positions=not m.is_llama, tied_embeddings=m.tie_embeddings,
-        shared_expert=m.is_moe and m.shared_expert, dropout=m.dropout > 0,
-    )
+    """The config's model, as its family's registry entry shapes it."""
+    return cfg.model.family.shape(cfg.model)
 
 
 def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = None,

@@ -1,28 +1,28 @@
 """What is simulated: the model's shape, the parallel layout and the training settings.
 
-A ``ModelShape`` is the transformer as the calibration table describes it (``ffn`` is the inner
-width of one MLP, of one expert for MoE; every layer is an MoE layer when ``experts > 0``). Its
-flags default to the published stacks (no linear biases, rotary positions, untied head, dropout
-masks kept); an mcpar config sets them to mcpar's GPT (``fromconfig``), so that the parameters a
-rank holds are counted exactly, as the model spec counts them.
-A ``Layout`` holds the degrees and settings a run or a plan chooses. ``layout_problems`` lists
-every impossible combination, each naming the key at fault, so that a bad CSV row or config
-fails with all its problems at once.
+The model is a ``ModelShape`` (``mcpar.registry.model_shape``, re-exported here): a config's is
+its family's ``shape`` (the registry entry), a published preset's is its family's shape with the
+published stacks' flags. A ``Layout`` holds the degrees and settings a run or a plan chooses.
+``layout_problems`` lists every impossible combination, each naming the key at fault, so that a
+bad CSV row or config fails with all its problems at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mcpar.config.model import MOE_KINDS, PUBLISHED_MODELS, PublishedModel
+from mcpar.config.model import PUBLISHED_MODELS, ModelConfig, PublishedModel
 from mcpar.errors import problem
 from mcpar.registry.codec import ExchangeFacts, codec_problems
+from mcpar.registry.model_family import MODEL_FAMILIES
+from mcpar.registry.model_shape import FFN_KINDS, GATED_FFN, ModelShape
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.schedule import SCHEDULES, default_schedule
 
-FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
-GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
+__all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
+           "layout_problems", "model_preset", "model_problems", "rank_layers", "stage_blocks"]
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
 # secondary copy of every block sharded inside the node so that backward gathers stay there.
@@ -30,73 +30,6 @@ ALLOCATION = ("default", "topology_aware")
 WEIGHT_GATHER = ("none", "int8")  # ZeRO-3's forward gathers, block-quantized (ZeRO++ qwZ)
 TOPOLOGY = ("flat", "hierarchical", "auto")
 ATTENTION = ("auto", "flash", "unfused")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    ffn_kind: str
-    vocab: int
-    seq_len: int
-    experts: int = 0
-    top_k: int = 0
-    name: str = ""
-    bias: bool = False  # biases on the attention and dense-MLP linears (GPT-2, mcpar's GPT)
-    learned_positions: bool = False  # a seq_len x hidden position table beside the embedding
-    tied_embeddings: bool = False  # the head shares the embedding when one rank holds both
-    shared_expert: bool = False  # MoE: a dense MLP every token goes through, beside the experts
-    dropout: bool = True  # dropout layers keep 1-byte masks for the backward pass
-
-    @property
-    def head_dim(self) -> float:
-        return self.hidden / self.heads
-
-    @property
-    def mlp_matrices(self) -> int:
-        """Weight matrices of one MLP: SwiGLU has a gate beside the up projection."""
-        return 3 if self.ffn_kind in GATED_FFN else 2
-
-    @property
-    def is_moe(self) -> bool:
-        return self.experts > 0
-
-    def layer_param_split(self) -> tuple[float, float, float]:
-        """Parameters of one layer as tensor parallelism places them: (split over tp ranks,
-        replicated on every tp rank, expert weights). Split: the attention and MLP matrices, the
-        biases of column-parallel linears (QKV, up/gate). Replicated: the two norms (weight and
-        bias), the biases of row-parallel linears (added after the reduction), the router."""
-        h, f = self.hidden, self.ffn
-        kv = self.kv_heads * self.head_dim
-        split = h * (h + 2 * kv) + h * h + (h + 2 * kv if self.bias else 0)
-        replicated = 4 * h + (h if self.bias else 0)
-        dense_mlp_split = self.mlp_matrices * h * f + ((self.mlp_matrices - 1) * f if self.bias
-                                                        else 0)
-        dense_mlp_replicated = h if self.bias else 0
-        if not self.is_moe:
-            return split + dense_mlp_split, replicated + dense_mlp_replicated, 0.0
-        replicated += h * self.experts  # the router
-        if self.shared_expert:
-            split += dense_mlp_split
-            replicated += dense_mlp_replicated
-        return split, replicated, float(self.experts * self.mlp_matrices * h * f)
-
-    def layer_params(self) -> tuple[float, float]:
-        """(dense, expert) parameters of one layer: attention + norms (+ dense MLP or router)
-        and the experts' MLPs."""
-        split, replicated, expert = self.layer_param_split()
-        return split + replicated, expert
-
-    def num_params(self) -> float:
-        """Layers, embedding (and position table), final norm and head (none when tied)."""
-        dense, expert = self.layer_params()
-        h = self.hidden
-        ends = self.vocab * h * (1 if self.tied_embeddings else 2) + 2 * h
-        return self.layers * (dense + expert) + ends + (
-            self.seq_len * h if self.learned_positions else 0)
 
 
 @dataclass(frozen=True)
@@ -320,17 +253,40 @@ class ModelPreset:
 
 
 def _preset(name: str, row: PublishedModel) -> ModelPreset:
-    shape = ModelShape(
-        row.num_layers, row.hidden_size, row.num_heads, row.num_kv_heads, row.ffn_hidden_size,
-        "gelu" if row.kind == "gpt" else "swiglu", row.vocab_size, row.seq_len,
-        row.num_experts if row.kind in MOE_KINDS else 0,
-        row.top_k if row.kind in MOE_KINDS else 0, name)
+    """The row's model as its family builds it, with the published stacks' flags (no linear
+    biases, rotary positions, untied head, no shared expert, dropout masks kept)."""
+    shape = MODEL_FAMILIES.get(row.kind).shape(ModelConfig(**row.model_keys()))
+    shape = replace(shape, name=name, bias=False, learned_positions=False,
+                    tied_embeddings=False, shared_expert=False, dropout=True)
     return ModelPreset(shape, row.global_batch, row.precision, row.note)
 
 
-# The published shapes of the config's table (``model.preset`` reads the same rows).
-MODEL_PRESETS: dict[str, ModelPreset] = {
-    name: _preset(name, row) for name, row in PUBLISHED_MODELS.items()}
+class _Presets(Mapping[str, ModelPreset]):
+    """The published shapes of the config's table (``model.preset`` reads the same rows), made
+    on the first lookup: the families are registered entries, loaded after this module."""
+
+    def __init__(self) -> None:
+        self._table: dict[str, ModelPreset] | None = None
+
+    def _rows(self) -> dict[str, ModelPreset]:
+        if self._table is None:
+            self._table = {name: _preset(name, row) for name, row in PUBLISHED_MODELS.items()}
+        return self._table
+
+    def __getitem__(self, name: str) -> ModelPreset:
+        return self._rows()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(PUBLISHED_MODELS)
+
+    def __len__(self) -> int:
+        return len(PUBLISHED_MODELS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in PUBLISHED_MODELS
+
+
+MODEL_PRESETS: Mapping[str, ModelPreset] = _Presets()
 
 
 def model_preset(name: str, key: str = "--model") -> ModelPreset:

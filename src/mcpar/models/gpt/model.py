@@ -8,8 +8,8 @@ broadcast.
 
 The model is three kinds of pieces, ``embed -> blocks -> head``, so that pipeline parallelism can
 cut it between any two pieces and tensor parallelism can swap each piece's linears for sharded
-ones; ``GPT.pieces`` and ``GPT_TENSOR_PARALLEL`` (at the end) say where those are, for the model
-spec. Nothing else in this file knows about parallelism: shapes are read from the tensors (a
+ones; ``GPT.pieces`` and ``plans.py`` say where those are, for the family entry (``family.py``).
+Nothing else in this file knows about parallelism: shapes are read from the tensors (a
 sharded attention has fewer local heads; a sequence-parallel block sees a slice of the sequence).
 """
 
@@ -23,14 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.models.plan import (
-    BlockPlan,
-    ColumnParallel,
-    EmbeddingPlan,
-    ModelPieces,
-    OutputPlan,
-    TensorParallelPlan,
-)
+from mcpar.models.plan import ModelPieces
 
 
 class AttentionCore(nn.Module):
@@ -150,60 +143,3 @@ class GPT(nn.Module):
     def pieces(self) -> ModelPieces:
         """The pieces a pipeline cuts between, under the names they have here."""
         return ModelPieces(self.embed, list(self.blocks), self.head, ("embed", "blocks", "head"))
-
-
-# Where tensor parallelism finds the linears, embeddings and norms (paths inside each piece).
-ATTENTION_TENSOR_PARALLEL = BlockPlan(
-    column=(ColumnParallel("attn.qkv", fused=3),),  # q|k|v: each split by heads
-    row=("attn.proj",),
-    norms=("ln_attn", "ln_mlp"),
-    heads=("attn.num_heads",),
-)
-GPT_TENSOR_PARALLEL = TensorParallelPlan(
-    embedding=EmbeddingPlan(vocab="tok", positions="pos"),
-    block=BlockPlan(
-        column=(*ATTENTION_TENSOR_PARALLEL.column, ColumnParallel("mlp.fc")),
-        row=(*ATTENTION_TENSOR_PARALLEL.row, "mlp.proj"),
-        norms=ATTENTION_TENSOR_PARALLEL.norms,
-        heads=ATTENTION_TENSOR_PARALLEL.heads,
-    ),
-    output=OutputPlan(projection="out", norms=("ln_final",)),
-)
-
-
-def gpt_num_params(cfg: ModelConfig) -> int:
-    """Exact parameter count, without building the model (used by plans and estimates)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    per_layer = (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (2 * h) + (h * f + f) + (f * h + h)
-    head = 2 * h + (0 if cfg.tie_embeddings else cfg.vocab_size * h)
-    return cfg.vocab_size * h + cfg.seq_len * h + cfg.num_layers * per_layer + head
-
-
-def gpt_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1, ep: int = 1) -> int:
-    """Parameters one rank holds for a pipeline stage of `num_blocks` blocks (plus the embedding
-    on the first stage, the head on the last) under tensor parallelism `tp`: matrices, column
-    biases and the vocabulary are split; norms, position embedding and row-parallel output biases
-    are replicated. (``ep`` is for the MoE spec's signature; a dense model has no experts.)"""
-    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
-    sharded = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h
-    replicated = 4 * h + 2 * h
-    total = num_blocks * (sharded // tp + replicated)
-    if first:
-        total += v * h // tp + cfg.seq_len * h
-    if last:
-        total += 2 * h + (0 if cfg.tie_embeddings and first else v * h // tp)
-    return total
-
-
-def gpt_flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 3 x forward (backward costs twice the forward).
-
-    Forward per token: 2 FLOPs per weight of every matmul (QKV, attention output, two MLP
-    matmuls, output head) plus attention scores and weighted values, 2 x 2 x seq x hidden per layer
-    (counted over the full square, as the kernels compute it).
-    """
-    h, f, s = cfg.hidden_size, cfg.ffn_size, cfg.seq_len
-    matmul = cfg.num_layers * 2 * (4 * h * h + 2 * h * f) + 2 * h * cfg.vocab_size
-    attention = cfg.num_layers * 4 * s * h
-    return 3.0 * (matmul + attention)

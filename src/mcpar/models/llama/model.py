@@ -1,19 +1,21 @@
 """Llama: the decoder of Llama 2/3 (and, with MoE blocks, of Mixtral), readable in one file.
 
-Against gpt.py: RMSNorm instead of LayerNorm, rotary position embeddings (base ``model.rope_base``)
-instead of a learned position table, a SwiGLU MLP ``down(silu(gate x) * up x)`` of width
-``cfg.ffn_size`` (Llama's 8/3 x hidden rounded up to ``ffn_multiple_of`` unless given),
-grouped-query attention (``num_kv_heads`` key/value heads, each shared by
-``num_heads / num_kv_heads`` query heads), and no biases. Initialization is gpt.py's (normal
-0.02, residual projections scaled by 1/sqrt(2 x layers), norms 1), seeded by the config.
+Against GPT (``models/gpt``): RMSNorm instead of LayerNorm, rotary position embeddings (base
+``model.rope_base``) instead of a learned position table, a SwiGLU MLP
+``down(silu(gate x) * up x)`` of width ``cfg.ffn_size`` (Llama's 8/3 x hidden rounded up to
+``ffn_multiple_of`` unless given), grouped-query attention (``num_kv_heads`` key/value heads,
+each shared by ``num_heads / num_kv_heads`` query heads), and no biases. Initialization is
+GPT's (normal 0.02, residual projections scaled by 1/sqrt(2 x layers), norms 1), seeded by the
+config.
 
 Weight layouts, chosen so that tensor parallelism needs no new mechanism:
 
 - ``attn.qkv`` is one linear whose output rows are grouped by key/value head: for each of the
   ``num_kv_heads`` groups, its ``num_heads / num_kv_heads`` query heads, then its key head, then
   its value head (Megatron's GQA layout). A column-parallel split of the rows into tp equal
-  slices then hands each rank whole groups (``num_kv_heads / tp`` of them), so the plan below is a
-  plain ``ColumnParallel`` and the head counts it names must both divide by tp.
+  slices then hands each rank whole groups (``num_kv_heads / tp`` of them), so the plan
+  (``plans.py``) is a plain ``ColumnParallel`` and the head counts it names must both divide
+  by tp.
 - ``mlp.gate_up`` stacks gate over up (``fused=2``): each is split on its own, so a rank keeps
   matching slices of both.
 
@@ -21,7 +23,7 @@ Rotary embeddings use the rotate-half convention (the first half of each head's 
 the second half), computed in fp32; positions are 0..seq-1 of the whole sequence, which the
 attention always sees (under sequence parallelism ``qkv``'s column-parallel input is gathered).
 
-The MoE form (``llama_moe``) keeps moe.py's router, capacity, auxiliary loss, balancing and
+The MoE form (``llama_moe``) keeps the MoE model's router, capacity, auxiliary loss, balancing and
 dispatch (``MoELayer``) and gives it SwiGLU experts (three stacked weights) and a SwiGLU shared
 expert.
 """
@@ -36,18 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.config import ModelConfig
-from mcpar.models.gpt import AttentionCore
-from mcpar.models.moe import GroupedWeight, MoELayer, moe_layers
-from mcpar.models.plan import (
-    BlockPlan,
-    ColumnParallel,
-    EmbeddingPlan,
-    ExpertPlan,
-    ExpertWeight,
-    ModelPieces,
-    OutputPlan,
-    TensorParallelPlan,
-)
+from mcpar.models.gpt.model import AttentionCore
+from mcpar.models.moe.model import GroupedWeight, MoELayer
+from mcpar.models.plan import ModelPieces
 
 
 class RMSNorm(nn.Module):
@@ -163,8 +156,8 @@ class LlamaHead(nn.Module):
 def swiglu_experts(rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
     """Expert i's SwiGLU on the i-th run of ``counts[i]`` rows (rows sorted by expert). As in
-    moe.py's ``expert_mlps``, an expert with no rows still runs, to keep every rank's backward
-    all-to-all connected."""
+    the MoE model's ``expert_mlps``, an expert with no rows still runs, to keep every rank's
+    backward all-to-all connected."""
     outs = []
     for i, piece in enumerate(rows.split(counts)):
         hidden = F.silu(piece @ gate[i].to(piece.dtype)) * (piece @ up[i].to(piece.dtype))
@@ -173,7 +166,7 @@ def swiglu_experts(rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up
 
 
 class SwiGLUExperts(nn.Module):
-    """Every expert on this rank, with moe.py's ``Experts`` interface."""
+    """Every expert on this rank, with the MoE model's ``Experts`` interface."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -195,7 +188,7 @@ class SwiGLUExperts(nn.Module):
 
 
 class LlamaMoELayer(MoELayer):
-    """moe.py's MoE layer (router, capacity, auxiliary loss, statistics) with SwiGLU experts."""
+    """The MoE model's layer (router, capacity, auxiliary loss, statistics), SwiGLU experts."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -206,10 +199,11 @@ class LlamaMoELayer(MoELayer):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
+        """``moe``: the blocks' MLPs are MoE layers (the ``llama_moe`` entry)."""
         super().__init__()
         self.cfg = cfg
-        mlp = LlamaMoELayer if cfg.is_moe else SwiGLU
+        mlp = LlamaMoELayer if moe else SwiGLU
         self.embed = LlamaEmbedding(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg, mlp) for _ in range(cfg.num_layers))
         self.head = LlamaHead(cfg)
@@ -240,84 +234,7 @@ class Llama(nn.Module):
         return ModelPieces(self.embed, list(self.blocks), self.head, ("embed", "blocks", "head"))
 
 
-def build_llama(cfg: ModelConfig, seed: int) -> Llama:
-    model = Llama(cfg)
+def build_llama(cfg: ModelConfig, seed: int, moe: bool = False) -> Llama:
+    model = Llama(cfg, moe)
     model.init_weights(seed)
     return model
-
-
-# --- what parallelizing needs (mcpar.models.plan) -------------------------------------------
-LLAMA_ATTENTION_TENSOR_PARALLEL = BlockPlan(
-    column=(ColumnParallel("attn.qkv"),),  # whole kv groups per rank (layout above)
-    row=("attn.proj",),
-    norms=("attn_norm", "mlp_norm"),
-    heads=("attn.num_heads", "attn.num_kv_heads"),
-)
-_EMBEDDING = EmbeddingPlan(vocab="tok")  # no position table
-_OUTPUT = OutputPlan(projection="out", norms=("norm",))
-LLAMA_TENSOR_PARALLEL = TensorParallelPlan(
-    embedding=_EMBEDDING,
-    block=BlockPlan(
-        column=(*LLAMA_ATTENTION_TENSOR_PARALLEL.column, ColumnParallel("mlp.gate_up", fused=2)),
-        row=(*LLAMA_ATTENTION_TENSOR_PARALLEL.row, "mlp.down"),
-        norms=LLAMA_ATTENTION_TENSOR_PARALLEL.norms,
-        heads=LLAMA_ATTENTION_TENSOR_PARALLEL.heads,
-    ),
-    output=_OUTPUT,
-)
-# The MoE layer is split by the expert plan (each expert's width over tp, like a dense MLP).
-LLAMA_MOE_TENSOR_PARALLEL = TensorParallelPlan(
-    embedding=_EMBEDDING, block=LLAMA_ATTENTION_TENSOR_PARALLEL, output=_OUTPUT)
-LLAMA_MOE_EXPERTS = ExpertPlan(
-    layers=moe_layers,
-    routed="experts",
-    weights=(ExpertWeight("gate.weight", width_dim=2), ExpertWeight("up.weight", width_dim=2),
-             ExpertWeight("down.weight", width_dim=1)),
-    compute=swiglu_experts,
-    dense=BlockPlan(column=(ColumnParallel("shared.gate_up", fused=2),), row=("shared.down",)),
-)
-
-
-# --- sizes, without building the model -------------------------------------------------------
-def _attention_params(cfg: ModelConfig) -> int:
-    h, kv_width = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
-    return h * (cfg.num_heads * cfg.head_dim + 2 * kv_width) + cfg.num_heads * cfg.head_dim * h
-
-
-def _mlp_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """The feed-forward sublayer of one block on one rank: a SwiGLU, or the router, this
-    rank's experts and the shared expert."""
-    swiglu = 3 * cfg.hidden_size * cfg.ffn_size // tp
-    if not cfg.is_moe:
-        return swiglu
-    experts = (cfg.num_experts // ep) * swiglu
-    return cfg.hidden_size * cfg.num_experts + experts + (swiglu if cfg.shared_expert else 0)
-
-
-def llama_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                           tp: int = 1, ep: int = 1) -> int:
-    """Parameters one rank holds for a stage: matrices and the vocabulary split over tp, the
-    experts over ep; norms and the router replicated."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    total = num_blocks * (_attention_params(cfg) // tp + _mlp_params(cfg, tp, ep) + 2 * h)
-    if first:
-        total += v * h // tp
-    if last:
-        total += h + (0 if cfg.tie_embeddings and first else v * h // tp)
-    return total
-
-
-def llama_num_params(cfg: ModelConfig) -> int:
-    return llama_stage_num_params(cfg, cfg.num_layers, True, True)
-
-
-def llama_flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token, 3 x forward: 2 per weight of every matmul a token goes through
-    (the top_k experts' and the router's for MoE) plus 2 x 2 x seq x hidden per layer of scores
-    and weighted values (over the full square, as the kernels compute it)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    mlp = 3 * h * f
-    if cfg.is_moe:
-        mlp = h * cfg.num_experts + cfg.top_k * mlp + (mlp if cfg.shared_expert else 0)
-    matmul = cfg.num_layers * 2 * (_attention_params(cfg) + mlp) + 2 * h * cfg.vocab_size
-    return 3.0 * (matmul + cfg.num_layers * 4 * cfg.seq_len * h)

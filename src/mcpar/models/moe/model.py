@@ -1,4 +1,4 @@
-"""MoE: the GPT of gpt.py whose blocks route each token to top-k of E expert MLPs.
+"""MoE: the GPT of ``models/gpt`` whose blocks route each token to top-k of E expert MLPs.
 
 Each block's MLP is a ``MoELayer``:
 
@@ -24,7 +24,7 @@ Each block's MLP is a ``MoELayer``:
   the fallback and the reference the grouped path is tested against. Expert parallelism
   (parallel/expert.py) swaps this module for one that holds a subset of the experts and
   exchanges the rows with all-to-all; nothing here knows about it.
-- optional shared expert: a dense MLP every token goes through (gpt.py's ``MLP``).
+- optional shared expert: a dense MLP every token goes through (GPT's ``MLP``).
 
 The top-k outputs of a token are combined in a fixed order (slot k = 0, 1, ...) whatever the
 placement of experts, so moving experts between ranks does not change the arithmetic.
@@ -41,23 +41,7 @@ from torch import nn
 
 from mcpar.config import ModelConfig
 from mcpar.device import autocast_dtype, grouped_mm, grouped_mm_unavailable
-from mcpar.models.gpt import (
-    ATTENTION_TENSOR_PARALLEL,
-    GPT,
-    GPT_TENSOR_PARALLEL,
-    MLP,
-    Block,
-    gpt_flops_per_token,
-    gpt_num_params,
-    gpt_stage_num_params,
-)
-from mcpar.models.plan import (
-    BlockPlan,
-    ColumnParallel,
-    ExpertPlan,
-    ExpertWeight,
-    TensorParallelPlan,
-)
+from mcpar.models.gpt.model import GPT, MLP, Block
 
 
 class _AddAuxLossGrad(torch.autograd.Function):
@@ -278,7 +262,7 @@ class MoELayer(nn.Module):
 
 
 def moe_block(cfg: ModelConfig) -> Block:
-    """gpt.py's pre-norm block with a MoE layer as its MLP (same attribute names)."""
+    """GPT's pre-norm block with a MoE layer as its MLP (same attribute names)."""
     return Block(cfg, mlp=MoELayer)
 
 
@@ -290,57 +274,3 @@ def build_moe(cfg: ModelConfig, seed: int) -> GPT:
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
-
-
-# Tensor parallelism shards GPT's attention, embedding and head; a block's MoE layer is split by
-# the expert plan (each expert's width over the tensor axis, like a dense MLP's).
-MOE_TENSOR_PARALLEL = TensorParallelPlan(
-    embedding=GPT_TENSOR_PARALLEL.embedding,
-    block=ATTENTION_TENSOR_PARALLEL,
-    output=GPT_TENSOR_PARALLEL.output,
-)
-MOE_EXPERTS = ExpertPlan(
-    layers=moe_layers,
-    routed="experts",
-    weights=(ExpertWeight("fc.weight", width_dim=2), ExpertWeight("proj.weight", width_dim=1)),
-    compute=expert_mlps,
-    dense=BlockPlan(column=(ColumnParallel("shared.fc"),), row=("shared.proj",)),
-)
-
-
-def _moe_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
-    """(params one rank holds per block that differ from the dense block's MLP, the dense
-    MLP's) for removing the dense MLP from GPT's counts."""
-    h, f, e = cfg.hidden_size, cfg.ffn_size, cfg.num_experts
-    moe = h * e + (e // ep) * 2 * h * f // tp
-    if cfg.shared_expert:
-        moe += (h * f + f) // tp + f * h // tp + h
-    dense = (h * f + f) // tp + f * h // tp + h
-    return moe, dense
-
-
-def moe_num_params(cfg: ModelConfig) -> int:
-    moe, dense = _moe_block_params(cfg)
-    return gpt_num_params(cfg) + cfg.num_layers * (moe - dense)
-
-
-def moe_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1, ep: int = 1) -> int:
-    """Parameters one rank holds for a stage: the experts are split over ``ep`` and their
-    width over ``tp``; the router is replicated."""
-    moe, _ = _moe_block_params(cfg, tp, ep)
-    h, f = cfg.hidden_size, cfg.ffn_size
-    dense_on_rank = (h * f + f) // tp + f * h // tp + h
-    return gpt_stage_num_params(cfg, num_blocks, first, last, tp) + num_blocks * (
-        moe - dense_on_rank)
-
-
-def moe_flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (3 x forward): the router, top_k experts' MLPs and the shared
-    expert instead of one dense MLP."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    dense_mlp = 2 * 2 * h * f
-    routed = 2 * h * cfg.num_experts + cfg.top_k * 2 * 2 * h * f
-    if cfg.shared_expert:
-        routed += dense_mlp
-    return gpt_flops_per_token(cfg) + 3.0 * cfg.num_layers * (routed - dense_mlp)

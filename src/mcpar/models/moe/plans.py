@@ -1,0 +1,29 @@
+"""Where tensor and expert parallelism find the MoE model's pieces (``model.py``; the vocabulary
+of ``mcpar.models.plan``)."""
+
+from __future__ import annotations
+
+from mcpar.models.gpt.plans import ATTENTION_TENSOR_PARALLEL, GPT_TENSOR_PARALLEL
+from mcpar.models.moe.model import expert_mlps, moe_layers
+from mcpar.models.plan import (
+    BlockPlan,
+    ColumnParallel,
+    ExpertPlan,
+    ExpertWeight,
+    TensorParallelPlan,
+)
+
+# Tensor parallelism shards GPT's attention, embedding and head; a block's MoE layer is split by
+# the expert plan (each expert's width over the tensor axis, like a dense MLP's).
+MOE_TENSOR_PARALLEL = TensorParallelPlan(
+    embedding=GPT_TENSOR_PARALLEL.embedding,
+    block=ATTENTION_TENSOR_PARALLEL,
+    output=GPT_TENSOR_PARALLEL.output,
+)
+MOE_EXPERTS = ExpertPlan(
+    layers=moe_layers,
+    routed="experts",
+    weights=(ExpertWeight("fc.weight", width_dim=2), ExpertWeight("proj.weight", width_dim=1)),
+    compute=expert_mlps,
+    dense=BlockPlan(column=(ColumnParallel("shared.fc"),), row=("shared.proj",)),
+)

@@ -1,0 +1,97 @@
+"""The shape of a model as the cost model and the memory model count it (``ModelShape``).
+
+A model family's registry entry gives the shape of a config (``ModelFamily.shape``); the
+published presets and the calibration rows are shapes too. It lives here, below the simulator
+and the config, so that the simulator prices any registered family without importing it.
+
+``ffn`` is the inner width of one MLP (of one expert for MoE); every layer is an MoE layer when
+``experts > 0``. The flags default to the published stacks (no linear biases, rotary positions,
+untied head, dropout masks kept); a family's ``shape`` sets them to its own modules, so that the
+parameters a rank holds are counted as the family counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
+GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    ffn_kind: str
+    vocab: int
+    seq_len: int
+    experts: int = 0
+    top_k: int = 0
+    name: str = ""
+    bias: bool = False  # biases on the attention and dense-MLP linears (GPT-2, mcpar's GPT)
+    learned_positions: bool = False  # a seq_len x hidden position table beside the embedding
+    tied_embeddings: bool = False  # the head shares the embedding when one rank holds both
+    shared_expert: bool = False  # MoE: a dense MLP every token goes through, beside the experts
+    dropout: bool = True  # dropout layers keep 1-byte masks for the backward pass
+
+    @property
+    def head_dim(self) -> float:
+        return self.hidden / self.heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP: SwiGLU has a gate beside the up projection."""
+        return 3 if self.ffn_kind in GATED_FFN else 2
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def layer_param_split(self) -> tuple[float, float, float]:
+        """Parameters of one layer as tensor parallelism places them: (split over tp ranks,
+        replicated on every tp rank, expert weights). Split: the attention and MLP matrices, the
+        biases of column-parallel linears (QKV, up/gate). Replicated: the two norms (weight and
+        bias), the biases of row-parallel linears (added after the reduction), the router."""
+        h, f = self.hidden, self.ffn
+        kv = self.kv_heads * self.head_dim
+        split = h * (h + 2 * kv) + h * h + (h + 2 * kv if self.bias else 0)
+        replicated = 4 * h + (h if self.bias else 0)
+        dense_mlp_split = self.mlp_matrices * h * f + ((self.mlp_matrices - 1) * f if self.bias
+                                                        else 0)
+        dense_mlp_replicated = h if self.bias else 0
+        if not self.is_moe:
+            return split + dense_mlp_split, replicated + dense_mlp_replicated, 0.0
+        replicated += h * self.experts  # the router
+        if self.shared_expert:
+            split += dense_mlp_split
+            replicated += dense_mlp_replicated
+        return split, replicated, float(self.experts * self.mlp_matrices * h * f)
+
+    def layer_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters of one layer: attention + norms (+ dense MLP or router)
+        and the experts' MLPs."""
+        split, replicated, expert = self.layer_param_split()
+        return split + replicated, expert
+
+    def num_params(self) -> float:
+        """Layers, embedding (and position table), final norm and head (none when tied)."""
+        dense, expert = self.layer_params()
+        h = self.hidden
+        ends = self.vocab * h * (1 if self.tied_embeddings else 2) + 2 * h
+        return self.layers * (dense + expert) + ends + (
+            self.seq_len * h if self.learned_positions else 0)
+
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs of one token without recompute: 3 x (2 per matmul weight touched,
+        experts x top_k, + attention scores and values over the full s x s square, as the
+        published formulas count them)."""
+        h = self.hidden
+        kv = self.kv_heads * self.head_dim
+        mlp = self.mlp_matrices * h * self.ffn * (self.top_k if self.is_moe else 1)
+        router = h * self.experts if self.is_moe else 0
+        per_layer = 2 * (h * (h + 2 * kv) + h * h + mlp + router) + 4 * self.seq_len * h
+        return 3.0 * (self.layers * per_layer + 2 * h * self.vocab)
