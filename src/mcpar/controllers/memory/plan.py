@@ -21,7 +21,7 @@ from torch import nn
 
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+from mcpar.controllers.communication.grad_sync import DataParallelGradSync, ShardSpec
 from mcpar.controllers.communication.plan import CommPlan
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory, layer_modes
 from mcpar.controllers.memory.offload import OffloadPlan, OffloadSpec, checkpoint_parameters
@@ -73,16 +73,17 @@ class MemoryPlan:
         reduce-scattered into shards over the data axis, experts over their replicas; stage 3:
         the parameter store, which gathers each layer)."""
         offload = self.offload.build(params, run_dir, rank, device)
-        shards = tuple((comm.axis_size(a), comm.axis_rank(a)) for a in ("dp", "edp"))
+        shards: ShardSpec = ((comm.axis_size("dp"), comm.axis_rank("dp")),
+                             (comm.axis_size("edp"), comm.axis_rank("edp")))
         store, notes = None, []
         if self.zero_stage == 3:
-            sync, store, text = self.store.build(comm, chunks, shards,  # type: ignore[arg-type]
+            sync, store, text = self.store.build(comm, chunks, shards,
                                                  exchange.bucket_size_mb, exchange.overlap)
             notes.append(text)
         else:
             sync = DataParallelGradSync(
                 params, exchange.bucket_size_mb, overlap=exchange.overlap,
-                shards=shards if self.zero_stage else None,  # type: ignore[arg-type]
+                shards=shards if self.zero_stage else None,
                 release_grads=self.zero_stage == 2)
         return MemoryRuntime(self, sync, store, offload, notes)
 

@@ -75,7 +75,8 @@ class GPTFamily(ModelSpec):
         return model
 
     def pieces(self, model: nn.Module) -> ModelPieces:
-        return GPT.pieces(model)  # type: ignore[arg-type]
+        assert isinstance(model, GPT), type(model)
+        return model.pieces()
 
     def num_params(self, cfg: ModelConfig) -> int:
         return gpt_num_params(cfg)

@@ -128,7 +128,8 @@ class LlamaFamily(ModelSpec):
         return build_llama(cfg, seed, self.moe)
 
     def pieces(self, model: nn.Module) -> ModelPieces:
-        return Llama.pieces(model)  # type: ignore[arg-type]
+        assert isinstance(model, Llama), type(model)
+        return model.pieces()
 
     def num_params(self, cfg: ModelConfig) -> int:
         return llama_num_params(cfg, self.moe)

@@ -103,7 +103,8 @@ class MoEFamily(ModelSpec):
         return build_moe(cfg, seed)
 
     def pieces(self, model: nn.Module) -> ModelPieces:
-        return GPT.pieces(model)  # type: ignore[arg-type]
+        assert isinstance(model, GPT), type(model)
+        return model.pieces()
 
     def num_params(self, cfg: ModelConfig) -> int:
         return moe_num_params(cfg)
