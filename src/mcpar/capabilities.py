@@ -16,7 +16,10 @@ import importlib.util
 
 from mcpar.config import JobConfig
 from mcpar.errors import problem
+from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
+from mcpar.registry.zero import ZeroFacts
+from mcpar.registry.zero import zero_stage as zero_stage_entry
 
 
 def unsupported_settings(cfg: JobConfig) -> list[str]:
@@ -133,43 +136,12 @@ def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
                          scheduler: str = "static") -> list[str]:
     """The ZeRO and parameter-store combinations ``mcpar train`` cannot run, one problem per key.
 
-    One rule set for ``mcpar train`` (through ``controllers/memory/zero.py``) and the planner
+    One rule set, the stage's registry entry (``mcpar.registry.zero``), for ``mcpar check`` and
+    ``mcpar train`` (through ``controllers/memory/zero_plan.py``) and the planner
     (``mcpar.sim.planner``), so that a layout the planner ranks is one that trains. Arguments
     are plain values: the planner has layouts, not job configs."""
-    problems = []
-    key = "controllers.memory.zero_stage"
-    store = allocation == "topology_aware"
-    if store and zero_stage != 3:
-        problems.append(problem("controllers.memory.allocation", "'topology_aware' (the "
-                                "hierarchical parameter store) caches gathered parameters, "
-                                "which needs zero_stage 3; set zero_stage 3 or allocation "
-                                "'default'"))
-    if weight_gather != "none" and zero_stage != 3:
-        problems.append(problem("controllers.communication.weight_gather",
-                                f"{weight_gather!r} quantizes ZeRO-3's parameter gathers, and "
-                                "zero_stage is not 3; set zero_stage 3 or weight_gather 'none'"))
-    if zero_stage == 0:
-        return problems
-    if dp == 1:
-        problems.append(problem(key, f"{zero_stage} shards over the data-parallel ranks and "
-                                "this layout has data 1, so nothing would be sharded; use more "
-                                "data-parallel ranks or zero_stage 0"))
-    if topology != "flat":
-        problems.append(problem("controllers.communication.topology",
-                                f"{topology!r}: ZeRO's collectives run flat over the data axis "
-                                "(the node-aware variant is controllers.memory.allocation "
-                                "'topology_aware'); use topology 'flat' with zero_stage > 0"))
-    if scheduler != "static":
-        problems.append(problem("controllers.compute.scheduler",
-                                f"{scheduler!r} migrates experts with their optimizer state, "
-                                "which ZeRO shards; use 'static' with zero_stage > 0"))
-    if zero_stage >= 2 and vp > 1:
-        problems.append(problem("parallelism.virtual_stages",
-                                f"{vp} chunks per rank with zero_stage {zero_stage} (which "
-                                "reduces after every backward) is not supported; use "
-                                "virtual_stages 1 or zero_stage 1"))
-    if zero_stage == 3 and pp > 1:
-        problems.append(problem(key, "3 with parallelism.pipeline > 1 is not supported in this "
-                                "version (the stages' tied embedding would be gathered on two "
-                                "ranks); use zero_stage 1 or 2 with a pipeline"))
-    return problems
+    facts = ZeroFacts(dp, pp=pp, vp=vp, topology=topology, allocation=allocation,
+                      weight_gather=weight_gather, scheduler=scheduler)
+    # The stage's own rules (its registry entry).
+    return [problem(LAYOUT_KEYS[field], text) for field, text in
+            zero_stage_entry(zero_stage).problems(facts)]

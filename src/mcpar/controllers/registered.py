@@ -2,7 +2,7 @@
 
 from mcpar.controllers.communication import codecs  # noqa: F401
 from mcpar.controllers.compute import pipeline_schedules  # noqa: F401
-from mcpar.controllers.memory import recompute  # noqa: F401
+from mcpar.controllers.memory import recompute, zero_stages  # noqa: F401
 from mcpar.models.gpt import family as gpt_family  # noqa: F401
 from mcpar.models.llama import family as llama_family  # noqa: F401
 from mcpar.models.moe import family as moe_family  # noqa: F401

@@ -32,6 +32,7 @@ LAYOUT_KEYS = {
     "topology": "controllers.communication.topology",
     "allocation": "controllers.memory.allocation",
     "weight_gather": "controllers.communication.weight_gather",
+    "scheduler": "controllers.compute.scheduler",
     "optimizer": "optimization.optimizer",
     "global_batch": "optimization.global_batch_size",
     "micro_batch": "optimization.micro_batch_size",

@@ -21,6 +21,7 @@ from mcpar.errors import UserError, problem
 from mcpar.registry.codec import CODECS, LAYOUT_KEYS, codec_problems
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.schedule import SCHEDULES, default_schedule
+from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
 from mcpar.sim.memory import memory_per_gpu
@@ -76,7 +77,7 @@ class SearchSpace:
     """Which values each setting may take (the planner's defaults, or fixed by the user)."""
 
     recompute: tuple[str, ...] | None = None  # registered recompute policies; None: all
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[int, ...] | None = None  # registered ZeRO stages; None: all
     compression: tuple[str, ...] | None = None  # registered gradient codecs; None: all
     topology: tuple[str, ...] = ("flat", "hierarchical")
     allocation: tuple[str, ...] = ("default", "topology_aware")
@@ -170,7 +171,9 @@ def all_variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Itera
     """Every ZeRO stage x compression x topology x store x weight-gather setting of `core`
     that the cost model can price, before train's rules (``train_problems``) are applied."""
     codecs = [c for c in CODECS if space.compression is None or c.name in space.compression]
-    for zero in space.zero_stages:
+    stages = space.zero_stages if space.zero_stages is not None else \
+        tuple(s.stage for s in ZERO_STAGES)
+    for zero in stages:
         for codec in codecs:
             topologies = space.topology if multi_node_dp else space.topology[:1]
             # The store pays only when the data axis crosses nodes (its backward gathers stay

@@ -20,6 +20,7 @@ from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import FFN_KINDS, GATED_FFN, ModelShape
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.schedule import SCHEDULES, default_schedule
+from mcpar.registry.zero import ZERO_STAGES
 
 __all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
            "layout_problems", "model_preset", "model_problems", "rank_layers", "stage_blocks"]
@@ -209,8 +210,8 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
                             f"micro_batch {lay.micro_batch}")
     if lay.vp > 1 and lay.pp == 1:
         bad("vp", "virtual stages need pp > 1")
-    if not 0 <= lay.zero_stage <= 3:
-        bad("zero_stage", f"must be 0..3, got {lay.zero_stage}")
+    if str(lay.zero_stage) not in ZERO_STAGES:
+        bad("zero_stage", ZERO_STAGES.unknown(str(lay.zero_stage)))
     if lay.recompute not in RECOMPUTE_POLICIES:
         bad("recompute", RECOMPUTE_POLICIES.unknown(lay.recompute))
     else:  # the policy's own rules (its registry entry)

@@ -42,6 +42,7 @@ from mcpar.controllers.memory.estimate import layer_modes, memory_breakdown
 from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.device import memory_budget_bytes, select_device
 from mcpar.errors import UserError, problem
+from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, load_accelerators, make_cluster
@@ -155,8 +156,8 @@ def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[in
                                "recompute_blocks") if k in user)
     stages = [mem.zero_stage]
     if "zero_stage" not in user and dims.dp > 1:
-        stages = [z for z in range(4)
-                  if not zero_problems(with_settings(cfg, {"zero_stage": z}), dims.dp)]
+        stages = [z.stage for z in ZERO_STAGES
+                  if not zero_problems(with_settings(cfg, {"zero_stage": z.stage}), dims.dp)]
     offloads = [mem.offload] if "offload" in user else \
         ["none", "nvme"] + (["cpu"] if device_type == "cuda" else [])
     if "recompute_blocks" in user and mem.recompute_blocks is not None:

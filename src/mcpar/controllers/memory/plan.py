@@ -32,6 +32,7 @@ from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
+from mcpar.registry.zero import ZeroStage, zero_stage
 from mcpar.topology import ParallelDims
 
 
@@ -52,15 +53,20 @@ class MemoryPlan:
     settings: dict[str, object] = field(default_factory=dict, hash=False)
 
     @property
+    def zero(self) -> ZeroStage:
+        """The ZeRO stage's registry entry."""
+        return zero_stage(self.zero_stage)
+
+    @property
     def data_sharded(self) -> bool:
-        """Gradients (and optimizer state) are sharded over the data axis: clipping sums the
-        norm over it, checkpoints save per data rank."""
-        return self.zero_stage > 0
+        """Optimizer state (and gradients) sharded over the data axis: clipping sums the norm
+        over it, checkpoints save per data rank."""
+        return self.zero.shards_optimizer
 
     @property
     def reduce_every_backward(self) -> bool:
         """ZeRO 2 and 3 keep no full gradient between micro-batches."""
-        return self.zero_stage >= 2
+        return self.zero.shards_gradients
 
     def with_estimate(self, estimate: MemoryEstimate) -> MemoryPlan:
         return dataclasses.replace(self, estimate=estimate)
@@ -76,15 +82,16 @@ class MemoryPlan:
         shards: ShardSpec = ((comm.axis_size("dp"), comm.axis_rank("dp")),
                              (comm.axis_size("edp"), comm.axis_rank("edp")))
         store, notes = None, []
-        if self.zero_stage == 3:
+        zero = self.zero
+        if zero.shards_parameters:
             sync, store, text = self.store.build(comm, chunks, shards,
                                                  exchange.bucket_size_mb, exchange.overlap)
             notes.append(text)
         else:
             sync = DataParallelGradSync(
                 params, exchange.bucket_size_mb, overlap=exchange.overlap,
-                shards=shards if self.zero_stage else None,
-                release_grads=self.zero_stage == 2)
+                shards=shards if zero.shards_optimizer else None,
+                release_grads=zero.shards_gradients)
         return MemoryRuntime(self, sync, store, offload, notes)
 
 

@@ -1,0 +1,60 @@
+"""The contract of a ZeRO stage entry, a memory option (the built-ins, stages 0-3, in
+``controllers/memory/zero_stages.py``): what the stage shards over the data axis and the
+layouts it cannot run.
+
+``capabilities.zero_layout_problems`` applies an entry's ``problems`` for ``mcpar check``,
+``mcpar train`` and the planner alike; the MemoryController's plan reads the entry's flags
+(clipping over shards, a reduction after every backward, the parameter store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcpar.registry import Registry
+
+
+@dataclass(frozen=True)
+class ZeroFacts:
+    """What a stage's rules may look at."""
+
+    dp: int
+    pp: int = 1
+    vp: int = 1
+    topology: str = "flat"  # the data axis' all-reduce algorithm
+    allocation: str = "default"  # 'topology_aware': the hierarchical parameter store
+    weight_gather: str = "none"  # 'int8': quantized parameter gathers
+    scheduler: str = "static"  # the expert balancer (it migrates optimizer state)
+
+
+class ZeroStage:
+    """One ZeRO stage; ``name`` is its ``controllers.memory.zero_stage`` as text."""
+
+    name: str
+    stage: int
+    shards_optimizer: bool = False  # each data rank keeps a shard of the AdamW state
+    shards_gradients: bool = False  # gradients reduce-scattered after every backward
+    shards_parameters: bool = False  # parameters gathered per layer (the parameter store)
+    summary: str = ""
+
+    def problems(self, facts: ZeroFacts) -> list[tuple[str, str]]:
+        """(layout field, text) for each combination the stage cannot run with. The store's
+        options need gathered parameters, which only a parameter-sharding stage has."""
+        out = []
+        if facts.allocation == "topology_aware" and not self.shards_parameters:
+            out.append(("allocation", "'topology_aware' (the hierarchical parameter store) "
+                        "caches gathered parameters, which needs zero_stage 3; set zero_stage "
+                        "3 or allocation 'default'"))
+        if facts.weight_gather != "none" and not self.shards_parameters:
+            out.append(("weight_gather", f"{facts.weight_gather!r} quantizes ZeRO-3's "
+                        "parameter gathers, and zero_stage is not 3; set zero_stage 3 or "
+                        "weight_gather 'none'"))
+        return out
+
+
+ZERO_STAGES: Registry[ZeroStage] = Registry("ZeRO stage", "controllers.memory.zero_stage")
+
+
+def zero_stage(stage: int) -> ZeroStage:
+    """The entry of ZeRO stage ``stage``."""
+    return ZERO_STAGES.get(str(stage))
