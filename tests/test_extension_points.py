@@ -367,17 +367,15 @@ def test_the_planner_ranks_both_and_keeps_their_rules() -> None:
 # GELU, under GPT's own attribute names so that GPT's tensor-parallel plan splits it. Its rule:
 # the head stays untied. Every consumer meets the kind for the first time: the config validates
 # it through the registry, ``check`` applies its rule, the trainer builds and splits it through
-# its entry, ``simulate`` and ``plan`` price it through its ``shape()`` (a relu2 MLP).
+# its entry, ``simulate`` and ``plan`` price it through its ``shape()`` (a relu2 MLP), which
+# gives its parameter and FLOP counts too.
 from mcpar.config import ModelConfig  # noqa: E402
 from mcpar.errors import problem  # noqa: E402
 from mcpar.models.gpt import (  # noqa: E402
     GPT,
     GPT_TENSOR_PARALLEL,
     Block,
-    gpt_flops_per_token,
-    gpt_num_params,
     gpt_shape,
-    gpt_stage_num_params,
 )
 from mcpar.models.plan import ModelPieces  # noqa: E402
 from mcpar.models.spec import ModelSpec  # noqa: E402
@@ -407,16 +405,6 @@ class ReLU2Family(ModelSpec):
 
     def pieces(self, model: torch.nn.Module) -> ModelPieces:
         return GPT.pieces(model)  # type: ignore[arg-type]
-
-    def num_params(self, cfg: ModelConfig) -> int:
-        return gpt_num_params(cfg)  # the same weights as GPT's MLP
-
-    def stage_num_params(self, cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1, ep: int = 1) -> int:
-        return gpt_stage_num_params(cfg, num_blocks, first, last, tp, ep)
-
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        return gpt_flops_per_token(cfg)
 
     def problems(self, cfg: ModelConfig) -> list[str]:
         CALLS["family.problems"] += 1

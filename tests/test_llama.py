@@ -153,14 +153,13 @@ def test_parameter_count_matches_the_spec(extra: dict) -> None:
     # No biases anywhere; positions are rotary (no table).
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
     assert model(torch.randint(0, 256, (2, 16))).shape == (2, 16, 256)
-    # The cost model's mapping of the config: kv heads, SwiGLU, no biases, no position table.
+    # The cost model's mapping of the config: kv heads, SwiGLU, no biases (RMSNorm's neither),
+    # no position table; it counts the built model's parameters exactly.
     shape = config_model(load_config(None, [f"model.{k}={v}" for k, v in
                                             {**cfg.model_dump(exclude_none=True)}.items()]))
-    assert (shape.kv_heads, shape.ffn_kind, shape.bias, shape.learned_positions) == (
-        cfg.kv_heads, "swiglu", False, False)
-    # The sim counts LayerNorm-style norms: a bias of hidden beside each of RMSNorm's weights.
-    norms = 2 * cfg.num_layers + 1
-    assert shape.num_params() == spec.num_params(cfg) + norms * cfg.hidden_size
+    assert (shape.kv_heads, shape.ffn_kind, shape.bias, shape.norm_bias,
+            shape.learned_positions) == (cfg.kv_heads, "swiglu", False, False, False)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
 
 
 def test_ffn_rounding_and_presets_shared_with_the_cost_model() -> None:

@@ -3,14 +3,16 @@ the spec tells parallelizing (pieces, per-layer modules, tensor-parallel and exp
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 from mcpar.models.spec import get_model_spec
+from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.stage import cut_model
-from mcpar.parallel.tensor import resolve
+from mcpar.parallel.tensor import apply_tensor_parallel, resolve
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=256)
 
@@ -108,27 +110,73 @@ def test_spec_pieces_and_plans_describe_the_built_model() -> None:
                 assert isinstance(resolve(layer, path), torch.nn.Linear), path
 
 
-def test_each_family_is_a_registry_entry_whose_shape_counts_its_model() -> None:
-    """The simulator prices a family through its entry's ``shape``; for GPT and its MoE form
-    the shape's count is the built model's, parameter for parameter and FLOP for FLOP (Llama's
-    shape counts a bias per norm, which RMSNorm lacks, and a shared expert's FLOPs are not in
-    the shape's: the cost model's numbers are kept as they were)."""
+def _family_configs() -> list[ModelConfig]:
+    """Every built-in family, with and without its options that change the count."""
+    moe = {"num_experts": 4, "top_k": 2}
+    llama = {"num_heads": 4, "num_kv_heads": 2}
+    return [CFG.model_copy(update={"num_layers": 3, **extra}) for extra in (
+        {"kind": "gpt"}, {"kind": "gpt", "tie_embeddings": True},
+        {"kind": "moe", **moe}, {"kind": "moe", **moe, "shared_expert": True},
+        {"kind": "llama", **llama}, {"kind": "llama", **llama, "tie_embeddings": True},
+        {"kind": "llama_moe", **llama, **moe},
+        {"kind": "llama_moe", **llama, **moe, "top_k": 1, "shared_expert": True})]
+
+
+def _forward_matmul_weights(model: torch.nn.Module, cfg: ModelConfig) -> float:
+    """Matrix weights one token goes through in the forward, read off the built module: every
+    2-D weight of the blocks (attention, dense MLP or shared expert, router), top_k of the
+    experts' stacked 3-D weights, and the head (the embedding's matrix when tied)."""
+    total = float(cfg.vocab_size * cfg.hidden_size)  # the head
+    for block in get_model_spec(cfg.kind).blocks(model):
+        for p in block.parameters():
+            if p.dim() == 2:
+                total += p.numel()
+            elif p.dim() == 3:  # (experts, ...) stacked expert weights
+                total += p.numel() // p.shape[0] * cfg.top_k
+    return total
+
+
+def test_each_family_is_counted_by_its_shape_exactly() -> None:
+    """A family's counts are its entry's ``shape``'s (the simulator prices the same shape), and
+    the shape is exact for every built-in family: the parameters of the built module, and the
+    FLOPs of the matrices a token goes through (the shared expert's too) plus attention's
+    scores and values."""
     from mcpar.registry.model_family import MODEL_FAMILIES
 
     assert {"gpt", "moe", "llama", "llama_moe"} <= set(MODEL_FAMILIES.names())
-    moe = {"num_experts": 4, "top_k": 2}
-    for kind, extra in (("gpt", {}), ("gpt", {"tie_embeddings": True}), ("moe", moe),
-                        ("moe", {**moe, "shared_expert": True}), ("llama", {}),
-                        ("llama_moe", moe)):
-        cfg = CFG.model_copy(update={"kind": kind, **extra})
-        family = get_model_spec(kind)
-        assert family is MODEL_FAMILIES.get(kind) and family.moe == ("num_experts" in extra)
+    for cfg in _family_configs():
+        family = get_model_spec(cfg.kind)
+        assert family is MODEL_FAMILIES.get(cfg.kind) and family.moe == cfg.kind.endswith("moe")
         model = family.build(cfg, 0)
         built = sum(p.numel() for p in model.parameters())
-        assert family.num_params(cfg) == built, kind
         shape = family.shape(cfg)
-        assert (shape.experts > 0) == family.moe and shape.num_params() > 0
-        if not kind.startswith("llama"):
-            assert shape.num_params() == built, (kind, extra)
-        if not extra.get("shared_expert"):
-            assert shape.flops_per_token() == family.flops_per_token(cfg), (kind, extra)
+        assert (shape.experts > 0) == family.moe
+        assert family.num_params(cfg) == shape.num_params() == built, cfg
+        flops = 3.0 * (2 * _forward_matmul_weights(model, cfg)
+                       + cfg.num_layers * 4 * cfg.seq_len * cfg.hidden_size)
+        assert family.flops_per_token(cfg) == shape.flops_per_token() == flops, cfg
+
+
+@pytest.mark.parametrize(("cut", "tp", "ep"), [
+    ([(0, 3)], 1, 1), ([(0, 3)], 2, 1), ([(0, 3)], 2, 2), ([(0, 1), (1, 3)], 1, 2),
+    ([(0, 2), (2, 3)], 2, 1), ([(0, 1), (1, 2), (2, 3)], 2, 2)])
+def test_stage_counts_are_what_each_parallelized_stage_holds(
+        cut: list[tuple[int, int]], tp: int, ep: int) -> None:
+    """``stage_num_params`` (the shape's per-stage count) is what one rank of each pipeline
+    stage holds after tensor and expert parallelism split it (the shards are built without a
+    process group), for every family."""
+    for cfg in _family_configs():
+        spec = get_model_spec(cfg.kind)
+        for stage_index, (start, end) in enumerate(cut):
+            stage = cut_model(spec.build(cfg, 0), cut, stage_index, spec.pieces)
+            if tp > 1:
+                apply_tensor_parallel(stage, spec.tensor_parallel, None,  # type: ignore[arg-type]
+                                      0, tp, sequence_parallel=False)
+            if spec.expert_parallel is not None:
+                apply_expert_parallel(stage, spec.expert_parallel,
+                                      None, 0, ep, 0, tp)  # type: ignore[arg-type]
+            held = sum(p.numel() for p in stage.parameters())
+            want = spec.stage_num_params(cfg, end - start, stage_index == 0,
+                                         stage_index == len(cut) - 1, tp,
+                                         ep if spec.expert_parallel else 1)
+            assert held == want, (cfg.kind, cfg, stage_index, tp, ep)

@@ -15,7 +15,7 @@ from conftest import assert_loss_parity, run_cli_in_process, run_mcpar, sets, tr
 
 from mcpar.config import ModelConfig
 from mcpar.metrics import read_metrics
-from mcpar.models.moe import Experts, MoELayer, build_moe, moe_num_params
+from mcpar.models.moe import Experts, MoELayer, build_moe
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.stage import whole_model
@@ -93,8 +93,8 @@ def test_parameter_counts_match_the_model_whole_and_sharded() -> None:
                       num_experts=4, top_k=2, shared_expert=True)
     spec = get_model_spec("moe")
     model = build_moe(cfg, seed=0)
-    assert sum(p.numel() for p in model.parameters()) == moe_num_params(cfg)
-    assert spec.stage_num_params(cfg, 2, True, True, 1, 1) == moe_num_params(cfg)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params(cfg)
+    assert spec.stage_num_params(cfg, 2, True, True, 1, 1) == spec.num_params(cfg)
     # One rank of tensor 2 x experts 2 (the shards are built without a process group).
     # The stage shares the model's modules: sharding it shards the model in place.
     stage = whole_model(model, spec.pieces)

@@ -10,8 +10,8 @@ simulator need (attributes, rules, ``shape``); a ``ModelSpec`` adds what trainin
   sequence-parallel, which head counts to divide) and ``expert_parallel`` (where the MoE layers
   and their experts are), in the vocabulary of ``mcpar.models.plan``. ``mcpar.parallel`` follows
   those and names no model attribute;
-- ``num_params``, ``stage_num_params`` and ``flops_per_token``: the exact counts of the built
-  module, without building it (plans of models too big for this machine; the MFU);
+- ``num_params``, ``stage_num_params`` and ``flops_per_token`` it inherits: the exact counts of
+  the built module, without building it, read off its ``shape`` (``ModelFamily``);
 - ``hf``: its Hugging Face name map (``mcpar.models.hf.HFNames``), or None.
 
 ``model.kind`` names the entry in ``MODEL_FAMILIES``; ``get_model_spec(kind)`` returns it.
@@ -30,8 +30,8 @@ from mcpar.registry.model_family import MODEL_FAMILIES, ModelFamily
 
 
 class ModelSpec(ModelFamily):
-    """A model family that mcpar can train. Subclasses define ``build``, ``pieces``, ``shape``
-    and the counts, and set the plans they support."""
+    """A model family that mcpar can train. Subclasses define ``build``, ``pieces`` and
+    ``shape`` (which gives the counts), and set the plans they support."""
 
     tensor_parallel: TensorParallelPlan | None = None  # None: not tensor-parallel
     expert_parallel: ExpertPlan | None = None  # None: a dense model
@@ -44,21 +44,6 @@ class ModelSpec(ModelFamily):
     @abstractmethod
     def pieces(self, model: nn.Module) -> ModelPieces:
         """A built module's embedding, blocks and head (and their names in it)."""
-
-    @abstractmethod
-    def num_params(self, cfg: ModelConfig) -> int:
-        """Parameters of the built module (a tied weight once)."""
-
-    @abstractmethod
-    def stage_num_params(self, cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1, ep: int = 1) -> int:
-        """Parameters one rank holds for a pipeline stage of ``num_blocks`` blocks (plus the
-        embedding on the first stage, the head on the last) at tensor degree ``tp`` and expert
-        degree ``ep``."""
-
-    @abstractmethod
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        """Training FLOPs per token (3 x forward)."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The per-layer modules of a built model, in order."""

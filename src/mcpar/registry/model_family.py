@@ -13,10 +13,14 @@ what the layers below the models need:
   keys, alone and against the parallel degrees (the generic rules stay in the config and in
   ``mcpar.plan``);
 - ``shape(cfg)``: its ``ModelShape`` (``mcpar.registry.model_shape``), the count of parameters
-  and FLOPs the cost model, the memory model and the planner read.
+  and FLOPs the cost model, the memory model and the planner read;
+- ``num_params(cfg)``, ``stage_num_params(cfg, blocks, first, last, tp, ep)`` and
+  ``flops_per_token(cfg)``: the exact counts of the built module without building it (plans of
+  models too big for this machine, the memory estimate, the MFU), read off ``shape(cfg)``: the
+  family is counted once, by its shape, and the tests hold that count to the built module.
 
-The runtime half (``build``, the ``pieces``, tensor- and expert-parallel plans, the exact
-parameter counts of the built module and the Hugging Face name map) lives on the models' subclass,
+The runtime half (``build``, the ``pieces``, tensor- and expert-parallel plans and the Hugging
+Face name map) lives on the models' subclass,
 ``mcpar.models.spec.ModelSpec``, since the simulator below the models must price a family it
 cannot build (as ``RuntimeCodec`` extends ``GradientCodec``).
 
@@ -68,6 +72,21 @@ class ModelFamily(ABC):
     @abstractmethod
     def shape(self, cfg: ModelSection) -> ModelShape:
         """The model of ``cfg`` as the cost model and the memory model count it."""
+
+    def num_params(self, cfg: ModelSection) -> int:
+        """Parameters of the built module (a tied weight once)."""
+        return round(self.shape(cfg).num_params())
+
+    def stage_num_params(self, cfg: ModelSection, num_blocks: int, first: bool, last: bool,
+                         tp: int = 1, ep: int = 1) -> int:
+        """Parameters one rank holds for a pipeline stage of ``num_blocks`` blocks (plus the
+        embedding on the first stage, the head on the last) at tensor degree ``tp`` and expert
+        degree ``ep``."""
+        return round(self.shape(cfg).stage_num_params(num_blocks, first, last, tp, ep))
+
+    def flops_per_token(self, cfg: ModelSection) -> float:
+        """Training FLOPs per token (3 x forward)."""
+        return self.shape(cfg).flops_per_token()
 
 
 MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family", "model.kind")

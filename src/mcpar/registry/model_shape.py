@@ -5,14 +5,19 @@ published presets and the calibration rows are shapes too. It lives here, below 
 and the config, so that the simulator prices any registered family without importing it.
 
 ``ffn`` is the inner width of one MLP (of one expert for MoE); every layer is an MoE layer when
-``experts > 0``. The flags default to the published stacks (no linear biases, rotary positions,
-untied head, dropout masks kept); a family's ``shape`` sets them to its own modules, so that the
-parameters a rank holds are counted as the family counts them.
+``experts > 0``. The flags default to the published stacks (no linear biases, LayerNorms with a
+bias, rotary positions, untied head, dropout masks kept); a family's ``shape`` sets them to its
+own modules, so that the parameters a rank holds are counted as the family counts them.
+
+These methods are the one count: a model family's ``num_params``, ``stage_num_params`` and
+``flops_per_token`` (``mcpar.registry.model_family``) are its shape's, and the tests hold them
+to the built modules, parameter for parameter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 FFN_KINDS = ("gelu", "swiglu", "relu2", "geglu", "relu", "silu")
 GATED_FFN = ("swiglu", "geglu")  # a gate matrix beside the up projection
@@ -36,6 +41,7 @@ class ModelShape:
     tied_embeddings: bool = False  # the head shares the embedding when one rank holds both
     shared_expert: bool = False  # MoE: a dense MLP every token goes through, beside the experts
     dropout: bool = True  # dropout layers keep 1-byte masks for the backward pass
+    norm_bias: bool = True  # a bias beside each norm's weight (LayerNorm; RMSNorm has none)
 
     @property
     def head_dim(self) -> float:
@@ -50,15 +56,27 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: a weight of hidden, and LayerNorm's bias."""
+        return self.hidden * (2 if self.norm_bias else 1)
+
     def layer_param_split(self) -> tuple[float, float, float]:
         """Parameters of one layer as tensor parallelism places them: (split over tp ranks,
         replicated on every tp rank, expert weights). Split: the attention and MLP matrices, the
-        biases of column-parallel linears (QKV, up/gate). Replicated: the two norms (weight and
-        bias), the biases of row-parallel linears (added after the reduction), the router."""
+        biases of column-parallel linears (QKV, up/gate), a shared expert's. Replicated: the two
+        norms (weight, and bias for LayerNorm), the biases of row-parallel linears (added after
+        the reduction), the router. The experts' matrices have no biases."""
+        return self._layer_split
+
+    # Computed once per shape: the planner and the calibration's fits price every stage of a
+    # shape's layouts many times over.
+    @cached_property
+    def _layer_split(self) -> tuple[float, float, float]:
         h, f = self.hidden, self.ffn
         kv = self.kv_heads * self.head_dim
         split = h * (h + 2 * kv) + h * h + (h + 2 * kv if self.bias else 0)
-        replicated = 4 * h + (h if self.bias else 0)
+        replicated = 2 * self.norm_params + (h if self.bias else 0)
         dense_mlp_split = self.mlp_matrices * h * f + ((self.mlp_matrices - 1) * f if self.bias
                                                         else 0)
         dense_mlp_replicated = h if self.bias else 0
@@ -76,22 +94,41 @@ class ModelShape:
         split, replicated, expert = self.layer_param_split()
         return split + replicated, expert
 
-    def num_params(self) -> float:
-        """Layers, embedding (and position table), final norm and head (none when tied)."""
-        dense, expert = self.layer_params()
+    def stage_params(self, blocks: int, first: bool, last: bool, tp: int = 1,
+                     ep: int = 1) -> tuple[float, float]:
+        """(dense, expert) parameters one GPU holds for a pipeline stage of ``blocks`` layers at
+        tensor degree ``tp`` and expert degree ``ep``: the first stage adds the embedding (split
+        over the vocabulary) and the position table, the last the final norm and the head, which
+        is the embedding itself when tied and one stage holds both. The experts are split over
+        ``ep`` and their width over ``tp``."""
+        split, replicated, expert = self._layer_split
         h = self.hidden
-        ends = self.vocab * h * (1 if self.tied_embeddings else 2) + 2 * h
-        return self.layers * (dense + expert) + ends + (
-            self.seq_len * h if self.learned_positions else 0)
+        dense = blocks * (split / tp + replicated)
+        vocab = self.vocab * h / tp
+        if first:
+            dense += vocab + (self.seq_len * h if self.learned_positions else 0)
+        if last:
+            dense += self.norm_params + (0 if self.tied_embeddings and first else vocab)
+        return dense, blocks * expert / tp / ep
 
+    def stage_num_params(self, blocks: int, first: bool, last: bool, tp: int = 1,
+                         ep: int = 1) -> float:
+        """All parameters one GPU holds for a stage (``stage_params``, dense and expert)."""
+        return sum(self.stage_params(blocks, first, last, tp, ep))
+
+    def num_params(self) -> float:
+        """Layers, embedding (and position table), final norm and head (none when tied): the
+        whole model as one stage on one GPU."""
+        return self.stage_num_params(self.layers, True, True)
 
     def flops_per_token(self) -> float:
         """Training FLOPs of one token without recompute: 3 x (2 per matmul weight touched,
-        experts x top_k, + attention scores and values over the full s x s square, as the
-        published formulas count them)."""
+        experts x top_k and the shared expert, + attention scores and values over the full
+        s x s square, as the published formulas count them)."""
         h = self.hidden
         kv = self.kv_heads * self.head_dim
-        mlp = self.mlp_matrices * h * self.ffn * (self.top_k if self.is_moe else 1)
+        routed = (self.top_k + (1 if self.shared_expert else 0)) if self.is_moe else 1
+        mlp = self.mlp_matrices * h * self.ffn * routed
         router = h * self.experts if self.is_moe else 0
         per_layer = 2 * (h * (h + 2 * kv) + h * h + mlp + router) + 4 * self.seq_len * h
         return 3.0 * (self.layers * per_layer + 2 * h * self.vocab)

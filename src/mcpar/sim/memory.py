@@ -150,21 +150,23 @@ def state_bytes(precision: str, autocast: bool = False,
 def rank_params(m: ModelShape, lay: Layout) -> list[tuple[float, float]]:
     """(dense, expert) parameters one GPU of each pipeline rank holds, before ZeRO. Stage s sits
     on rank s % pp; the first stage holds the embedding (and position table), the last the final
-    norm and the head, which is the embedding itself when tied and one stage holds both."""
-    split, replicated, expert = m.layer_param_split()
-    t = lay.tp
-    dense_layer = split / t + replicated
-    expert_layer = expert / t / lay.ep
+    norm and the head, which is the embedding itself when tied and one stage holds both (the
+    shape's ``stage_params``, which the families' exact counts are too)."""
+    t, ep = lay.tp, lay.ep
     sizes = stage_blocks(m, lay)
+    # One layer, then the ends: the count is linear in the blocks (the planner prices many
+    # layouts, each of up to pp x vp stages).
+    dense_layer, expert_layer = m.stage_params(1, False, False, t, ep)
     dense = [0.0] * lay.pp
     experts = [0.0] * lay.pp
     for stage, n in enumerate(sizes):
         dense[stage % lay.pp] += n * dense_layer
         experts[stage % lay.pp] += n * expert_layer
-    h, vocab = m.hidden, m.vocab * m.hidden / t
-    dense[0] += vocab + (m.seq_len * h if m.learned_positions else 0)
-    last = (len(sizes) - 1) % lay.pp
-    dense[last] += 2 * h + (0 if m.tied_embeddings and len(sizes) == 1 else vocab)
+    if len(sizes) == 1:
+        dense[0] += m.stage_params(0, True, True, t, ep)[0]
+    else:
+        dense[0] += m.stage_params(0, True, False, t, ep)[0]
+        dense[(len(sizes) - 1) % lay.pp] += m.stage_params(0, False, True, t, ep)[0]
     return list(zip(dense, experts, strict=True))
 
 

@@ -1,7 +1,7 @@
 """Llama's registry entries, ``llama`` and its MoE form ``llama_moe`` (one module, two forms
-that differ in their blocks' MLP and in the plans): their counts without building the model,
-their shape for the simulator and their rules (whole key/value heads per tensor rank, rotary
-embeddings rotate pairs)."""
+that differ in their blocks' MLP and in the plans): their shape (which the simulator prices
+and from which the entries' parameter and FLOP counts are read) and their rules (whole
+key/value heads per tensor rank, rotary embeddings rotate pairs)."""
 
 from __future__ import annotations
 
@@ -25,60 +25,14 @@ from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import ModelShape
 
 
-# --- sizes, without building the model -------------------------------------------------------
-def _attention_params(cfg: ModelConfig) -> int:
-    h, kv_width = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
-    return h * (cfg.num_heads * cfg.head_dim + 2 * kv_width) + cfg.num_heads * cfg.head_dim * h
-
-
-def _mlp_params(cfg: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
-    """The feed-forward sublayer of one block on one rank: a SwiGLU, or the router, this
-    rank's experts and the shared expert."""
-    swiglu = 3 * cfg.hidden_size * cfg.ffn_size // tp
-    if not moe:
-        return swiglu
-    experts = (cfg.num_experts // ep) * swiglu
-    return cfg.hidden_size * cfg.num_experts + experts + (swiglu if cfg.shared_expert else 0)
-
-
-def llama_stage_num_params(cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                           tp: int = 1, ep: int = 1, moe: bool = False) -> int:
-    """Parameters one rank holds for a stage: matrices and the vocabulary split over tp, the
-    experts over ep; norms and the router replicated."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    total = num_blocks * (_attention_params(cfg) // tp + _mlp_params(cfg, moe, tp, ep) + 2 * h)
-    if first:
-        total += v * h // tp
-    if last:
-        total += h + (0 if cfg.tie_embeddings and first else v * h // tp)
-    return total
-
-
-def llama_num_params(cfg: ModelConfig, moe: bool = False) -> int:
-    return llama_stage_num_params(cfg, cfg.num_layers, True, True, moe=moe)
-
-
-def llama_flops_per_token(cfg: ModelConfig, moe: bool = False) -> float:
-    """Training FLOPs per token, 3 x forward: 2 per weight of every matmul a token goes through
-    (the top_k experts' and the router's for MoE) plus 2 x 2 x seq x hidden per layer of scores
-    and weighted values (over the full square, as the kernels compute it)."""
-    h, f = cfg.hidden_size, cfg.ffn_size
-    mlp = 3 * h * f
-    if moe:
-        mlp = h * cfg.num_experts + cfg.top_k * mlp + (mlp if cfg.shared_expert else 0)
-    matmul = cfg.num_layers * 2 * (_attention_params(cfg) + mlp) + 2 * h * cfg.vocab_size
-    return 3.0 * (matmul + cfg.num_layers * 4 * cfg.seq_len * h)
-
-
 def llama_shape(cfg: ModelConfig) -> ModelShape:
-    """Llama as the simulator counts it: ``num_kv_heads`` key/value heads, a SwiGLU MLP, no
-    biases, rotary positions (no table). The simulator counts one bias of hidden per norm,
-    which an RMSNorm does not have."""
+    """Llama as it is built: ``num_kv_heads`` key/value heads, a SwiGLU MLP, no biases,
+    RMSNorms (a weight, no bias), rotary positions (no table)."""
     return ModelShape(
         layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
         kv_heads=cfg.kv_heads, ffn=cfg.ffn_size, ffn_kind="swiglu", vocab=cfg.vocab_size,
         seq_len=cfg.seq_len, name="config", bias=False, learned_positions=False,
-        tied_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0)
+        tied_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0, norm_bias=False)
 
 
 class LlamaFamily(ModelSpec):
@@ -130,16 +84,6 @@ class LlamaFamily(ModelSpec):
     def pieces(self, model: nn.Module) -> ModelPieces:
         assert isinstance(model, Llama), type(model)
         return model.pieces()
-
-    def num_params(self, cfg: ModelConfig) -> int:
-        return llama_num_params(cfg, self.moe)
-
-    def stage_num_params(self, cfg: ModelConfig, num_blocks: int, first: bool, last: bool,
-                         tp: int = 1, ep: int = 1) -> int:
-        return llama_stage_num_params(cfg, num_blocks, first, last, tp, ep, self.moe)
-
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        return llama_flops_per_token(cfg, self.moe)
 
     def shape(self, cfg: ModelConfig) -> ModelShape:
         shape = llama_shape(cfg)

@@ -1,14 +1,11 @@
 """MoE: GPT whose blocks route each token to top-k of E expert MLPs, one package: ``model.py``
 (the router, the experts and the MoE layer, readable in one file), ``plans.py`` (where tensor
-and expert parallelism split it) and ``family.py`` (its counts, its shape, the rules of routed
-models and its registry entry, ``model.kind: moe``). It has no Hugging Face counterpart."""
+and expert parallelism split it) and ``family.py`` (its shape, which counts it, the rules of
+routed models and its registry entry, ``model.kind: moe``). It has no Hugging Face counterpart."""
 
 from mcpar.models.moe.family import (
     MOE_FAMILY,
-    moe_flops_per_token,
     moe_layout_problems,
-    moe_num_params,
-    moe_stage_num_params,
 )
 from mcpar.models.moe.model import (
     Experts,
@@ -30,5 +27,4 @@ from mcpar.models.moe.plans import MOE_EXPERTS, MOE_TENSOR_PARALLEL
 __all__ = ["MOE_EXPERTS", "MOE_FAMILY", "MOE_TENSOR_PARALLEL", "Experts", "GroupedWeight",
            "MoELayer", "Router", "build_moe", "describe_expert_kernel", "expert_kernel",
            "expert_mlps", "grouped_expert_mlps", "loop_expert_mlps", "moe_block",
-           "moe_flops_per_token", "moe_layers", "moe_layout_problems", "moe_num_params",
-           "moe_stage_num_params", "set_expert_kernel"]
+           "moe_layers", "moe_layout_problems", "set_expert_kernel"]
