@@ -153,21 +153,47 @@ def _global_name(local: str, maps: dict[str, torch.Tensor], named: list[tuple[st
     return None
 
 
-def run_tokenizer_path(job: JobConfig, vocab_size: int) -> Path | None:
-    """The tokenizer.json a run used: the configured file, or mcpar's cached BPE (read back
-    through the corpus cache); None for the bytes tokenizer."""
-    from mcpar.data.tokenizer_file import is_tokenizer_file, resolve_tokenizer_path
+@dataclass(frozen=True)
+class RunTokenizer:
+    path: Path  # its tokenizer.json
+    # The token that ends every document of the run's data (what the model learned to emit at
+    # the end of a text); None when the data has none (mcpar's BPE joins the text unseparated).
+    eos_token: str | None
+
+
+def run_tokenizer(job: JobConfig, vocab_size: int) -> RunTokenizer | None:
+    """The tokenizer a run used and its end-of-document token: a prepared source's own copy
+    and the token its manifest names (``mcpar prepare --eos-token`` included), the configured
+    file and the token its data was prepared with, or mcpar's cached BPE (read back through the
+    corpus cache); None for the bytes tokenizer (and a ``.bin`` source without one)."""
+    from mcpar.data.prepared_corpus import is_prepared_source, parse_blend
+    from mcpar.data.shards import TOKENIZER_COPY, read_manifest
+    from mcpar.data.tokenizer_file import is_tokenizer_file, load_tokenizer_file
 
     data = job.data
+    if not data.source.endswith(".bin") and is_prepared_source(data.source):
+        # A blend's sources share one tokenizer (checked when it is read): the first one's.
+        first = Path((parse_blend(data.source) or [(data.source, 1.0)])[0][0]).expanduser()
+        manifest = read_manifest(first, "data.source")
+        return RunTokenizer(first / TOKENIZER_COPY, manifest.get("eos_token"))
     if data.tokenizer == "bytes":
         return None
     if is_tokenizer_file(data.tokenizer):
-        return resolve_tokenizer_path(data.tokenizer)
+        tok = load_tokenizer_file(data.tokenizer)  # the token its text was prepared with
+        return RunTokenizer(tok.path, tok.eos_token)
     from mcpar.data.corpus import load_corpus
 
     corpus = load_corpus(data.source, data.tokenizer, vocab_size, data.val_fraction,
                          token_dtype=data.token_dtype, cache_dir=data.cache_dir)
-    return corpus.tokenizer_path
+    if corpus.tokenizer_path is None:
+        return None
+    return RunTokenizer(corpus.tokenizer_path, None)
+
+
+def run_tokenizer_path(job: JobConfig, vocab_size: int) -> Path | None:
+    """The tokenizer.json a run used (``run_tokenizer``); None for the bytes tokenizer."""
+    found = run_tokenizer(job, vocab_size)
+    return found.path if found is not None else None
 
 
 def _experts_in_order(cfg: ModelConfig, full: dict[str, torch.Tensor],
