@@ -3,8 +3,10 @@
 Export: a tensor 2 x pipeline 2 run of each family (Llama, its MoE form, GPT), exported, gives
 ``AutoModelForCausalLM``'s logits on 4 sequences within 1e-4 (fp32). Import: small random
 Hugging Face Llama and Mixtral models, built here from their config classes, start an mcpar run
-whose first training loss is ``transformers``' loss on the same batch within 1e-4. And the
-refusals (exit 2, naming the key or path).
+whose first training loss is ``transformers``' loss on the same batch within 1e-4. The same
+checkpoints as a run on a tokenizer file: the export names its end-of-text token (tokenizer,
+config.json, generation_config.json), ``generate`` stops there, and every file has the umask's
+mode. And the refusals (exit 2, naming the key or path).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import contextlib
 import io
 import json
 import math
+import os
+import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -188,3 +193,106 @@ def test_mixtral_read_from_either_expert_layout(tmp_path: Path) -> None:
     live = {k: v.detach() for k, v in loaded.state_dict().items()}
     a, b = from_hf(cfg, read_tensors(path)), from_hf(cfg, live)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+EOS = 3  # the word tokenizer's end-of-text id: not 0, so a default id cannot pass for it
+WORDS = ["<unk>", "def", "return", "<|endoftext|>", *(f"w{i}" for i in range(252))]
+
+
+def _word_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer.json of 256 ids (the test models' vocabulary) whose end-of-text
+    token is <|endoftext|>, with no begin or padding token of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenized_export(family_run: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                     ) -> dict[str, Path]:
+    """The family run's checkpoint as a run on a tokenizer file (a copy of the run whose
+    config.yaml names one: the export reads the tokenizer, not the data), exported under umask
+    022; the MoE model sharded, so the shards' modes show too."""
+    root = tmp_path_factory.mktemp(f"tok-{family_run['family'].name}")
+    tokenizer = _word_tokenizer(root / "tokenizer.json")
+    run = root / "run"
+    shutil.copytree(family_run["run"], run)
+    job = yaml.safe_load((run / "config.yaml").read_text())
+    job["data"]["tokenizer"] = str(tokenizer)
+    (run / "config.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    shard = ["--max-shard-mb", "0.05"] if family_run["family"].name == "mixtral" else []
+    old = os.umask(0o022)
+    try:
+        done = _cli("export", str(run), "--format", "hf", str(root / "hf"), *shard)
+    finally:
+        os.umask(old)
+    assert done.returncode == 0, done.stderr
+    assert "end-of-text '<|endoftext|>' (id 3)" in done.stdout
+    return {"hf": root / "hf", "tokenizer": tokenizer}
+
+
+def test_export_files_get_the_umask_mode(tokenized_export: dict[str, Path]) -> None:
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tokenized_export["hf"].iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= modes.keys()
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_export_carries_the_run_end_of_text_token(tokenized_export: dict[str, Path]) -> None:
+    out = tokenized_export["hf"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    # The tokenizer has no begin or padding token: both are its end-of-text token.
+    for name in ("eos", "bos", "pad"):
+        assert (getattr(tok, f"{name}_token"), getattr(tok, f"{name}_token_id")) == \
+            ("<|endoftext|>", EOS), name
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    for written in (config, generation):
+        assert {k: written[f"{k}_token_id"] for k in ("bos", "eos", "pad")} == \
+            dict.fromkeys(("bos", "eos", "pad"), EOS)
+    assert generation["max_length"] == SEQ
+
+
+def test_generate_stops_at_the_end_of_text_token(tokenized_export: dict[str, Path]) -> None:
+    """transformers' generate, with nothing but the export, stops by itself once the model's
+    argmax is the end-of-text token: a head bias on a loaded copy makes it so from the fourth
+    new token on (min_new_tokens holds the first three, through the same eos id)."""
+    out = tokenized_export["hf"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.generation_config.eos_token_id == tok.eos_token_id == EOS
+    assert model.generation_config.max_length == SEQ
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[EOS] = 1e4
+    model.set_output_embeddings(biased)
+    enc = tok("def return w7 w9", return_tensors="pt")
+    prompt, budget = enc["input_ids"], 50
+    assert prompt.shape == (1, 4) and EOS not in prompt
+    with torch.no_grad():
+        ids = model.generate(input_ids=prompt, attention_mask=enc["attention_mask"],
+                             max_new_tokens=budget, min_new_tokens=3, do_sample=False)[0]
+    new = ids[prompt.shape[1]:].tolist()
+    assert new[-1] == EOS and len(new) == 4 < budget, new
+    assert EOS not in new[:-1]
+
+
+def test_export_of_a_bytes_run_names_no_end_of_text(family_run: dict[str, Path]) -> None:
+    """The bytes tokenizer has no end-of-text token: the ids are null, not the architecture's
+    defaults (Llama's 2 is a byte here), and no tokenizer is written."""
+    out = family_run["hf_out"]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, None)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": None, "eos_token_id": None, "max_length": SEQ}
+    assert not (out / "tokenizer.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.generation_config.eos_token_id is None
