@@ -3,10 +3,10 @@
 Export: a tensor 2 x pipeline 2 run of each family (Llama, its MoE form, GPT), exported, gives
 ``AutoModelForCausalLM``'s logits on 4 sequences within 1e-4 (fp32). Import: small random
 Hugging Face Llama and Mixtral models, built here from their config classes, start an mcpar run
-whose first training loss is ``transformers``' loss on the same batch within 1e-4. The same
-checkpoints as a run on a tokenizer file: the export names its end-of-text token (tokenizer,
-config.json, generation_config.json), ``generate`` stops there, and every file has the umask's
-mode. And the refusals (exit 2, naming the key or path).
+whose first training loss is ``transformers``' loss on the same batch within 1e-4, and
+``mcpar import`` reads seq_len. The same checkpoints as a run on a tokenizer file: the export
+names its end-of-text token (tokenizer, config.json, generation_config.json), ``generate`` stops
+there, and every file has the umask's mode. And the refusals (exit 2, naming the key or path).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mcpar.config import ModelConfig, load_config, to_yaml
 from mcpar.data.corpus import load_corpus
 from mcpar.data.stream import BatchStream
 from mcpar.interop.full_state import load_full_state
-from mcpar.interop.hf_import import read_tensors, section_yaml
+from mcpar.interop.hf_import import read_tensors, section_problems, section_yaml
 from mcpar.interop.hf_names import export_problems, from_hf
 from mcpar.metrics import read_metrics
 from mcpar.models.spec import get_model_spec
@@ -96,7 +96,8 @@ def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     section = yaml.safe_load(printed.stdout)["model"]
     assert section["init_from"] == f"hf:{hf}"
     config = root / "job.yaml"
-    config.write_text(yaml.safe_dump({"model": {"seq_len": SEQ, **section}}))
+    # A Llama's section has seq_len 64 (max_position_embeddings); the run trains on SEQ windows.
+    config.write_text(yaml.safe_dump({"model": {**section, "seq_len": SEQ}}))
     assert launch_in_process(
         "train", str(config), *sets(*TINY[4:], *LAYOUT, "training.steps=2",
                                     "optimization.checkpoint.interval=2"),
@@ -283,6 +284,23 @@ def test_generate_stops_at_the_end_of_text_token(tokenized_export: dict[str, Pat
     new = ids[prompt.shape[1]:].tolist()
     assert new[-1] == EOS and len(new) == 4 < budget, new
     assert EOS not in new[:-1]
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
+def test_import_sets_seq_len_from_the_position_count(family: str, tmp_path: Path) -> None:
+    """``mcpar import`` reads seq_len from max_position_embeddings (GPT-2: n_positions); a
+    Llama run may train on other windows (rotary: no table), a GPT-2 one may not."""
+    path = _hf_model(family, tmp_path / family)
+    section = yaml.safe_load(section_yaml(path))["model"]
+    assert section["seq_len"] == (SEQ if family == "gpt2" else 64)
+    hf = json.loads((path / "config.json").read_text())
+    other = ModelConfig(**{k: v for k, v in section.items() if k != "init_from"}
+                        | {"seq_len": 32})
+    refused = section_problems(other, hf)
+    if family == "gpt2":  # its position table has n_positions rows
+        assert len(refused) == 1 and "model.seq_len" in refused[0], refused
+    else:
+        assert refused == [], refused
 
 
 def test_export_of_a_bytes_run_names_no_end_of_text(family_run: dict[str, Path]) -> None:

@@ -89,13 +89,14 @@ def import_section(path: Path, key: str = "DIR") -> dict[str, Any]:
 def section_problems(cfg: ModelConfig, hf: dict[str, Any]) -> list[str]:
     """Where the run's model section describes another model than the directory's."""
     out = []
+    free = (*_FREE_KEYS, *architectures()[hf["architectures"][0]].free_keys)
     for name, theirs in model_keys(hf).items():
         ours = getattr(cfg, name)
         if name == "num_kv_heads":
             ours = cfg.kv_heads
         elif name == "ffn_hidden_size":
             ours = cfg.ffn_size
-        elif name in _FREE_KEYS or (name == "tie_embeddings" and theirs):
+        elif name in free or (name == "tie_embeddings" and theirs):
             continue  # untying copies the embedding into the head
         if ours != theirs:
             out.append(problem(f"model.{name}", f"{ours!r}, but {KEY} has {theirs!r}; set "

@@ -22,6 +22,9 @@ Tensors = dict[str, torch.Tensor]
 class HFNames(ABC):
     architecture: str = ""  # config.json's "architectures"[0]
     embedding: str = ""  # the token embedding's Hugging Face name (a tied head reads it)
+    # ``model`` keys of model_keys a run may set otherwise and still start from the directory
+    # (``model.init_from``), its function unchanged.
+    free_keys: tuple[str, ...] = ()
 
     def export_problems(self, cfg: ModelConfig, expert_bias: Tensors) -> list[str]:
         """Why this model cannot be written as its counterpart (empty: it can).

@@ -90,6 +90,9 @@ class LlamaNames(HFNames):
     """``LlamaForCausalLM``, or with ``moe`` ``MixtralForCausalLM``."""
 
     embedding = "model.embed_tokens.weight"
+    # Rotary positions have no table: a run may train on shorter (or longer) windows than the
+    # max_position_embeddings it was imported with.
+    free_keys = ("seq_len",)
 
     def __init__(self, moe: bool = False):
         self.moe = moe
@@ -122,6 +125,8 @@ class LlamaNames(HFNames):
                 "hidden_size": hf["hidden_size"], "num_heads": hf["num_attention_heads"],
                 "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
                 "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+                # 2048: LlamaConfig's default, for a config.json that leaves it out.
+                "seq_len": hf.get("max_position_embeddings", 2048),
                 "rope_base": float(rope), "norm_eps": hf.get("rms_norm_eps", 1e-6),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
         if self.moe:
