@@ -267,3 +267,27 @@ def test_mcpar_train_reads_a_blend_of_prepared_directories(
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(np.isfinite(x["loss"]) for x in lines)
     assert lines[0]["loss"] == pytest.approx(np.log(300), abs=0.5)
+
+
+def test_overlapping_sources_are_read_once_and_said_so(
+        tokenizer: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    once = prepare([str(corpus / "*.txt")], str(tokenizer), tmp_path / "once", progress=False)
+    capsys.readouterr()
+    # The glob and the directory name doc0-2.txt twice, and doc1.txt a third time.
+    twice = prepare([str(corpus / "*.txt"), str(corpus / "doc1.txt"), str(corpus / "doc*")],
+                    str(tokenizer), tmp_path / "twice", progress=False)
+    assert "4 file(s) named by more than one SOURCE are read once" in capsys.readouterr().out
+    assert [f["path"] for f in twice["files"]] == [f["path"] for f in once["files"]]
+    assert twice["total_tokens"] == once["total_tokens"]
+
+
+def test_prepare_refuses_a_built_in_tokenizer_without_suggesting_it(
+        corpus: Path, tmp_path: Path) -> None:
+    for name in ("bytes", "bpe"):
+        with pytest.raises(UserError, match="built into mcpar train") as err:
+            prepare([str(corpus)], name, tmp_path / name, progress=False)
+        assert "give a Hugging Face tokenizer.json" in str(err.value)
+    with pytest.raises(UserError) as err:
+        prepare([str(corpus)], str(tmp_path / "missing.json"), tmp_path / "x", progress=False)
+    assert "'bytes'" not in str(err.value) and "--tokenizer" in str(err.value)

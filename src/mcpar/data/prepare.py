@@ -20,7 +20,7 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,12 @@ from mcpar.data.shards import (
     write_shard,
 )
 from mcpar.data.text_files import resolve_text_files
-from mcpar.data.tokenizer_file import TokenizerFile, load_tokenizer_file, token_dtype_for
+from mcpar.data.tokenizer_file import (
+    BUILTIN_TOKENIZERS,
+    TokenizerFile,
+    load_tokenizer_file,
+    token_dtype_for,
+)
 from mcpar.errors import UserError, problem
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MB per uint16 shard: few files, yet many units to share
@@ -60,6 +65,20 @@ def _cut_after_newline(path: Path, offset: int, size: int) -> int:
                 return pos + nl + 1
             pos += len(block)
     return size
+
+
+def unique_files(files: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+    """The files in order of first mention, each once (by resolved path), and the repeats."""
+    seen: set[Path] = set()
+    kept, repeated = [], []
+    for f in files:
+        real = f.resolve()
+        if real in seen:
+            repeated.append(f)
+        else:
+            seen.add(real)
+            kept.append(f)
+    return kept, repeated
 
 
 def plan_units(files: list[Path], unit_bytes: int) -> list[list[Segment]]:
@@ -194,9 +213,18 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, workers: int = 
         raise UserError(problem("--workers", f"must be at least 1, got {workers}"))
     if shard_tokens < 1:
         raise UserError(problem("--shard-tokens", f"must be at least 1, got {shard_tokens}"))
+    if tokenizer in BUILTIN_TOKENIZERS:
+        raise UserError(problem(
+            "--tokenizer", f"'{tokenizer}' is built into mcpar train, which tokenizes text "
+            "sources itself (data.tokenizer); prepare writes the shards of a tokenizer file: "
+            "give a Hugging Face tokenizer.json or a directory holding one"))
     tok_file = load_tokenizer_file(tokenizer, eos_token, key="--tokenizer")
     dtype = token_dtype_for(tok_file.vocab_size)
-    files = [f for s in sources for f in resolve_text_files(s, key="SOURCES")]
+    files, repeated = unique_files(f for s in sources for f in resolve_text_files(s, key="SOURCES"))
+    if repeated:
+        # Overlapping globs or directories name a file more than once: it is read once.
+        print(f"mcpar prepare: {len(repeated)} file(s) named by more than one SOURCE are read "
+              f"once (e.g. {repeated[0]})", flush=True)
     files = [f for f in files if f.stat().st_size > 0]
     if not files:
         raise UserError(problem("SOURCES", f"{sources} hold no text (all files are empty)"))

@@ -36,7 +36,8 @@ def resolve_tokenizer_path(spec: str, key: str = "data.tokenizer") -> Path:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        msg = (f"no tokenizer file at '{spec}'; give 'bytes', 'bpe', a Hugging Face "
+        builtins = "'bytes', 'bpe', " if key == "data.tokenizer" else ""
+        msg = (f"no tokenizer file at '{spec}'; give {builtins}a Hugging Face "
                "tokenizer.json or a directory holding one")
         raise UserError(problem(key, msg))
     return path
