@@ -22,7 +22,7 @@ from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.controller import ComputeController, GradientSync
 from mcpar.controllers.compute.expert_balance import BalancePlan, MoERoutingController
-from mcpar.controllers.compute.schedules import step_tasks
+from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import problem
 from mcpar.parallel.pipeline import PipelineExecutor
@@ -82,8 +82,8 @@ class ComputePlan:
 
     def split_allowed(self, num_microbatches: int) -> bool:
         """Whether the schedule runs with this micro-batch count (dynamic splitting asks)."""
-        return self.schedule is None or SCHEDULES.get(self.schedule).problem(
-            self.pp, num_microbatches, self.virtual_stages) is None
+        return self.schedule is None or schedule_problem(
+            self.schedule, self.pp, num_microbatches, self.virtual_stages) is None
 
 
 @dataclass
