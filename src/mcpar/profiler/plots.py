@@ -7,7 +7,8 @@
   the memory allocated over the last profiled step, per rank (from the trace's allocator events);
 - ``curves.png``: loss and tokens/s over the run's steps (metrics.jsonl).
 
-matplotlib is the 'profile' extra; without it the report is written without pictures and says so.
+matplotlib is a dependency of mcpar; in an environment that lacks it anyway the report is written
+without pictures and says so.
 """
 
 from __future__ import annotations

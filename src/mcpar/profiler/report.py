@@ -147,8 +147,8 @@ def build_sections(r: dict[str, Any], images: dict[str, str]) -> list[Section]:
     if not images:
         for sec in s.values():
             sec.images = []
-        s["curves"].paras = ["No pictures: matplotlib is not installed (pip install "
-                             "'mcpar[profile]')."]
+        s["curves"].paras = ["No pictures: matplotlib, a dependency of mcpar, is not "
+                             "installed here (pip install -e . or pip install matplotlib)."]
     s["files"].paras = [f"`{name}`" for name in ctx["files"]] or ["No trace (trace off)."]
     for sec in s.values():
         sec.images = [i for i in sec.images if i]
