@@ -61,11 +61,21 @@ def timeline(report: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _legend_above(ax: Any, ncol: int) -> None:
+    """The legend in a row over the axes, under the title: inside, it would hide a bar."""
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=ncol, fontsize=7,
+              frameon=False, borderaxespad=0.0, columnspacing=1.2, handlelength=1.5)
+
+
 def comm_breakdown(report: dict[str, Any], path: Path) -> Path:
+    return _save(comm_breakdown_figure(report), path)
+
+
+def comm_breakdown_figure(report: dict[str, Any]) -> Any:
     from mcpar.profiler.timeline import CATEGORIES
 
     plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     split = report["split"]
     bottom = [0.0] * len(split)
     for cat in CATEGORIES:
@@ -74,14 +84,14 @@ def comm_breakdown(report: dict[str, Any], path: Path) -> Path:
                  color=COLOURS[cat])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     left.set_ylabel("seconds per step")
-    left.set_title("Step time split")
-    left.legend(fontsize=7)
+    left.set_title("Step time split", pad=22)
+    _legend_above(left, ncol=len(CATEGORIES))
     rows = report["collectives"] or [{"op": "none", "axis": "", "time_s": 0.0}]
     right.barh([f"{r['op']} [{r['axis']}]" for r in rows], [r["time_s"] for r in rows],
                color="#e377c2")
     right.set_xlabel("seconds per step (per rank, hidden or not)")
-    right.set_title("Collectives")
-    return _save(fig, path)
+    right.set_title("Collectives", pad=22)
+    return fig
 
 
 def memory(report: dict[str, Any], path: Path) -> Path:
@@ -98,8 +108,8 @@ def memory(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("GiB (largest rank)")
     cap = report["memory"]["capacity_bytes"]
     ax.set_title(f"Per category (capacity {cap / gib:.1f} GiB; measured total "
-                 f"{meas.get('total', 0) / gib:.3f} GiB)", fontsize=9)
-    ax.legend()
+                 f"{meas.get('total', 0) / gib:.3f} GiB)", fontsize=9, pad=16)
+    _legend_above(ax, ncol=2)
     series = report["memory"].get("over_step", {})
     for rank, points in series.items():
         if points:
