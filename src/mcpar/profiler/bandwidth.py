@@ -16,7 +16,9 @@ broadcast, p2p     the buffer                         1
 
 The Communicator's books hold the bytes each rank *sent* under the ring algorithms
 (``comm/communicator.py``), not S; :func:`from_sent` turns those back into S first. Units are
-bytes per second (the report prints GB/s, 1e9 base, as nccl-tests does).
+bytes per second; the report prints them in 1e3-based units (nccl-tests' GB/s is 1e9 B/s),
+the unit chosen per figure (:func:`format_rate`), so that a small collective's bandwidth does
+not read 0.0000 GB/s.
 """
 
 from __future__ import annotations
@@ -67,3 +69,23 @@ def from_sent(op: str, sent_bytes: float, seconds: float, n: int) -> Bandwidth:
     """Bandwidths from the Communicator's count of bytes sent by one rank."""
     frac = sent_fraction(op, n)
     return bandwidth(op, sent_bytes / frac if frac else 0.0, seconds, n)
+
+
+_UNITS = ("B", "KB", "MB", "GB", "TB")
+
+
+def format_bytes(count: float, per: str = "") -> str:
+    """``count`` bytes in the largest 1e3-based unit that keeps it at 1 or more, to three
+    significant digits: 1234567 -> '1.23 MB'; ``per`` is appended to the unit ('/s')."""
+    if count <= 0:
+        return f"0 B{per}"
+    value, unit = float(count), 0
+    while value >= 999.5 and unit < len(_UNITS) - 1:
+        value, unit = value / 1e3, unit + 1
+    text = f"{value:.3g}" if value < 999.5 else f"{value:.0f}"
+    return f"{text} {_UNITS[unit]}{per}"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """A bandwidth with a unit that suits it: 2.5e9 -> '2.5 GB/s', 4.2e4 -> '42 KB/s'."""
+    return format_bytes(bytes_per_s, "/s")

@@ -15,9 +15,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote
 
 from mcpar.profiler import plots
 from mcpar.profiler.analysis import analyse
+from mcpar.profiler.bandwidth import format_bytes, format_rate
 from mcpar.profiler.timeline import CATEGORIES
 
 if TYPE_CHECKING:
@@ -95,15 +97,16 @@ def build_sections(r: dict[str, Any], images: dict[str, str]) -> list[Section]:
         "Per rank and step. bytes: what this rank sent under the ring algorithms; S: the "
         "collective's size; algbw = S / t and busbw = algbw x factor (2(n-1)/n all-reduce, "
         "(n-1)/n all-gather, reduce-scatter and all-to-all, 1 otherwise), as nccl-tests "
-        "defines them, in GB/s (1e9), over the time of the rank that joined last (min ms: the "
-        "others' time holds their wait for it). An asynchronous collective's time runs from "
-        "its launch to its completion, so queueing behind another one lowers its bandwidth."]
+        "defines them, in 1e3-based units (1 GB/s = 1e9 B/s), over the time of the rank that "
+        "joined last (min ms: the others' time holds their wait for it). An asynchronous "
+        "collective's time runs from its launch to its completion, so queueing behind another "
+        "one lowers its bandwidth."]
     s["communication"].tables = [(
         ["op", "axis", "codec", "n", "calls", "bytes sent", "S", "mean ms", "min ms",
-         "algbw GB/s", "busbw GB/s"],
+         "algbw", "busbw"],
         [[c["op"], c["axis"], c["codec"], str(c["n"]), f"{c['calls']:.1f}",
-          f"{c['bytes']:.3g}", f"{c['size_bytes']:.3g}", f"{c['time_s'] * 1e3:.2f}",
-          f"{c['time_s_min'] * 1e3:.2f}", f"{c['algbw'] / GB:.4f}", f"{c['busbw'] / GB:.4f}"]
+          format_bytes(c["bytes"]), format_bytes(c["size_bytes"]), f"{c['time_s'] * 1e3:.2f}",
+          f"{c['time_s_min'] * 1e3:.2f}", format_rate(c["algbw"]), format_rate(c["busbw"])]
          for c in r["collectives"]])]
     mem = r["memory"]
     names = [n for n in dict.fromkeys([*mem["estimate"], *mem["measured"]])]
@@ -149,7 +152,10 @@ def build_sections(r: dict[str, Any], images: dict[str, str]) -> list[Section]:
             sec.images = []
         s["curves"].paras = ["No pictures: matplotlib, a dependency of mcpar, is not "
                              "installed here (pip install -e . or pip install matplotlib)."]
-    s["files"].paras = [f"`{name}`" for name in ctx["files"]] or ["No trace (trace off)."]
+    # Links relative to the report, which sits beside the files: they open from a copy of the
+    # whole profile/ directory too.
+    s["files"].paras = [f"[{name}]({name}) ({format_bytes(size)})"
+                        for name, size in ctx["files"].items()] or ["No trace (trace off)."]
     for sec in s.values():
         sec.images = [i for i in sec.images if i]
     return list(s.values())
@@ -168,8 +174,10 @@ def to_markdown(sections: list[Section]) -> str:
 
 def to_html(sections: list[Section], out_dir: Path) -> str:
     def para(text: str) -> str:
-        # The markdown the sections use: **bold** and `code`.
+        # The markdown the sections use: **bold**, `code` and [text](relative link).
         text = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+        text = re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)",
+                      lambda m: f'<a href="{quote(html.unescape(m[2]))}">{m[1]}</a>', text)
         parts = text.split("**")
         return "<p>" + "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts)) + "</p>"
 
@@ -223,8 +231,8 @@ def write_report(out_dir: Path, ranks: list[dict], summary: dict[str, Any],
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = context_of(trainer)
-    ctx["files"] = sorted(p.name for p in out_dir.iterdir()
-                          if p.name.startswith(("trace_", "memory_snapshot_")))
+    ctx["files"] = {p.name: p.stat().st_size for p in sorted(out_dir.iterdir())
+                    if p.name.startswith(("trace_", "memory_snapshot_"))}
     report = analyse(ranks, summary, ctx)
     (out_dir / "report.json").write_text(json.dumps({"report": report, "ranks": ranks},
                                                     indent=1) + "\n")
