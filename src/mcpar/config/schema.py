@@ -321,6 +321,12 @@ class ProfileConfig(_Section):  # a profiled window of a run: <run_dir>/profile/
     start_step: int = Field(2, ge=1, le=MAX_STEPS, description="First profiled step (1-based).")
     steps: int = Field(3, ge=1, le=MAX_STEPS, description="Steps in the profiled window.")
     trace: bool = Field(True, description="A torch.profiler trace per rank (+ CUDA snapshot).")
+    trace_detail: Literal["steps", "kernels", "ops"] = Field(
+        "steps", description="What each trace file keeps. steps: the ranges mcpar opens (every "
+        "step, task and collective) and torch's own annotations, the smallest file; kernels: "
+        "those and the device's kernels and copies (CUDA; on CPU the same as steps); ops: "
+        "everything torch.profiler records, every host operator, allocation and kernel launch "
+        "too (tens of times larger). The report's figures are the same at every level.")
 
 
 class WandbConfig(_Section):  # Weights & Biases sink of metrics.jsonl (the 'wandb' extra)

@@ -9,8 +9,9 @@ without ``training.profile`` pays one multiplication per step (the MFU).
 Inside the window each rank keeps, per step: the ComputeController's task log, the main thread's
 blocking collectives (``CommStats.waits``), the time before the first task (data loading), the
 step time and the step's collective books; a torch.profiler trace runs over the window when
-``training.profile.trace`` is on. At the end of the run every rank's record is gathered to rank
-0, which writes ``<run_dir>/profile/`` (``report.py``).
+``training.profile.trace`` is on, its file as detailed as ``training.profile.trace_detail`` says.
+At the end of the run every rank's record is gathered to rank 0, which writes
+``<run_dir>/profile/`` (``report.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class RunProfiler:
         self.window = (range(prof.start_step, prof.start_step + prof.steps) if prof.enabled
                        else range(0))
         self.trace_on = prof.trace
+        self.trace_detail = prof.trace_detail
         self.flops_per_token = float(trainer.spec.flops_per_token(cfg.model))
         self.peak: Peak | None = None
         self.steps: list[dict[str, Any]] = []
@@ -133,7 +135,7 @@ class RunProfiler:
         t.comm.trace_ranges = t.compute.trace_ranges = on
         t.comm.stats.waits = [] if on else None
         if on and self.trace_on and self._trace is None:
-            self._trace = WindowTrace(t.device)
+            self._trace = WindowTrace(t.device, self.trace_detail)
         elif not on and self._trace is not None:
             self._trace.stop(self.out_dir, t.rank)
             self.memory_over_step = self._trace.memory
