@@ -83,7 +83,9 @@ class ParallelDims:
             device_type, self.mesh_shape, mesh_dim_names=self.mesh_axis_names
         )
         self._mesh_groups = {}
-        self._world_group = dist.new_group(list(range(self.world_size)))
+        # group_desc names a group in torch's traces and logs ('undefined' without it).
+        self._world_group = dist.new_group(list(range(self.world_size)),
+                                           group_desc="mcpar_world")
         if self.ep > 1:
             self._build_expert_groups()
 
@@ -103,7 +105,8 @@ class ParallelDims:
         # Every rank creates every group, in the same order (new_group is collective).
         for axis, lists in zip(("ep", "edp"), self.expert_group_ranks(), strict=True):
             for ranks in lists:
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = (dist.new_group(ranks, group_desc=f"mcpar_{axis}") if len(ranks) > 1
+                         else None)
                 if me in ranks:
                     self._expert_groups[axis] = group
 
@@ -160,7 +163,7 @@ class ParallelDims:
         for axis, lists, size in (("dp_intra", intra_lists, self.dp_intra),
                                   ("dp_inter", inter_lists, self.dp_inter)):
             for ranks in lists:
-                group = dist.new_group(ranks) if size > 1 else None
+                group = dist.new_group(ranks, group_desc=f"mcpar_{axis}") if size > 1 else None
                 if me in ranks:
                     self._node_groups[axis] = group
 

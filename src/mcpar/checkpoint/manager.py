@@ -247,7 +247,8 @@ class FaultRecoveryManager:
         self._async_coord = self._sync_coord  # one process: nothing runs concurrently
         if self.async_save and self.distributed and dist.get_world_size() > 1:
             # Created by every rank, here, in the same order: new_group is collective.
-            self._async_coord = Coordination.for_group(dist.new_group(backend="gloo"), rank)
+            self._async_coord = Coordination.for_group(dist.new_group(
+                backend="gloo", group_desc="mcpar_checkpoint"), rank)
         self._staging = StagingBuffers()
         self._pending: BackgroundSave | None = None
 
