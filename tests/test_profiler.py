@@ -5,6 +5,7 @@ of every numeric field, W&B's clear refusal when it is not installed)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,100 @@ def test_wandb_offline_writes_a_local_run(tmp_path) -> None:
     logger.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_bandwidths_and_sizes_print_with_a_unit_that_suits_them() -> None:
+    from mcpar.profiler.bandwidth import format_bytes, format_rate
+
+    # A tiny collective read "0.0000 GB/s" with the fixed unit; each figure gets its own now.
+    assert format_rate(2.5e9) == "2.5 GB/s" and format_rate(123.4e6) == "123 MB/s"
+    assert format_rate(4.2e4) == "42 KB/s" and format_rate(1234) == "1.23 KB/s"
+    assert format_rate(12.0) == "12 B/s" and format_rate(0.0) == "0 B/s"
+    assert format_rate(999.7e3) == "1 MB/s"  # rounds up into the next unit, not "1e+03 KB/s"
+    assert format_bytes(8461) == "8.46 KB" and format_bytes(2.6e7) == "26 MB"
+
+
+def _split_report(step_s: float) -> dict:
+    shares = {"compute": 0.6, "exposed_comm": 0.25, "bubble": 0.0, "optimizer": 0.1,
+              "data": 0.05, "idle": 0.0}
+    return {"split": [{"rank": r, "step_s": step_s, **{c: step_s * shares[c] for c in CATEGORIES}}
+                      for r in range(2)],
+            "collectives": [{"op": "all_reduce", "axis": "dp", "time_s": 0.01}]}
+
+
+def test_the_step_split_legend_covers_no_bar() -> None:
+    from mcpar.profiler import plots
+
+    fig = plots.comm_breakdown_figure(_split_report(0.05))
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
+    assert len(bars) == 2 * 4  # two ranks, four categories of non-zero time
+    # Above the axes (the bars reach the top of the plot: any place inside hides one) and
+    # under the title.
+    assert legend.y0 >= ax.get_window_extent(renderer).y1
+    assert not any(legend.overlaps(bar) for bar in bars)
+    assert legend.y1 <= ax.title.get_window_extent(renderer).y0 + 1
+    plots._plt().close(fig)
+
+
+def _traced_steps(tmp_path, detail: str) -> tuple[Path, list]:
+    import torch
+
+    from mcpar.profiler.trace import WindowTrace
+
+    trace = WindowTrace(torch.device("cpu"), detail)
+    layer = torch.nn.Linear(64, 64)
+    for step in (1, 2):
+        trace.begin_step(step)
+        with torch.profiler.record_function("mcpar.forward(chunk 0, micro 0)"):
+            loss = layer(torch.randn(8, 64)).square().sum()
+        with torch.profiler.record_function("mcpar.backward(chunk 0, micro 0)"):
+            loss.backward()
+        trace.end_step()
+    (path,) = trace.stop(tmp_path / detail, rank=0)
+    return path, trace.memory
+
+
+def test_trace_detail_steps_keeps_the_ranges_in_a_far_smaller_file(tmp_path) -> None:
+    import json
+
+    from mcpar.profiler.trace import KEPT_CATEGORIES
+
+    ops, ops_memory = _traced_steps(tmp_path, "ops")
+    steps, steps_memory = _traced_steps(tmp_path, "steps")
+    assert steps.stat().st_size * 10 < ops.stat().st_size, (steps.stat(), ops.stat())
+    full, small = (json.loads(p.read_text())["traceEvents"] for p in (ops, steps))
+    assert any(e.get("cat") == "cpu_op" for e in full)
+    assert {e.get("cat") for e in small} <= KEPT_CATEGORIES["steps"] | {None}
+
+    def ranges(events: list) -> list:
+        return sorted(e["name"] for e in events if str(e.get("name")).startswith("mcpar."))
+
+    assert ranges(small) == ranges(full) and "mcpar.step#2" in ranges(small)
+    # The report's memory over a step reads the allocator's events, which the file drops.
+    assert ops_memory and steps_memory
+
+
+def test_kineto_markers_are_held_back_and_nothing_else(capfd) -> None:
+    import os
+
+    from mcpar.profiler.trace import _without_kineto_marks
+
+    with _without_kineto_marks():
+        os.write(2, b"USDT:2026-12-03 14:49:52 26726:26726 SyncActivityProfilerHandler.cpp:59]"
+                 b" profiler_stop\nERROR: something that matters\n")
+    err = capfd.readouterr().err
+    assert "profiler_stop" not in err and "ERROR: something that matters" in err
+
+
+def test_a_bad_trace_detail_is_refused_naming_the_key(capsys) -> None:
+    from conftest import run_cli_in_process
+
+    proc = run_cli_in_process(capsys, "check", "configs/seed_mcp.yaml", "--set",
+                              "training.profile.trace_detail=everything")
+    assert proc.returncode == 2, proc
+    assert "training.profile.trace_detail" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
