@@ -326,7 +326,8 @@ class ProfileConfig(_Section):  # a profiled window of a run: <run_dir>/profile/
         "step, task and collective) and torch's own annotations, the smallest file; kernels: "
         "those and the device's kernels and copies (CUDA; on CPU the same as steps); ops: "
         "everything torch.profiler records, every host operator, allocation and kernel launch "
-        "too (hundreds of times larger for a small model). The report's figures are the same at every level.")
+        "too (hundreds of times larger for a small model). The report's figures are the same "
+        "at every level.")
 
 
 class WandbConfig(_Section):  # Weights & Biases sink of metrics.jsonl (the 'wandb' extra)
