@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from mcpar.profiler.mfu import Peak, device_peak, mfu
+from mcpar.profiler.mfu import (
+    Peak,
+    cpu_peak_cache,
+    device_peak,
+    measured_matmul_flops,
+    mfu,
+    store_cpu_peak,
+    stored_cpu_peak,
+)
 from mcpar.profiler.report import ReportedRun
 from mcpar.profiler.trace import WindowTrace
 
@@ -122,13 +130,26 @@ class RunProfiler:
         world = t.dims.world_size
         if t.device.type == "cuda":
             return device_peak(t.device, t.cfg.training.dtype, world)
-        # Every rank measures at once, as they compute during training (ranks sharing cores
-        # share them here too); the job's peak is the sum.
-        t.comm.barrier()
-        mine = device_peak(t.device, t.cfg.training.dtype, 1)
-        total = torch.tensor([mine.flops_per_device], dtype=torch.float64)
+        # A stored figure (calibrated profile, or measured once and cached) when every rank
+        # has one; else every rank measures at once, as they compute during training (ranks
+        # sharing cores share them here too), and rank 0 caches the mean for later runs.
+        threads = torch.get_num_threads()
+        stored = stored_cpu_peak(threads)
+        lacking = torch.tensor([0.0 if stored else 1.0], dtype=torch.float64)
+        t.comm.all_reduce(lacking, axis="world")
+        if lacking.item() > 0:
+            t.comm.barrier()
+            stored = (measured_matmul_flops(), "")
+        assert stored is not None
+        total = torch.tensor([stored[0]], dtype=torch.float64)
         t.comm.all_reduce(total, axis="world")
-        return Peak(float(total.item()) / world, world, mine.source)
+        flops, source = float(total.item()) / world, stored[1]
+        if lacking.item() > 0:
+            # Every rank names the cache; only rank 0 writes it.
+            flops, source = (store_cpu_peak(threads, flops) if t.rank == 0 else
+                             (flops, f"fp32 matmul rate measured at start, cached at "
+                              f"{cpu_peak_cache()} by rank 0; not a datasheet"))
+        return Peak(flops, world, source)
 
     def _tracing(self, on: bool) -> None:
         t = self.trainer

@@ -121,14 +121,22 @@ class ModelShape:
         whole model as one stage on one GPU."""
         return self.stage_num_params(self.layers, True, True)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs of one token without recompute: 3 x (2 per matmul weight touched,
-        experts x top_k and the shared expert, + attention scores and values over the full
-        s x s square, as the published formulas count them)."""
+    def flops_terms(self) -> dict[str, float]:
+        """Training FLOPs of one token without recompute, term by term: 3 x the forward's 2 per
+        multiply-add (``profiler/mfu.py`` documents each term and what is left out).
+        attention_linears: QKV and output projections; mlp: the MLP matrices (experts x top_k
+        and the shared expert) and the router; attention_scores: q k^T and p v over the full
+        s x s square, as the published formulas count them; head: the output projection."""
         h = self.hidden
         kv = self.kv_heads * self.head_dim
         routed = (self.top_k + (1 if self.shared_expert else 0)) if self.is_moe else 1
-        mlp = self.mlp_matrices * h * self.ffn * routed
-        router = h * self.experts if self.is_moe else 0
-        per_layer = 2 * (h * (h + 2 * kv) + h * h + mlp + router) + 4 * self.seq_len * h
-        return 3.0 * (self.layers * per_layer + 2 * h * self.vocab)
+        mlp = self.mlp_matrices * h * self.ffn * routed + (h * self.experts if self.is_moe
+                                                           else 0)
+        return {"attention_linears": 6.0 * self.layers * (h * (h + 2 * kv) + h * h),
+                "mlp": 6.0 * self.layers * mlp,
+                "attention_scores": 12.0 * self.layers * self.seq_len * h,
+                "head": 6.0 * h * self.vocab}
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs of one token without recompute: the sum of ``flops_terms``."""
+        return sum(self.flops_terms().values())
