@@ -14,8 +14,9 @@ Order of construction (fixed, so every rank builds the same thing):
 9. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
    optimizer, RNG, data position) before the run logger opens metrics.jsonl;
 10. the loop: the ComputeController runs each step's tasks, the last of which is the update
-    (gradients clipped over the whole mesh, the optimizer step); every
-    ``consistency_interval`` steps the MemoryController compares the replicas; checkpoints
+    (gradients clipped over the whole mesh, the optimizer step, each rank's own checksums of
+    what it holds verified before it and recorded after it); every ``consistency_interval``
+    steps the MemoryController compares the replicas and gathers those findings; checkpoints
     between steps.
 """
 
