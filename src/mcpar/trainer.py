@@ -14,8 +14,9 @@ Order of construction (fixed, so every rank builds the same thing):
 9. fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
    optimizer, RNG, data position) before the run logger opens metrics.jsonl;
 10. the loop: the ComputeController runs each step's tasks, the last of which is the update
-    (gradients clipped over the whole mesh, the optimizer step); every
-    ``consistency_interval`` steps the MemoryController compares the replicas; checkpoints
+    (gradients clipped over the whole mesh, the optimizer step, each rank's own checksums of
+    what it holds verified before it and recorded after it); every ``consistency_interval``
+    steps the MemoryController compares the replicas and gathers those findings; checkpoints
     between steps.
 """
 
@@ -123,7 +124,11 @@ class Trainer:
                                 wandb=self.cfg.training.wandb)
         self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
         self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
-        self.consistency = ReplicaConsistency(self.memory.replicated(self.pm.chunks), self.comm)
+        owned = getattr(self.optimizer, "owned_shards", None)  # ZeRO: what this rank updates
+        self.shards = owned() if owned is not None else []
+        self.consistency = ReplicaConsistency(
+            self.memory.replicated(self.pm.chunks), self.comm, self.shards,
+            self.store.node_caches() if self.store is not None else None)
 
     # --- the builds, in order -----------------------------------------------------------------
     def _log(self, *lines: str) -> None:
@@ -302,6 +307,8 @@ class Trainer:
     def _update(self, step: int, losses: list[float]) -> StepResult:
         """The step's last task: gradients are complete (and reduced over data); clip them
         over the whole mesh, agree on skipping, and step the optimizer."""
+        if self.plan.memory.consistency_interval:  # nothing changed the tensors since the last
+            self.consistency.before_update(step + 1)  # update: each rank's own checksum
         if self.plan.sequence_parallel:
             sync_sequence_parallel_grads(self.update_params, self.comm)
         grad_norm = clip_grad_norm(self.update_params, self.cfg.optimization.grad_clip,
@@ -333,6 +340,10 @@ class Trainer:
         if self.moe is not None:
             # Bias balancing and expert migration happen inside the step: their cost is timed.
             result.moe = self.moe.after_step(step)
+        if self.plan.memory.consistency_interval:
+            if self.faults is not None:
+                self.faults.after_update(step, self.rank, self.pm.params)
+            self.consistency.record()  # the reference until the next update
         return result
 
     @torch.no_grad()
@@ -373,10 +384,13 @@ class Trainer:
             if pending is not None and pending <= self.last_consistent_step:
                 self.recovery.wait()
             first = mismatches[0]
+            who = ("which rank holds the corrupt copy cannot be told"
+                   if first["ranks"] is None else
+                   f"corrupt on ranks {first['ranks']}, by {first['attribution']}")
             raise ReplicaMismatch(
-                f"step {step}: replicas of {first['tensor']} disagree over '{first['axis']}' "
-                f"(ranks {first['ranks']} differ from the others; {len(mismatches)} tensor(s) "
-                "in all); restarting from the last valid checkpoint")
+                f"step {step}: {first['tensor']} ('{first['axis']}') is corrupt ({who}; "
+                f"{len(mismatches)} tensor(s) in all); restarting from the last valid "
+                "checkpoint")
         return self.consistency.seconds - before
 
     def _largest_model_state(self) -> dict[str, int]:
@@ -437,7 +451,8 @@ class Trainer:
             t0 = time.perf_counter()
             compiled = compile_seconds()
             if self.faults is not None:
-                self.faults.before_step(step, self.rank, self.pm.params)
+                self.faults.before_step(step, self.rank, self.pm.params,
+                                        [t for _, _, t in self.shards])
             result = self.train_step(step)
             synchronize(self.device)
             compile_s = compile_seconds() - compiled  # logged apart from the step's time
@@ -511,7 +526,8 @@ class Trainer:
             "device": self.device.type,
             "comm": self.comm.stats.breakdown(),
             "consistency": {"checks": self.consistency.checks,
-                            "seconds": self.consistency.seconds},
+                            "seconds": self.consistency.seconds,
+                            "checksum_seconds": self.consistency.checksum_seconds},
         }
         self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:

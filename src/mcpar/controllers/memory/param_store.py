@@ -417,6 +417,17 @@ class ParameterStore:
         the node caches) and gradient state (int8 error feedback)."""
         return [*self.primary.values(), *self.cache.values()], list(self.residual.values())
 
+    def owned_shards(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(name, axis, shard) of each bucket's primary shard, which this rank alone holds."""
+        return [(f"{unit.name}.bucket{b.index}.shard", b.axis, self.primary[b.index])
+                for unit in self.units for b in unit.buckets]
+
+    def node_caches(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, cache) of each node-local copy: the ranks at this place of every node hold
+        the same ('dp_inter')."""
+        return [(f"{unit.name}.bucket{b.index}.cache", self.cache[b.index])
+                for unit in self.units for b in unit.buckets if b.index in self.cache]
+
     @contextlib.contextmanager
     def full_parameters(self, write_back: bool = False) -> Iterator[None]:
         """Every parameter gathered (for a checkpoint); with ``write_back``, the shards are

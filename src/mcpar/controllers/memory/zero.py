@@ -125,6 +125,19 @@ class ZeroAdamW(OffloadAdamW):
     def pieces(self) -> list[ShardPiece]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def owned_shards(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(name, axis, elements) of each bucket's shard this rank updates (stage 3: the
+        store's); the consistency check keeps a checksum of each (``consistency.py``)."""
+        if self.store is not None:
+            return self.store.owned_shards()
+        out = []
+        for bucket, flat in zip(self.buckets, self.flats, strict=True):
+            size = flat.numel() // bucket.degree
+            rank = self.comm.axis_rank(bucket.axis) if bucket.degree > 1 else 0
+            out.append((f"bucket{bucket.index}.shard", bucket.axis,
+                        flat[rank * size:(rank + 1) * size]))
+        return out
+
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         super().step()
