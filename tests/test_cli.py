@@ -178,3 +178,34 @@ def test_check_train_and_simulate_refuse_the_same_plan(capsys: pytest.CaptureFix
     layout = Layout(tp=1, pp=1, dp=8, global_batch=8, micro_batch=1, compression="powersgd",
                     topology="hierarchical")
     assert any("'powersgd'" in p for p in layout_problems(model, layout, 8, 4, "layout"))
+
+
+_IMPORTS_OF_HELP = """
+import sys, time
+start = time.perf_counter()
+from mcpar.cli import main
+for argv in (["--help"], ["train", "--help"], ["check", "--help"], ["trian"]):
+    try:
+        main(argv)
+    except SystemExit as stop:
+        assert stop.code == (2 if argv == ["trian"] else 0), (argv, stop.code)
+print(time.perf_counter() - start, "torch" in sys.modules)
+"""
+
+
+def test_help_answers_at_once_without_importing_torch() -> None:
+    """`mcpar --help`, a command's --help and a mistyped command parse without importing torch
+    (which alone takes seconds): each command's module is imported only when it runs. The
+    whole `mcpar --help` process, interpreter start included, is timed against 1 s."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_OF_HELP], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    seconds, torch_imported = proc.stdout.split()[-2:]
+    assert torch_imported == "False", "parsing imported torch"
+    assert "invalid choice: 'trian'" in proc.stderr
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mcpar.cli", "--help"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0 and "prepare" in proc.stdout and "simulate" in proc.stdout
+    assert wall < 1.0, f"mcpar --help took {wall:.2f} s"

@@ -26,7 +26,7 @@ from annotated_types import Ge, Gt, Le
 from conftest import REPO, run_cli_in_process
 from pydantic import BaseModel
 
-import mcpar.cli  # noqa: F401  (imported once here, not inside the timed calls)
+import mcpar.commands.check  # noqa: F401  (imported once here, not inside the timed calls)
 from mcpar.config import (
     FRENCH_KEYS,
     MAX_CONFIG_BYTES,

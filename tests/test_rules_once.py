@@ -11,7 +11,7 @@ import itertools
 import pytest
 from conftest import TINY
 
-from mcpar.cli import _validate_for_training
+from mcpar.commands.train import validate_for_training
 from mcpar.config import load_config
 from mcpar.errors import UserError
 from mcpar.plan import resolve_plan
@@ -58,7 +58,7 @@ def _check(settings: list[str]) -> list[str]:
 
 
 def _train(settings: list[str]) -> list[str]:
-    return _refusal(_validate_for_training, load_config(None, settings), WORLD)
+    return _refusal(validate_for_training, load_config(None, settings), WORLD)
 
 
 def _simulated_problems(settings: list[str]) -> list[str]:

@@ -212,11 +212,11 @@ def test_resume_after_a_torn_last_line_finishes(tmp_path: Path) -> None:
 
 def test_default_run_dirs_started_in_the_same_second_differ(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mcpar.cli import _new_run_dir
+    from mcpar.commands.train import new_run_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
-    first, second = _new_run_dir(None, None), _new_run_dir(None, None)
+    first, second = new_run_dir(None, None), new_run_dir(None, None)
     assert (first, second) == (Path("runs/20260101-000000"), Path("runs/20260101-000000-1"))
     assert first.is_dir() and second.is_dir()  # claimed at once, before either run locks it
 

@@ -15,7 +15,7 @@ import yaml
 from conftest import TINY, run_cli_in_process, run_mcpar
 from test_config_safety import LEAF_KEYS, TOP_NAMES, _bad_value
 
-import mcpar.cli
+import mcpar.commands.train
 from mcpar.config import load_config, to_yaml
 from mcpar.plan import resolve_plan
 
@@ -105,7 +105,7 @@ def test_bad_configs_through_train_never_start_a_worker_or_trace(
     workers would read resolves to the same plan on their world. One accepted config, drawn
     at random, then trains for real: exit 0 and no restart."""
     launched: list[Path] = []
-    monkeypatch.setattr(mcpar.cli, "launch_local",
+    monkeypatch.setattr(mcpar.commands.train, "launch_local",
                         lambda nproc, argv, **kw: launched.append(Path(argv[2])))
     rng = random.Random(20261202)
     codes = {0: 0, 2: 0}

@@ -282,8 +282,8 @@ def _quiet_worker() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize text into token shards with an index")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``prepare``'s arguments (its one-line help is in ``mcpar.cli``'s command table)."""
     p.add_argument("sources", nargs="+", metavar="SOURCES",
                    help="text files, directories, globs or .jsonl files ('text' field)")
     p.add_argument("--tokenizer", required=True,

@@ -14,13 +14,11 @@ from mcpar.errors import UserError, problem
 DEFAULT_STEPS = 5
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("profile", help="train a few steps and write <run_dir>/profile/ "
-                       "(report.html, report.md, plots, traces)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``profile``'s arguments (its one-line help is in ``mcpar.cli``'s command table)."""
     p.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps to run (default 5)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<time>)")
-    return p
 
 
 def as_train_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -74,10 +74,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: the model preset's, else the config's training.dtype")
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Add the ``simulate`` and ``plan`` parsers to mcpar's sub-command parser."""
-    sim = sub.add_parser("simulate", help="predict step time and memory of a config or of "
-                                          "published runs (cost model)")
+def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
+    """``simulate``'s arguments (the one-line helps are in ``mcpar.cli``'s command table)."""
     sim.add_argument("config", nargs="?", help="YAML config (omit with --runs)")
     sim.add_argument("--runs", help="CSV with the columns of calibration/published_runs.csv; "
                                     "each bad row is named on stderr by id and column and "
@@ -87,7 +85,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", action="store_true", help="print the prediction as JSON")
     _common(sim)
 
-    pl = sub.add_parser("plan", help="search layouts under the memory limit, fastest first")
+
+def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("config", nargs="?", help="YAML config (default: the built-in default)")
     pl.add_argument("--top", type=int, default=10,
                     help=f"how many layouts to print (1..{MAX_TOP})")
@@ -284,7 +283,9 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m mcpar.sim.cli simulate|plan ...``: the same commands outside ``mcpar``."""
     parser = argparse.ArgumentParser(prog="mcpar")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate_arguments(sub.add_parser("simulate"))
+    add_plan_arguments(sub.add_parser("plan"))
     args = parser.parse_args(argv)
     try:
         return run(args)
