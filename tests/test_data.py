@@ -296,9 +296,42 @@ def test_bpe_trains_tokenizes_and_round_trips(
     assert len(corpus.val) == int(len(tokens) * 0.1)
     assert "trained" in corpus.description and f"{len(tokens)} tokens" in corpus.description
     tok = Tokenizer.from_file(str(corpus.tokenizer_path))
+    # The file's text, then the end-of-text token (a special token: plain decoding skips it).
+    assert tok.decode(tokens.tolist(), skip_special_tokens=False) == \
+        raw.decode("utf-8") + bpe.END_OF_TEXT
     assert tok.decode(tokens.tolist()) == raw.decode("utf-8")
     sample = "class data: return self.value  # π é"
     assert tok.decode(tok.encode(sample).ids) == sample
+
+
+def test_bpe_ends_every_file_with_its_end_of_text_token(bpe_text: Path, tmp_path: Path) -> None:
+    """Each file of the corpus is followed by the tokenizer's end-of-text token (what a model
+    learns to emit where a text ends, and what an export names as eos), not joined to the next
+    file; the exported special tokens name it."""
+    from tokenizers import Tokenizer
+
+    from mcpar.config import load_config
+    from mcpar.interop.full_state import run_tokenizer
+    from mcpar.interop.hf_export import special_tokens
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    texts = {"a.txt": bpe_text.read_text(encoding="utf-8"), "b.txt": "class data:\n  return 1\n"}
+    for name, text in texts.items():
+        (tree / name).write_text(text, encoding="utf-8")
+    corpus = load_corpus(str(tree), "bpe", 300, 0.1, cache_dir=tmp_path / "c")
+    tok = Tokenizer.from_file(str(corpus.tokenizer_path))
+    eos = tok.token_to_id(bpe.END_OF_TEXT)
+    tokens = whole(corpus).tolist()
+    ends = [i for i, t in enumerate(tokens) if t == eos]
+    assert len(ends) == 2 and ends[-1] == len(tokens) - 1
+    assert [tok.decode(part) for part in (tokens[: ends[0]], tokens[ends[0] + 1 : ends[1]])] == \
+        [texts[name] for name in sorted(texts)]
+    job = load_config(None, [f"data.source={tree}", "data.tokenizer=bpe", "model.vocab_size=300",
+                             f"data.cache_dir={tmp_path / 'c'}"])
+    found = run_tokenizer(job, 300)
+    assert found is not None and found.eos_token == bpe.END_OF_TEXT
+    assert special_tokens(found)["eos"] == (bpe.END_OF_TEXT, eos)
 
 
 def test_bpe_cache_reuse_ranks_and_invalidation(

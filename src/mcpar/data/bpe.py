@@ -1,5 +1,9 @@
 """The built-in ``bpe`` tokenizer: a byte-level BPE trained on the corpus's training part,
 cached with the corpus's tokens so that only the main rank ever trains it.
+
+Its vocabulary holds one special token, ``END_OF_TEXT``, written after every file of the corpus:
+the model learns where a text ends, and an exported model's ``generate`` stops there (the
+export names it as the tokenizer's eos token and ``eos_token_id``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ if TYPE_CHECKING:
 
 _NEWLINE = 10  # chunks end just after one
 _CHUNK_BYTES = 1 << 20  # BPE work unit: bounded memory per chunk, many chunks for encode_batch
-_CACHE_FORMAT = "mcpar-bpe-v1"  # bump when the cached layout or the training recipe changes
+_CACHE_FORMAT = "mcpar-bpe-v2"  # bump when the cached layout or the training recipe changes
+END_OF_TEXT = "<|endoftext|>"  # the special token after every file (id 0: trained first)
 
 
 def _text_chunks(data: np.ndarray) -> Iterator[str]:
@@ -49,6 +54,7 @@ def _train_bpe(text: np.ndarray, vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[END_OF_TEXT],
         show_progress=False,
     )
     tok.train_from_iterator(_text_chunks(text), trainer=trainer)
@@ -79,22 +85,42 @@ def _atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def build_bpe_cache(text: np.ndarray, vocab_size: int, val_fraction: float, entry: Path) -> None:
-    """Train on the training part of the text, tokenize all of it, and save both to ``entry``."""
+def _file_spans(sizes: list[int], separator_bytes: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each file in the corpus's joined bytes (files joined by a separator)."""
+    start = 0
+    for size in sizes:
+        yield start, start + size
+        start += size + separator_bytes
+
+
+def build_bpe_cache(text: np.ndarray, sizes: list[int], vocab_size: int, val_fraction: float,
+                    entry: Path, separator_bytes: int = 1) -> None:
+    """Train on the training part of the text, tokenize all of it, and save both to ``entry``.
+
+    ``text`` is the corpus's files joined by ``separator_bytes`` bytes, of ``sizes`` each: every
+    file is tokenized on its own and followed by ``END_OF_TEXT`` (in place of the separator)."""
     entry.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache fails before training
     # The validation split is taken from the end of the token array, so training on the leading
     # (1 - val_fraction) of the bytes keeps the tokenizer from having seen the validation text
     # (up to the small difference between the byte and token split points).
     tok = _train_bpe(text[: len(text) - int(len(text) * val_fraction)], vocab_size)
     dtype = np.uint16 if vocab_size <= 65535 else np.uint32
+    eos = np.asarray([tok.token_to_id(END_OF_TEXT)], dtype=dtype)
     pieces: list[np.ndarray] = []
-    batch: list[str] = []
-    for chunk in _text_chunks(text):
-        batch.append(chunk)
-        if len(batch) == 64:  # bounds the Python-side Encoding objects alive at once
-            pieces.extend(np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch(batch))
+    batch: list[str | None] = []  # None: the end of a file
+
+    def encode(batch: list[str | None]) -> None:
+        texts = [c for c in batch if c is not None]
+        ids = iter(tok.encode_batch(texts))
+        pieces.extend(eos if c is None else np.asarray(next(ids).ids, dtype=dtype) for c in batch)
+
+    for start, end in _file_spans(sizes, separator_bytes):
+        batch.extend(_text_chunks(text[start:end]))
+        batch.append(None)
+        if len(batch) >= 64:  # bounds the Python-side Encoding objects alive at once
+            encode(batch)
             batch = []
-    pieces.extend(np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch(batch))
+    encode(batch)
     tokens = np.concatenate(pieces)
 
     def save_tokens(tmp: Path) -> None:

@@ -151,7 +151,7 @@ def load_corpus(
     if is_main and not complete:
         text = _read_concatenated(files, sizes)
         try:
-            build_bpe_cache(text, vocab_size, val_fraction, entry)
+            build_bpe_cache(text, sizes, vocab_size, val_fraction, entry)
         except OSError as exc:
             msg = (f"cannot write the tokenizer cache {entry}: {exc.strerror}; point "
                    "data.cache_dir at a writable directory with free space")

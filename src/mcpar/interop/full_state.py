@@ -157,7 +157,7 @@ def _global_name(local: str, maps: dict[str, torch.Tensor], named: list[tuple[st
 class RunTokenizer:
     path: Path  # its tokenizer.json
     # The token that ends every document of the run's data (what the model learned to emit at
-    # the end of a text); None when the data has none (mcpar's BPE joins the text unseparated).
+    # the end of a text); None when the data has none (the bytes tokenizer has no such token).
     eos_token: str | None
 
 
@@ -187,7 +187,9 @@ def run_tokenizer(job: JobConfig, vocab_size: int) -> RunTokenizer | None:
                          token_dtype=data.token_dtype, cache_dir=data.cache_dir)
     if corpus.tokenizer_path is None:
         return None
-    return RunTokenizer(corpus.tokenizer_path, None)
+    from mcpar.data.bpe import END_OF_TEXT  # written after every file of the corpus
+
+    return RunTokenizer(corpus.tokenizer_path, END_OF_TEXT)
 
 
 def run_tokenizer_path(job: JobConfig, vocab_size: int) -> Path | None:
