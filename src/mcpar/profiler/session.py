@@ -17,6 +17,7 @@ At the end of the run every rank's record is gathered to rank 0, which writes
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,7 +67,7 @@ class RunProfiler:
         self.flops_per_token = float(trainer.spec.flops_per_token(cfg.model))
         self.peak: Peak | None = None
         self.steps: list[dict[str, Any]] = []
-        self.mfu_sum, self.mfu_steps = 0.0, 0
+        self.mfu_per_step: list[float] = []
         self._t0 = 0.0
         self._trace: WindowTrace | None = None
         self.memory_over_step: list[tuple[float, float]] = []  # from the trace, when on
@@ -90,8 +91,7 @@ class RunProfiler:
         step's timeline."""
         assert self.peak is not None
         record["mfu"] = mfu(self.flops_per_token, record["tokens_per_s"], self.peak)
-        self.mfu_sum += record["mfu"]
-        self.mfu_steps += 1
+        self.mfu_per_step.append(record["mfu"])
         if step + 1 not in self.window:
             return
         self.steps.append(self._step_record(record))
@@ -102,10 +102,14 @@ class RunProfiler:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Adds the run's MFU to ``summary``; writes the report if a window was profiled."""
-        assert self.peak is not None or self.mfu_steps == 0
+        assert self.peak is not None or not self.mfu_per_step
         if self.peak is not None:
+            per_step = self.mfu_per_step or [0.0]
             summary["mfu"] = {
-                "mean": self.mfu_sum / max(1, self.mfu_steps),
+                "mean": statistics.fmean(per_step),
+                # The steady figure: a first step's warm-up or a step slowed by another process
+                # moves the mean, not the median.
+                "median": statistics.median(per_step),
                 "flops_per_token": self.flops_per_token, "peak": self.peak.to_json(),
                 "formula": "flops_per_token x tokens_per_s / (peak per device x devices)",
             }
