@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.registry import Registry
+
+if TYPE_CHECKING:  # the config validates recompute names through this registry without torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
