@@ -298,12 +298,13 @@ def test_a_user_error_found_by_a_worker_exits_2_without_a_restart(
 def test_the_cli_reports_a_workers_user_error_with_exit_2(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from mcpar import cli
+    from mcpar.commands import train
 
     def failing(args: object) -> int:
         raise LaunchFailed(WorkerFailure(1, 2, None, "cluster.ranks_per_node: uneven",
                                          ["cluster.ranks_per_node: uneven; use a divisor"]))
 
-    monkeypatch.setattr(cli, "cmd_train", failing)
+    monkeypatch.setattr(train, "cmd_train", failing)
     assert cli.main(["train"]) == 2
     err = capsys.readouterr().err
     assert err == "mcpar: error: cluster.ranks_per_node: uneven; use a divisor\n"

@@ -124,8 +124,7 @@ class Trainer:
                                 wandb=self.cfg.training.wandb)
         self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
         self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
-        owned = getattr(self.optimizer, "owned_shards", None)  # ZeRO: what this rank updates
-        self.shards = owned() if owned is not None else []
+        self.shards = self.memory.owned_shards(self.optimizer)  # ZeRO: what this rank updates
         self.consistency = ReplicaConsistency(
             self.memory.replicated(self.pm.chunks), self.comm, self.shards,
             self.store.node_caches() if self.store is not None else None)

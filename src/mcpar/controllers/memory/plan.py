@@ -28,6 +28,7 @@ from mcpar.controllers.memory.offload import OffloadPlan, OffloadSpec, checkpoin
 from mcpar.controllers.memory.optimizer import build_optimizer
 from mcpar.controllers.memory.param_store import ParameterStore, StorePlan
 from mcpar.controllers.memory.placement import Placement, with_settings
+from mcpar.controllers.memory.zero import ZeroAdamW
 from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
@@ -119,6 +120,15 @@ class MemoryRuntime:
         if self.store is not None:
             return self.store.full_parameters
         return checkpoint_parameters(self.offload)
+
+    def owned_shards(self, optimizer: torch.optim.Optimizer,
+                     ) -> list[tuple[str, str, torch.Tensor]]:
+        """(name, axis, elements) of the state this rank alone updates (ZeRO's shards, whose
+        checksums the consistency check keeps); none without ZeRO."""
+        if self.plan.zero_stage == 0:
+            return []
+        assert isinstance(optimizer, ZeroAdamW)  # build_optimizer's, under ZeRO
+        return optimizer.owned_shards()
 
     def replicated(self, chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         """The tensors every data replica holds alike (none under ZeRO-3)."""
