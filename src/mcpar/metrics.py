@@ -5,6 +5,16 @@ every step it finished. Two optional sinks receive every numeric field of each l
 flattened with '/' (``comm_bytes_by_axis/dp``, ``moe/...``): TensorBoard scalars
 (``training.tensorboard``) and Weights & Biases (``training.wandb``; offline mode writes
 ``<run_dir>/wandb`` and needs no network).
+
+TensorBoard groups its scalars into sections by the part of the tag before the first '/', so
+each metric gets a grouped tag there (``tensorboard_tag``, from the one table ``TB_TAGS``):
+``train/`` the optimization (loss, lr, grad_norm, tokens, skipped), ``val/`` the validation
+loss, ``perf/`` time and throughput (step_time_s, tokens_per_s, mfu, compile_s,
+consistency_check_s), ``memory/`` the peak memory, ``comm/`` the collectives' bytes and time
+(per mesh axis under ``comm/bytes_by_axis/``); a nested record keeps its own key as its
+section (``moe/...``), and a key the table does not know goes under ``misc/``. metrics.jsonl
+and W&B keep the records' own keys. At start the resolved configuration is written once as
+text (tag ``config``, the YAML of config.yaml) and as the HParams plugin's hyperparameters.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mcpar.config import WandbConfig
+from mcpar.config import JobConfig, WandbConfig, to_yaml
 from mcpar.errors import UserError, problem
 
 REQUIRED_FIELDS = (
@@ -49,6 +59,48 @@ def flatten_scalars(record: dict[str, Any] | list[Any] | tuple[Any, ...],
     return out
 
 
+# A top-level metrics key -> its TensorBoard tag; nested fields append their own path
+# (``comm_bytes_by_axis`` -> ``comm/bytes_by_axis/dp``). A new metric gets its line here.
+TB_TAGS: dict[str, str] = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "tokens": "train/tokens", "skipped": "train/skipped",
+    "val_loss": "val/loss",
+    "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "compile_s": "perf/compile_s", "consistency_check_s": "perf/consistency_check_s",
+    "peak_mem_bytes": "memory/peak_mem_bytes",
+    "comm_bytes": "comm/bytes", "comm_time_s": "comm/time_s",
+    "exposed_comm_s": "comm/exposed_s", "comm_bytes_by_axis": "comm/bytes_by_axis",
+}
+# The run's headline figures, which the HParams plugin shows beside the hyperparameters.
+_HPARAM_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s", "perf/mfu")
+
+
+def tensorboard_tag(name: str) -> str:
+    """The grouped TensorBoard tag of a flattened metrics name (``flatten_scalars``' keys)."""
+    top, sep, rest = name.partition("/")
+    if top in TB_TAGS:
+        return TB_TAGS[top] + sep + rest
+    return name if sep else f"misc/{name}"
+
+
+def config_hparams(cfg: JobConfig) -> dict[str, float | str]:
+    """The configuration's leaves as hyperparameters (``model.hidden_size``: 256): numbers,
+    booleans (as 0/1) and strings; unset values and lists are left out."""
+    out: dict[str, float | str] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif isinstance(value, (bool, int, float)):
+                out[f"{prefix}{key}"] = float(value)
+            elif isinstance(value, str):
+                out[f"{prefix}{key}"] = value
+
+    walk(cfg.model_dump(mode="json"), "")
+    return out
+
+
 def _open_wandb(run_dir: Path, cfg: WandbConfig) -> Any:
     try:
         import wandb
@@ -67,11 +119,13 @@ class RunLogger:
     """Writes metrics.jsonl (and TensorBoard / W&B scalars) for rank 0; a no-op elsewhere."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
-                 wandb: WandbConfig | None = None):
+                 wandb: WandbConfig | None = None, config: JobConfig | None = None):
+        """``config``: the resolved configuration, which TensorBoard records once at start."""
         self.run_dir = run_dir
         self.enabled = enabled
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
-        self._tb = None
+        self._tb: Any = None
+        self._hparams_end: Any = None  # the HParams session's end, written at close
         self._wandb = None
         if enabled and tensorboard:
             try:
@@ -83,8 +137,21 @@ class RunLogger:
                     "or set training.tensorboard=false",
                 )) from None
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            if config is not None:
+                self._log_config(config)
         if enabled and wandb is not None and wandb.enabled:
             self._wandb = _open_wandb(run_dir, wandb)
+
+    def _log_config(self, cfg: JobConfig) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        # TensorBoard's text plugin renders Markdown: the YAML as a fenced code block.
+        self._tb.add_text("config", f"```yaml\n{to_yaml(cfg)}```", 0)
+        experiment, start, self._hparams_end = hparams(
+            config_hparams(cfg), dict.fromkeys(_HPARAM_METRICS, 0.0))
+        writer = self._tb._get_file_writer()
+        writer.add_summary(experiment)
+        writer.add_summary(start)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -97,7 +164,7 @@ class RunLogger:
         scalars = flatten_scalars(record)
         if self._tb is not None:
             for key, value in scalars.items():
-                self._tb.add_scalar(key, value, record["step"])
+                self._tb.add_scalar(tensorboard_tag(key), value, record["step"])
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
 
@@ -105,6 +172,8 @@ class RunLogger:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
+            if self._hparams_end is not None:
+                self._tb._get_file_writer().add_summary(self._hparams_end)
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()

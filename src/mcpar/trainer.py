@@ -121,7 +121,7 @@ class Trainer:
         self._build_recovery(env, resume)  # 9
         self.logger = RunLogger(run_dir, enabled=self.rank == 0,
                                 tensorboard=self.cfg.training.tensorboard,
-                                wandb=self.cfg.training.wandb)
+                                wandb=self.cfg.training.wandb, config=self.cfg)
         self.profiler = RunProfiler(self)  # MFU per step; training.profile's window
         self.last_consistent_step = self.start_step  # a checkpoint resumed from was checked
         self.shards = self.memory.owned_shards(self.optimizer)  # ZeRO: what this rank updates

@@ -12,7 +12,6 @@ import pickle
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +149,7 @@ def _verify(path: Path) -> None:
         # tensor, each slot inside a pack of its dtype: damage that renames a key or moves a
         # slot is caught here, not as a KeyError half-way through a resume.
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # DCP's "no process group" note
-                PackedCheckpoint(path, SafeFileSystemReader)
+            PackedCheckpoint(path, SafeFileSystemReader)  # DCP's one-process note: hidden there
         except (InvalidCheckpointError, pickle.UnpicklingError):
             raise
         except Exception as exc:

@@ -97,7 +97,7 @@ from mcpar.checkpoint.files import (  # noqa: F401  (re-exported: the files' API
     verify_checkpoint,
     zstd_available,
 )
-from mcpar.checkpoint.packing import PackedCheckpoint
+from mcpar.checkpoint.packing import PackedCheckpoint, dcp_in_one_process
 from mcpar.checkpoint.reshard import restore_resharded
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
@@ -405,8 +405,9 @@ class FaultRecoveryManager:
         # One process: no collectives at all (the default group may be busy on the training
         # thread, and there is nobody to coordinate with).
         alone = not self.distributed or dist.get_world_size() == 1
-        dcp.save(state, storage_writer=self._writer(tmp), process_group=coord.group,
-                 no_dist=alone)
+        with dcp_in_one_process() if alone else contextlib.nullcontext():
+            dcp.save(state, storage_writer=self._writer(tmp), process_group=coord.group,
+                     no_dist=alone)
         # Each rank checksums the shard files it wrote (DCP names them ``__<rank>_<i>``), which
         # spreads the hashing over the ranks. The gather is also what tells rank 0 that every
         # rank's files are written and fsynced: a rank joins it only after its own write.

@@ -20,8 +20,11 @@ rank, as the logical keys were.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterable
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,29 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 MARK = "__packed__"
 INDEX = "index"
 _ITEM_FIELDS = {"key", "pack", "dtype", "shape", "offset"}
+# DCP's UserWarning at each save or load without a process group (torch 2.x's words, the save's
+# and both loads'). mcpar means exactly that there: one worker saving, or a rank reading its
+# checkpoint files alone, so it would only repeat at every checkpoint.
+_DCP_ONE_PROCESS = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                    r"assuming the intent is to (save|load) in a single process")
+
+
+@contextlib.contextmanager
+def dcp_in_one_process() -> Iterator[None]:
+    """Around a DCP save or load that mcpar makes in one process: hides DCP's note that it
+    assumes one process, and no other warning.
+
+    On the main thread the filter lasts for the call only (``warnings.catch_warnings``). That
+    swaps the process-wide filter list, so on another thread (an asynchronous save, while the
+    training thread runs) it could drop a filter the training thread adds meanwhile; there the
+    same narrow filter is installed once for the process instead."""
+    if threading.current_thread() is not threading.main_thread():
+        warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS, category=UserWarning)
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS, category=UserWarning)
+        yield
 
 
 def group_of(key: str) -> str:
@@ -185,7 +211,8 @@ class PackedCheckpoint:
 
     def _load(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if state:
-            dcp.load(state, storage_reader=self._reader_factory(self.path), no_dist=True)
+            with dcp_in_one_process():  # each rank reads the files it needs by itself
+                dcp.load(state, storage_reader=self._reader_factory(self.path), no_dist=True)
         return state
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
