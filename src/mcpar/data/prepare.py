@@ -11,6 +11,12 @@ document. One unit makes one shard, so the output depends on the inputs, the tok
 same bytes. Units are tokenized by a pool of worker processes; each shard is written atomically
 and marked done by its ``.json`` record, so a rerun skips shards whose record matches their unit
 and whose checksums still hold, and redoes the rest (missing, interrupted or truncated ones).
+
+A rerun writes a new manifest (the old one is removed first, so whatever shards it named do not
+matter) and deletes ``shard-NNNNN`` files beyond the new plan; a file in ``--out`` named like a
+shard but not of that form (``shard-abc.bin``) is refused, as is any file prepare did not write.
+A JSON-lines text holding a lone surrogate (``"\\ud800"``) has it read as U+FFFD, as invalid
+UTF-8 bytes of a text file are.
 """
 
 from __future__ import annotations
