@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ def _train_arguments(train: argparse.ArgumentParser) -> None:
     _common(train)
     train.add_argument("--steps", type=int, default=None, help="override training.steps")
     train.add_argument("--run-dir", default=None, help="run directory (default runs/<time>)")
+    _oversubscribe(train)
     train.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir from its newest valid checkpoint "
                        "(from step 0 if it has none)")
@@ -41,11 +43,18 @@ def _train_arguments(train: argparse.ArgumentParser) -> None:
                        help="stop after STEP, saving a checkpoint, without changing the schedule")
 
 
+def _oversubscribe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start --nproc workers even beyond 4 per CPU core or the free memory "
+                   "(refused otherwise)")
+
+
 def _profile_arguments(p: argparse.ArgumentParser) -> None:
     from mcpar.profiler.command import add_arguments
 
     add_arguments(p)
     _common(p)
+    _oversubscribe(p)
 
 
 def _check_arguments(check: argparse.ArgumentParser) -> None:
@@ -75,6 +84,44 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--step", type=int, default=None, help="default: the newest valid")
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+
+MAX_NEW_TOKENS = 1 << 20  # generate re-runs the whole forward per token: more is never meant
+_SEED_LIMIT = 1 << 64  # torch's generator seeds
+
+
+def _bad(key: str, message: str) -> UserError:
+    from mcpar.errors import problem
+
+    return UserError(problem(key, message))
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every number bounded and finite, every text encodable, before any work starts: a bad
+    value is a user error naming its argument (exit 2), never a traceback or a silent wait."""
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None and nproc < 1:
+        raise _bad("--nproc", f"must be at least 1, got {nproc}")
+    if args.command == "export":
+        mb = args.max_shard_mb
+        if not (math.isfinite(mb) and mb * (1 << 20) >= 1):
+            raise _bad("--max-shard-mb", f"{mb}: give a finite size above 0 (MB), e.g. 2048")
+    if args.command != "generate":
+        return
+    t = args.temperature
+    if not (math.isfinite(t) and t >= 0):
+        raise _bad("--temperature", f"{t}: give a finite value, 0 (greedy) or more")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise _bad("--max-new-tokens", f"{args.max_new_tokens}: give 1 to {MAX_NEW_TOKENS}")
+    if args.top_k < 0:
+        raise _bad("--top-k", f"{args.top_k}: give 1 or more (0: the whole vocabulary)")
+    if not 0 <= args.seed < _SEED_LIMIT:
+        raise _bad("--seed", f"{args.seed}: give 0 to {_SEED_LIMIT - 1}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("--prompt", "is not valid UTF-8 text; give the prompt in a UTF-8 "
+                   "locale or fix its bytes") from None
 
 
 def _lazy(module: str, function: str) -> ArgumentAdder:
@@ -150,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((w for w in words if not w.startswith("-")), None)
     args = _parser(command if command in COMMANDS else None).parse_args(words)
     try:
+        check_arguments(args)
         return _run(args)
     except UserError as err:
         for line in err.problems:

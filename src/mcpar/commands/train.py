@@ -156,6 +156,42 @@ def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) 
         ))
 
 
+OVERSUBSCRIBE_FACTOR = 4  # CPU workers per core an explicit --nproc may start
+WORKER_BASE_BYTES = 400 << 20  # a worker's interpreter, torch and gloo before any tensor
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_worker_count(plan: JobPlan, workers: int) -> None:
+    """Refuse an explicit --nproc this machine cannot hold: more CPU workers than
+    OVERSUBSCRIBE_FACTOR per core, or workers whose estimated memory exceeds what is free."""
+    if workers <= 1:
+        return
+    cores = os.cpu_count() or 1
+    force = "; pass --oversubscribe to start them anyway"
+    if select_device(plan.config.training.device).type == "cpu" and \
+            workers > OVERSUBSCRIBE_FACTOR * cores:
+        raise UserError(problem(
+            "--nproc", f"{workers} workers on {cores} CPU cores (more than "
+            f"{OVERSUBSCRIBE_FACTOR} per core) would crawl; give at most "
+            f"{OVERSUBSCRIBE_FACTOR * cores}" + force))
+    free = _available_memory()
+    per_worker = plan.memory.estimate.total_bytes + WORKER_BASE_BYTES
+    if free is not None and workers * per_worker > free:
+        raise UserError(problem(
+            "--nproc", f"{workers} workers need about {workers * per_worker / 2**30:.1f} GiB "
+            f"({per_worker / 2**30:.2f} GiB each, estimated) but {free / 2**30:.1f} GiB is "
+            f"free; give at most {max(1, free // per_worker)}" + force))
+
+
 def validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
     select_device(cfg.training.device)
     plan = resolve_plan(cfg, world_size)
@@ -174,6 +210,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_args(args)
     env = detect_env()
+    if env is not None and env.launcher != "mcpar" and args.nproc is not None:
+        raise UserError(problem(
+            "--nproc", f"this process is one worker of a {env.launcher} job (RANK/WORLD_SIZE "
+            "set), whose launcher decides the workers; drop --nproc, or unset the launcher's "
+            "variables to start workers here"))
     if env is not None:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
         plan = validate_for_training(cfg, env.world_size)
@@ -190,6 +231,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
     plan = validate_for_training(cfg, world_size)
+    if args.nproc is not None and not getattr(args, "oversubscribe", False):
+        _check_worker_count(plan, world_size)
     _check_paths(plan, Path(args.run_dir) if args.run_dir else Path("runs"))
     _check_data(plan)
     run_dir = new_run_dir(args.run_dir, None)

@@ -146,9 +146,9 @@ def load_corpus(
         return _split(text, vocab_size, summary, val_fraction)
 
     entry = root / f"bpe-{bpe_cache_key(files, stats, vocab_size, val_fraction)}"
-    complete = (entry / "tokenizer.json").is_file() and (entry / "tokens.npy").is_file()
+    complete = (entry / "tokenizer.json").is_file() and _cached_tokens(entry) is not None
     cached = "cached"
-    if is_main and not complete:
+    if is_main and not complete:  # missing, or damaged (e.g. tokens.npy cut short): rebuilt
         text = _read_concatenated(files, sizes)
         try:
             build_bpe_cache(text, sizes, vocab_size, val_fraction, entry)
@@ -164,9 +164,22 @@ def load_corpus(
             "every rank shares and keep the corpus files identical (size, mtime) on every node"
         )
         raise UserError(problem("data.cache_dir", msg))
-    tokens = np.load(entry / "tokens.npy", mmap_mode="r")
+    tokens = _cached_tokens(entry)
+    if tokens is None:
+        msg = (f"'{entry / 'tokens.npy'}' is damaged (cut short?); delete '{entry}' and rerun "
+               "to rebuild it")
+        raise UserError(problem("data.cache_dir", msg))
     summary += f" (vocab {vocab_size}, {len(tokens)} tokens, {cached})"
     return _split(tokens, vocab_size, summary, val_fraction, entry / "tokenizer.json")
+
+
+def _cached_tokens(entry: Path) -> np.ndarray | None:
+    """The BPE cache's tokens, or None when missing or not a whole .npy (a copy cut short)."""
+    try:
+        tokens = np.load(entry / "tokens.npy", mmap_mode="r")
+    except (OSError, ValueError, EOFError):
+        return None
+    return tokens if tokens.ndim == 1 and tokens.dtype.kind == "u" else None
 
 
 def _split(

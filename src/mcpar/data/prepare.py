@@ -11,6 +11,12 @@ document. One unit makes one shard, so the output depends on the inputs, the tok
 same bytes. Units are tokenized by a pool of worker processes; each shard is written atomically
 and marked done by its ``.json`` record, so a rerun skips shards whose record matches their unit
 and whose checksums still hold, and redoes the rest (missing, interrupted or truncated ones).
+
+A rerun writes a new manifest (the old one is removed first, so whatever shards it named do not
+matter) and deletes ``shard-NNNNN`` files beyond the new plan; a file in ``--out`` named like a
+shard but not of that form (``shard-abc.bin``) is refused, as is any file prepare did not write.
+A JSON-lines text holding a lone surrogate (``"\\ud800"``) has it read as U+FFFD, as invalid
+UTF-8 bytes of a text file are.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,8 @@ _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PIECE_CHARS = 1 << 20  # text is encoded in ~1 MB pieces: bounded Python-side objects
 _SAMPLE_BYTES = 1 << 20
 _PIECES_PER_BATCH = 4  # pieces encoded together: ~4 MB of text in flight
+_SHARD_FILE = re.compile(r"shard-(\d{5})(\..+)?")  # shard_name(i) and its files
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # A segment of a unit: (path, file size, mtime_ns, start, end, is_jsonl, ends_document).
 Segment = tuple[str, int, int, int, int, bool, bool]
 
@@ -148,6 +157,10 @@ def _documents(seg: Segment) -> Iterator[tuple[list[str], bool]]:
             if not isinstance(text, str):
                 msg = f"'{path}': the JSON line at byte {offset} has no \"text\" string"
                 raise UserError(problem("SOURCES", msg))
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\\ud800"): no text, as bad bytes
+                text = _SURROGATE.sub("\ufffd", text)
             yield [text], True
         offset += len(line) + 1
 
@@ -197,6 +210,10 @@ def _check_out_dir(out: Path) -> None:
     ours = (MANIFEST, TOKENIZER_COPY)
     for entry in out.iterdir() if out.is_dir() else []:
         name = entry.name
+        if name.startswith("shard-") and not _SHARD_FILE.fullmatch(name):
+            msg = (f"'{out}' holds '{name}', named like a shard but not one mcpar prepare "
+                   "writes; remove it, or give an empty or new directory")
+            raise UserError(problem("--out", msg))
         if not (name in ours or name.startswith(("shard-", ".shard-", ".manifest", ".tokenizer"))):
             msg = (f"'{out}' holds '{name}', which mcpar prepare did not write; give an empty "
                    "or new directory (or an earlier output of mcpar prepare to resume)")
@@ -236,7 +253,8 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, workers: int = 
     unit_bytes = max(1 << 12, int(shard_tokens * _bytes_per_token(files, tok_file)))
     units = plan_units(files, unit_bytes)
     for stale in out.glob("shard-*"):  # left by an earlier plan with more shards
-        if int(stale.name[6:11]) >= len(units):
+        match = _SHARD_FILE.fullmatch(stale.name)
+        if match and int(match.group(1)) >= len(units):
             stale.unlink()
     records: list[dict[str, Any] | None] = []
     jobs: list[Job] = []

@@ -8,6 +8,7 @@ part of a steady step; ``--set training.profile.start_step=...`` overrides that.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from mcpar.errors import UserError, problem
 
@@ -26,6 +27,10 @@ def as_train_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.steps < 1:
         raise UserError(problem("--steps", f"{args.steps} steps: give at least 1 (the first is "
                                 "warm-up; 2 or more profile a steady step)"))
+    report = Path(args.run_dir) / "profile" if args.run_dir else None
+    if report is not None and report.exists() and not report.is_dir():
+        raise UserError(problem("--run-dir", f"{report} is a file, where the profile report "
+                                "goes; move it away or give another --run-dir"))
     steps = args.steps
     start = 2 if steps > 1 else 1
     overrides = ["training.profile.enabled=true", f"training.profile.start_step={start}",
