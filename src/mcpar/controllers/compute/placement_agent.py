@@ -78,6 +78,7 @@ ESTIMATORS = ("fast", "slow")
 HORIZONS = (10, 30, 100, 300)
 # Horizon 0 is "never move" (static): when no move pays for itself, following it is right.
 RULES = ((0, "fast"), *((h, e) for e in ESTIMATORS for h in HORIZONS))
+STAY = RULES.index((0, "fast"))
 INITIAL_RULE = RULES.index((100, "fast"))
 EMA_WEIGHTS = {"fast": 0.2, "slow": 0.02}
 SCORE_MEMORY = 0.998
@@ -103,7 +104,7 @@ class PlacementAgent:
         self.shadows = np.tile(np.arange(num_experts), (len(RULES), num_layers, 1))
         self.scores = np.zeros(len(RULES))
         self._pending_moves = np.zeros(len(RULES), np.int64)  # decided last step, unpriced
-        self.leader = INITIAL_RULE
+        self.leader = STAY if learning == "on" else INITIAL_RULE
 
     # -- every step ------------------------------------------------------------------------------
 
@@ -157,6 +158,12 @@ class PlacementAgent:
         moved (both measured, or modeled where nothing is measured)."""
         if self.learning == "on":
             for rule in range(len(RULES)):
+                if rule == STAY:
+                    # Never moving from here: the placement the experts are in now, not the one
+                    # they started in, is what staying keeps (and its wait is what staying costs).
+                    self.shadows[rule] = placement
+                    self._pending_moves[rule] = 0
+                    continue
                 self.shadows[rule], swaps = self._apply_rule(rule, self.shadows[rule], rate_s,
                                                              migration_s)
                 self._pending_moves[rule] = 2 * len(swaps)
