@@ -34,24 +34,27 @@ Section 1, traces (default)
     greedy in every case; both ablations >= 1.03 x the learned policy in winning cases of at
     least two different traces (the JSON lists every case's ratios, shortfalls included).
 
-Results (this 2-core machine, shared; ``--seeds 0 1 2``, means over the seeds; costs in s/step)
-    trace@link         static  greedy  learned  frozen  random  learned/greedy
-    zipf_shift@loop    2.217   0.366   0.363    0.366   0.557   0.992
-    zipf_shift@100mbit 7.914   2.711   2.761    2.711   3.794   1.018 (seeds: 1.072 1.010 0.972)
-    bursts@loop        1.420   0.557   0.501    0.557   0.544   0.898
-    bursts@100mbit     5.071   5.707   1.866    5.707   4.061   0.327
-    drift@loop         1.622   0.451   0.441    0.451   0.601   0.977
-    drift@100mbit      5.790   5.397   3.409    5.397   5.243   0.632
-    recorded@loop      0.171   0.163   0.163    0.163   0.166   1.000
-    recorded@100mbit   0.612   0.914   0.789    0.914   0.905   0.863
-    Every target met. Where migrations are dear (8.6 s per expert at 100 Mbit/s against a 32 s
-    balanced expert phase) greedy's fixed horizon makes it chase bursts and drift at a loss:
-    static beats it on bursts, drift and the recorded routing; the learned policy beats both on
-    bursts and drift, but not static on the recorded routing (0.789 against 0.612: 300 steps
-    are too few for its scores to rank "never move" first before it has paid for early moves).
-    Where greedy's assumption holds (zipf_shift: skews last 150 steps on average, about its
-    horizon) the agent matches it, within 1.8% on the mean. The frozen ablation decides exactly
-    as greedy here (greedy is configured at the measured migration price).
+Results (this 2-core machine, shared; ``--seeds 0 1 2``, means over the seeds; costs in s/step;
+best = min(static, greedy))
+    trace@link         static  greedy  learned  frozen  random  learned/greedy  learned/best
+    zipf_shift@loop    2.217   0.366   0.366    0.366   0.557   1.000           1.000
+    zipf_shift@100mbit 7.914   2.711   3.214    2.711   3.794   1.186           1.186 (misses)
+    bursts@loop        1.420   0.557   0.475    0.557   0.543   0.852           0.852
+    bursts@100mbit     5.070   5.707   2.072    5.707   4.061   0.363           0.409
+    drift@loop         1.622   0.451   0.444    0.451   0.600   0.983           0.983
+    drift@100mbit      5.790   5.397   3.658    5.397   5.243   0.678           0.678
+    recorded@loop      0.171   0.163   0.162    0.163   0.166   0.998           0.998
+    recorded@100mbit   0.612   0.914   0.612    0.914   0.905   0.670           1.000
+    learned <= 1.02 x best in 7 of 8 cases; zipf_shift@100mbit misses (seeds 1.148 1.203
+    1.208), and so does the older target learned <= 1.02 x greedy there; the others are met.
+    Before staying was scored from the current placement, the agent reached 0.789 on
+    recorded@100mbit (1.289 x static): its stay rule priced the STARTING placement while staying
+    kept the placement greedy's first move (2 experts, step 9) had left, which replaying the
+    trace shows waits longer than static's at most later decisions; it now starts by staying
+    and never moves there. The cost is zipf_shift@100mbit (1.018 x greedy before): once a
+    move has balanced the experts, staying there is cheap until the ranking is redrawn, and the
+    500-step score memory keeps it the leader for a while after. A shorter memory (0.99) was
+    checked on 1000 steps of seed 0 and does worse (1.24 x greedy).
 
 Section 2, real model (``--real``: after the traces; ``--real-only``: instead): see
     ``bench/moe_balance_real.py``: ``mcpar train`` on the real MoE model with 4 expert ranks,
