@@ -53,10 +53,9 @@ best = min(static, greedy))
     kept the placement greedy's first move (2 experts, step 9) had left, which replaying the
     trace shows waiting longer than static's (0.761 against 0.623 s at step 49, 0.605 against
     0.456 at step 59); it now starts by staying and never moves there. The cost is
-    zipf_shift@100mbit (1.018 x greedy before): once a
-    move has balanced the experts, staying there is cheap until the ranking is redrawn, and the
-    500-step score memory keeps it the leader for a while after. A shorter memory (0.99) was
-    checked on 1000 steps of seed 0 and does worse (1.24 x greedy).
+    zipf_shift@100mbit (1.018 x greedy before); why has not been checked by replaying it yet.
+    A shorter score memory (0.99) and a 1% switch margin were tried on 1000 steps of seed 0
+    and did worse (1.24 and 1.19 x greedy, against 1.17).
 
 Section 2, real model (``--real``: after the traces; ``--real-only``: instead): see
     ``bench/moe_balance_real.py``: ``mcpar train`` on the real MoE model with 4 expert ranks,
