@@ -53,9 +53,13 @@ best = min(static, greedy))
     kept the placement greedy's first move (2 experts, step 9) had left, which replaying the
     trace shows waiting longer than static's (0.761 against 0.623 s at step 49, 0.605 against
     0.456 at step 59); it now starts by staying and never moves there. The cost is
-    zipf_shift@100mbit (1.018 x greedy before); why has not been checked by replaying it yet.
-    A shorter score memory (0.99) and a 1% switch margin were tried on 1000 steps of seed 0
-    and did worse (1.24 and 1.19 x greedy, against 1.17).
+    zipf_shift@100mbit (1.018 x greedy before); its cause is not found yet. A shorter score
+    memory (0.99) and a 1% switch margin were tried on 1000 steps of seed 0 and did worse
+    (1.24 and 1.19 x greedy, against 1.17). Re-syncing EVERY rule's shadow to the current
+    placement at each decision was tried on the full 3000 steps, seeds 0 1 2, and does much
+    worse (1.41, 1.81, 1.54 x greedy): a moving rule's shadow then pays its migrations and is
+    reset 10 steps later, before the move has earned, so the scores favour staying. That the
+    moving rules' shadows drift from the real placement is therefore not shown to be the cause.
 
 Section 2, real model (``--real``: after the traces; ``--real-only``: instead): see
     ``bench/moe_balance_real.py``: ``mcpar train`` on the real MoE model with 4 expert ranks,
