@@ -60,6 +60,12 @@ best = min(static, greedy))
     worse (1.41, 1.81, 1.54 x greedy): a moving rule's shadow then pays its migrations and is
     reset 10 steps later, before the move has earned, so the scores favour staying. That the
     moving rules' shadows drift from the real placement is therefore not shown to be the cause.
+    A 0% switch margin does not fix it either (1.12, 1.18, 1.21 x greedy; recorded@100mbit
+    stays at static's 0.612). Replaying seed 0 (3000 steps) shows what happens instead: the
+    lead passes back to staying after the agent's moves (decisions 72, 80, 181, 212, 297, of
+    300), and staying leads 83 of the 300 decisions; staying's shadow is re-synced to the
+    placement those moves bought, so it is charged the balanced waits without their
+    migrations. Whether removing that advantage closes the gap has not been tested yet.
 
 Section 2, real model (``--real``: after the traces; ``--real-only``: instead): see
     ``bench/moe_balance_real.py``: ``mcpar train`` on the real MoE model with 4 expert ranks,
