@@ -285,3 +285,17 @@ def test_never_move_is_scored_from_the_current_placement():
     placement, swaps, record = agent.decide(placement, 1.0, 1.0)
     assert record["action"]["rule"] != "H0_fast" and swaps
     assert excess_load(np.take_along_axis(counts, placement, axis=1), 2)[0] == 0
+
+
+def test_staying_is_not_credited_with_a_moving_leaders_placement():
+    """While a moving rule leads, the current placement was bought by its migrations: staying's
+    shadow keeps the placement it last held instead of taking that one for free."""
+    from mcpar.controllers.compute.placement_agent import STAY, PlacementAgent
+
+    agent = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0)
+    agent.leader = STAY + 1  # a moving rule
+    counts = np.array([[10.0, 1.0, 10.0, 1.0]])
+    agent.observe(counts, True, 1.0, 1.0)
+    held = agent.shadows[STAY].copy()
+    agent.decide(np.array([[0, 2, 1, 3]]), 1.0, 1.0)
+    assert np.array_equal(agent.shadows[STAY], held)

@@ -34,7 +34,10 @@ Form: learning from exact counterfactuals which scheduling rule fits, and why
       placement the experts are in then, so each step charges it what keeping that placement
       costs under the real counts. (Its shadow used to keep the starting placement: it then
       priced static's placement while following it kept wherever earlier moves had left the
-      experts, which on the recorded routing at 100 Mbit/s waits longer than static's);
+      experts, which on the recorded routing at 100 Mbit/s waits longer than static's). This
+      re-sync happens only while staying leads: while a moving rule leads, staying's shadow
+      keeps the placement it last held, since the current one was paid for by the leader's
+      migrations;
     - the action: the leader's decision, taken from the REAL placement (the shadows only
       measure the rules, they are never copied: jumping to another rule's placement would
       migrate every expert in which the two differ). The leader changes when another rule's
@@ -163,9 +166,13 @@ class PlacementAgent:
         moved (both measured, or modeled where nothing is measured)."""
         if self.learning == "on":
             for rule in range(len(RULES)):
-                if rule == STAY:
+                if rule == STAY and self.leader == STAY:
                     # Never moving from here: the placement the experts are in now, not the one
                     # they started in, is what staying keeps (and its wait is what staying costs).
+                    # Only while staying leads: while a moving rule leads, the current placement
+                    # was bought by that rule's migrations, and re-syncing would credit staying
+                    # with their savings without their price (it then retook the lead after each
+                    # move on zipf_shift at 100 Mbit/s and left skews unbalanced).
                     self.shadows[rule] = placement
                     self._pending_moves[rule] = 0
                     continue
