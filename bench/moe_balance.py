@@ -26,32 +26,43 @@ Section 1, traces (default)
 
     Policies: static; greedy (fixed rule, horizon 1/(1-0.99) = 100 steps, its fixed migration
     cost configured at the measured price: the strongest greedy one could configure); the
-    learning agent; and the agent with learning off, ``frozen`` (it keeps its initial rule,
-    greedy's) and ``random`` (a random rule per decision).
+    learning agent; and the agent with learning off, ``frozen`` (it follows greedy's rule
+    throughout) and ``random`` (a random rule per decision).
 
     Targets (one boolean each in the JSON, over the (trace, link) cases, mean over seeds): the
     learned policy <= 0.95 x greedy in cases of at least two different traces and <= 1.02 x
     greedy in every case; both ablations >= 1.03 x the learned policy in winning cases of at
-    least two different traces (the JSON lists every case's ratios, shortfalls included).
+    least two different traces (the JSON lists every case's ratios, shortfalls included); and
+    the learned policy <= 1.02 x min(static, greedy) in every case (a boolean per case).
 
-Results (this 2-core machine, shared; ``--seeds 0 1 2``, means over the seeds; costs in s/step)
-    trace@link         static  greedy  learned  frozen  random  learned/greedy
-    zipf_shift@loop    2.217   0.366   0.363    0.366   0.557   0.992
-    zipf_shift@100mbit 7.914   2.711   2.761    2.711   3.794   1.018 (seeds: 1.072 1.010 0.972)
-    bursts@loop        1.420   0.557   0.501    0.557   0.544   0.898
-    bursts@100mbit     5.071   5.707   1.866    5.707   4.061   0.327
-    drift@loop         1.622   0.451   0.441    0.451   0.601   0.977
-    drift@100mbit      5.790   5.397   3.409    5.397   5.243   0.632
-    recorded@loop      0.171   0.163   0.163    0.163   0.166   1.000
-    recorded@100mbit   0.612   0.914   0.789    0.914   0.905   0.863
-    Every target met. Where migrations are dear (8.6 s per expert at 100 Mbit/s against a 32 s
-    balanced expert phase) greedy's fixed horizon makes it chase bursts and drift at a loss:
-    static beats it on bursts, drift and the recorded routing; the learned policy beats both on
-    bursts and drift, but not static on the recorded routing (0.789 against 0.612: 300 steps
-    are too few for its scores to rank "never move" first before it has paid for early moves).
-    Where greedy's assumption holds (zipf_shift: skews last 150 steps on average, about its
-    horizon) the agent matches it, within 1.8% on the mean. The frozen ablation decides exactly
-    as greedy here (greedy is configured at the measured migration price).
+Results (this 2-core machine, shared; ``--seeds 0 1 2``, means over the seeds; costs in s/step;
+best = min(static, greedy))
+    trace@link         static  greedy  learned  frozen  random  learned/greedy  learned/best
+    zipf_shift@loop    2.217   0.366   0.366    0.366   0.557   1.000           1.000
+    zipf_shift@100mbit 7.914   2.711   2.820    2.711   3.794   1.040           1.040 (misses)
+    bursts@loop        1.420   0.557   0.492    0.557   0.543   0.882           0.882
+    bursts@100mbit     5.070   5.707   2.167    5.707   4.061   0.380           0.427
+    drift@loop         1.622   0.451   0.444    0.451   0.600   0.983           0.983
+    drift@100mbit      5.790   5.397   3.445    5.397   5.243   0.638           0.638
+    recorded@loop      0.171   0.163   0.162    0.163   0.166   0.998           0.998
+    recorded@100mbit   0.612   0.914   0.612    0.914   0.905   0.670           1.000
+    learned <= 1.02 x best in 7 of 8 cases; zipf_shift@100mbit misses (seeds 1.049 1.037
+    1.035), and so does the older target learned <= 1.02 x greedy there; the others are met.
+    Before staying was scored from the current placement, the agent reached 0.789 on
+    recorded@100mbit (1.289 x static): its stay rule priced the STARTING placement while staying
+    kept the placement greedy's first move (2 experts, step 9) had left, which replaying the
+    trace shows waiting longer than static's (0.761 against 0.623 s at step 49, 0.605 against
+    0.456 at step 59); it now starts by staying and never moves there.
+    zipf_shift@100mbit (1.018 x greedy before that change, 1.186 right after it): replaying
+    seed 0 showed the lead passing back to staying after the agent's moves (decisions 72, 80,
+    181, 212, 297 of 300; staying led 83 of them), because staying's shadow was re-synced to
+    the placement those moves had bought and so was charged balanced waits without their
+    migrations. Staying's shadow is now re-synced only while staying leads: 1.186 -> 1.040.
+    Checked and not the cause: re-syncing EVERY rule's shadow at each decision (1.41, 1.81,
+    1.54 x greedy on seeds 0 1 2: a moving rule then pays its migrations and is reset before
+    the move has earned), a 0% switch margin (1.12, 1.18, 1.21), and earlier a shorter score
+    memory (0.99) and a 1% margin (1000 steps of seed 0: 1.24 and 1.19, against 1.17). What
+    is left of the 4% has not been traced.
 
 Section 2, real model (``--real``: after the traces; ``--real-only``: instead): see
     ``bench/moe_balance_real.py``: ``mcpar train`` on the real MoE model with 4 expert ranks,
@@ -184,9 +195,12 @@ def trace_section(args: argparse.Namespace) -> dict:
                                  for label, policy, learning in VARIANTS})
             mean = {label: float(np.mean([s[label] for s in per_seed]))
                     for label, _, _ in VARIANTS}
+            best_fixed = mean["learned"] / min(mean["static"], mean["greedy"])
             case = {"trace": name, "link": kind, "seeds": seeds,
                     "mean_cost_s": mean, "per_seed_cost_s": per_seed,
                     "learned_over_greedy": mean["learned"] / mean["greedy"],
+                    "learned_over_best_fixed": best_fixed,
+                    "learned_le_1.02_best_fixed": best_fixed <= 1.02,
                     "static_over_greedy": mean["static"] / mean["greedy"],
                     "frozen_over_learned": mean["frozen"] / mean["learned"],
                     "random_over_learned": mean["random"] / mean["learned"]}
@@ -204,6 +218,10 @@ def trace_section(args: argparse.Namespace) -> dict:
         "learned_le_1.02_greedy_everywhere": {
             "worst": max(c["learned_over_greedy"] for c in cases.values()),
             "met": all(c["learned_over_greedy"] <= 1.02 for c in cases.values())},
+        "learned_le_1.02_min_static_greedy_everywhere": {
+            "cases": {key: c["learned_le_1.02_best_fixed"] for key, c in cases.items()},
+            "worst": max(c["learned_over_best_fixed"] for c in cases.values()),
+            "met": all(c["learned_le_1.02_best_fixed"] for c in cases.values())},
         "ablations_ge_1.03_learned_on_two_winning_traces": {
             "cases": sorted(f"{c['trace']}@{c['link']}" for c in ablated),
             "met": len({c["trace"] for c in ablated}) >= 2},

@@ -263,3 +263,39 @@ def test_training_logs_rewards_made_of_measured_costs(tmp_path):
                         for j, c in enumerate(costs[3 * k:3 * k + 3]))
         assert decision["reward"] == pytest.approx(expected, rel=1e-9)
         assert {"state", "action", "values"} <= set(decision)
+
+
+def test_never_move_is_scored_from_the_current_placement():
+    """Staying keeps the placement the experts are in at the decision, not the one they started
+    in: here the start (identity) is balanced for the routing and the current placement is not,
+    so staying must cost the current placement's wait and lose the lead to a rule that moves."""
+    from mcpar.controllers.compute.placement_agent import STAY, PlacementAgent
+
+    agent = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0)
+    agent.leader = STAY
+    counts = np.array([[10.0, 1.0, 10.0, 1.0]])  # identity: ranks 11 and 11
+    current = np.array([[0, 2, 1, 3]])  # ranks 20 and 2
+    agent.observe(counts, True, 1.0, 1.0)
+    placement, swaps, _ = agent.decide(current, 1.0, 1.0)
+    assert np.array_equal(agent.shadows[STAY], current)
+    for _ in range(9):
+        agent.observe(counts, False, 1.0, 1.0)
+    # Staying cost the current placement's excess, 9 assignments a step; the start cost nothing.
+    assert agent.scores[STAY] > 0 and agent.scores.min() == 0
+    placement, swaps, record = agent.decide(placement, 1.0, 1.0)
+    assert record["action"]["rule"] != "H0_fast" and swaps
+    assert excess_load(np.take_along_axis(counts, placement, axis=1), 2)[0] == 0
+
+
+def test_staying_is_not_credited_with_a_moving_leaders_placement():
+    """While a moving rule leads, the current placement was bought by its migrations: staying's
+    shadow keeps the placement it last held instead of taking that one for free."""
+    from mcpar.controllers.compute.placement_agent import STAY, PlacementAgent
+
+    agent = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0)
+    agent.leader = STAY + 1  # a moving rule
+    counts = np.array([[10.0, 1.0, 10.0, 1.0]])
+    agent.observe(counts, True, 1.0, 1.0)
+    held = agent.shadows[STAY].copy()
+    agent.decide(np.array([[0, 2, 1, 3]]), 1.0, 1.0)
+    assert np.array_equal(agent.shadows[STAY], held)
