@@ -99,3 +99,43 @@ def test_check_prints_the_choice_and_exits_2_when_nothing_fits(
     assert refused.returncode == 2
     assert BUDGET in refused.stderr and f"{round(smallest):,} B" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+# A calibrated 2-thread CPU (this machine's kind): slow matmuls and a large fixed cost per
+# block make recompute dear beside nvme offload, which an A100's figures price the other way.
+CPU_PROFILE = {"flops_per_thread": 7.4e10, "attention_flops_per_thread": 2.2e10,
+               "mem_bw_per_thread": 1.1e10, "mem_bw_total": 8.9e9, "op_overhead_s": 5e-5,
+               "layer_overhead_s": 7.5e-4,
+               "collectives": {"ar": [5.5e-3, 3.9e-10], "ag": [6.8e-3, 7.9e-10],
+                               "rs": [3.3e-3, 2.8e-9], "p2p": [4.3e-3, 1.1e-9]},
+               "notes": {"flops_all_cores": 4.2e10}}
+
+
+def test_a_cpu_job_is_ranked_on_this_machine_not_a_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcpar.controllers.memory.placement import _cores, place
+    from mcpar.sim.hardware import load_accelerators, make_cluster
+    from mcpar.sim.localprofile import PROFILE_ENV
+
+    profile = tmp_path / "local_profile.json"
+    profile.write_text(json.dumps({"cores": _cores(), **CPU_PROFILE}))
+    monkeypatch.setenv(PROFILE_ENV, str(profile))
+    cfg = load_config(None, [*BASE, "training.device=cpu", "controllers.memory.zero_stage=0",
+                             f"{BUDGET}=1"])
+    dims = resolve_plan(cfg, WORLD).parallel_dims()
+    plans, _ = search(cfg, dims, "cpu")
+    # The budget holds nvme offload without recompute, and recompute without offload.
+    offload = next(p for p in plans if p.offload == "nvme" and p.blocks == (4, 0, 0))
+    budget = offload.peak_bytes * 1.001
+    placed = place(load_config(None, [*BASE, "training.device=cpu",
+                                      "controllers.memory.zero_stage=0",
+                                      f"{BUDGET}={budget / 2**30!r}"]), dims)
+    assert placed is not None
+    assert str(profile) in placed.machine and "A100" not in placed.machine
+    assert any(str(profile) in line for line in placed.report_lines())
+    assert (placed.chosen.offload, placed.chosen.blocks) == ("nvme", (4, 0, 0))
+    # On the reference GPU's figures the same budget goes to recompute without offload.
+    a100 = load_accelerators()["a100-80gb"]
+    gpu = (make_cluster(a100, WORLD, WORLD, a100.typical_inter_gbps), "A100-80GB")
+    on_gpu = [p for p in search(cfg, dims, "cpu", gpu)[0] if p.peak_bytes <= budget][0]
+    assert on_gpu.offload == "none" and on_gpu.blocks != (4, 0, 0)

@@ -18,9 +18,15 @@ tells which were):
 Keys a user set are single points of their axis; ``recompute_blocks`` set by an earlier
 placement (a run directory's resolved config, every key written) is kept the same way.
 
-Cost of a plan: the cost model's step time (``sim.costmodel.simulate`` on the A100-80GB row of its
-hardware table, the job's world in 8-GPU nodes: only the ranking of plans matters here). The
-recompute term is the extra forward work, linear in the blocks of each mode (blocks are alike:
+Cost of a plan: the cost model's step time (``sim.costmodel.simulate``) on the machine the job
+runs on (``ranking_cluster``): on CUDA the hardware table's row of the device (by its name; the
+A100-80GB row when the table has none), the job's world in 8-GPU nodes; on CPU this machine's
+calibrated local profile (``sim.localprofile``: ``profile_path()``, read by ``read_profile`` as
+the MFU's CPU peak is), else declared CPU figures (``DECLARED_CPU``) and a note on how to
+calibrate. Only the ranking of plans matters here, but it differs between machines: a slow CPU
+pays more for recompute against a fixed offload bandwidth than a GPU does. The report names the
+machine.
+The recompute term is the extra forward work, linear in the blocks of each mode (blocks are alike:
 the step of a mix is the step without recompute plus each mode's share of its all-blocks extra);
 ZeRO's is its extra communication as the cost model prices it; offload's is the offloaded state
 read and written once per step at ``sim.hardware.OFFLOAD_BANDWIDTH``. The plan with the lowest
@@ -34,7 +40,8 @@ the same budget; it is left the whole budget and no placement runs beside it.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 from mcpar.capabilities import offload_problems
 from mcpar.config import JobConfig
@@ -45,13 +52,27 @@ from mcpar.errors import UserError, problem
 from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
-from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, load_accelerators, make_cluster
+from mcpar.sim.hardware import (
+    GPU_ALIASES,
+    OFFLOAD_BANDWIDTH,
+    Cluster,
+    LocalProfile,
+    load_accelerators,
+    make_cluster,
+)
+from mcpar.sim.localprofile import local_cluster, profile_path, read_profile
 from mcpar.sim.memory import format_bytes
 from mcpar.topology import ParallelDims
 
 BUDGET_KEY = "controllers.memory.memory_budget_gb"
-REFERENCE_GPU = "a100-80gb"
+REFERENCE_GPU = "a100-80gb"  # a CUDA device the hardware table has no row for
 MODES = ("none", "selective", "full")
+# A CPU without a local profile: round figures of a current server core (fp32 matmul and causal
+# attention rates per thread, element-wise streaming, eager op and block costs, gloo all-reduce
+# over loopback), stated as such in the report; the calibration replaces them.
+DECLARED_CPU = {"flops_per_thread": 50e9, "attention_flops_per_thread": 15e9,
+                "mem_bw_per_thread": 10e9, "mem_bw_total_per_core": 5e9,
+                "op_overhead_s": 5e-5, "layer_overhead_s": 7e-4, "ar": (5e-3, 4e-10)}
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,7 @@ class Placement:
     searched: int
     rejected: list[Plan] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)  # keys the user set: not searched
+    machine: str = ""  # what the plans were ranked on (``ranking_cluster``)
 
     def report_lines(self) -> list[str]:
         if not self.searched and not self.budget:
@@ -115,7 +137,8 @@ class Placement:
                  f"{self.searched} plans searched"
                  + (f" (kept as set: {', '.join(self.fixed)})" if self.fixed else ""),
                  f"  chosen: {self.chosen.describe()}: {format_bytes(self.chosen.peak_bytes)}, "
-                 f"step {self.chosen.step_s * 1e3:.2f} ms (cost model)"]
+                 f"step {self.chosen.step_s * 1e3:.2f} ms (cost model)",
+                 f"  ranked on: {self.machine}"]
         if not self.rejected:
             lines.append("  why: the cheapest plan searched, and it fits")
             return lines
@@ -126,7 +149,8 @@ class Placement:
 
     def to_json(self) -> dict[str, object]:
         return {"budget_bytes": round(self.budget), "budget_source": self.budget_source,
-                "searched": self.searched, "chosen": self.chosen.to_json(),
+                "searched": self.searched, "ranked_on": self.machine,
+                "chosen": self.chosen.to_json(),
                 "cheaper_rejected": [p.to_json() for p in self.rejected]}
 
 
@@ -184,16 +208,74 @@ def _blocks(cfg: JobConfig) -> tuple[int, int, int]:
     return modes.count("none"), modes.count("selective"), modes.count("full")
 
 
-def _step_s(cfg: JobConfig, dims: ParallelDims) -> float:
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _cpu_profile() -> tuple[LocalProfile, str]:
+    """This machine's calibrated profile (the one the MFU's CPU peak reads: of this core count),
+    else the declared figures; with the words the report says of it."""
+    path, cores = profile_path(), _cores()
+    if not path.is_file():
+        why = f"no local profile at {path}"
+    else:
+        try:
+            profile = read_profile(path)
+        except UserError as err:
+            why = f"the local profile {path} is unreadable ({err})"
+        else:
+            if profile.cores == cores:
+                return profile, f"this machine's calibrated local profile ({path})"
+            why = f"the local profile {path} is of {profile.cores} cores, this machine has {cores}"
+    d = DECLARED_CPU
+    declared = LocalProfile(
+        cores=cores, flops_per_thread=d["flops_per_thread"],  # type: ignore[arg-type]
+        attention_flops_per_thread=d["attention_flops_per_thread"],  # type: ignore[arg-type]
+        mem_bw_per_thread=d["mem_bw_per_thread"],  # type: ignore[arg-type]
+        mem_bw_total=d["mem_bw_total_per_core"] * cores,  # type: ignore[operator]
+        op_overhead_s=d["op_overhead_s"], layer_overhead_s=d["layer_overhead_s"],  # type: ignore[arg-type]
+        collectives={"ar": list(d["ar"])})  # type: ignore[call-overload]
+    return declared, (f"this machine's CPU ({cores} cores), declared figures ({why}: "
+                      "python -m mcpar.sim.localprofile calibrates it)")
+
+
+def ranking_cluster(device_type: str, world: int) -> tuple[Cluster, str]:
+    """The machine plans are ranked on, ``world`` devices of it, and its name for the report."""
+    if device_type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        table = load_accelerators()
+        lowered = name.lower()
+        row = next((GPU_ALIASES[a] for a in sorted(GPU_ALIASES, key=len, reverse=True)
+                    if a in lowered), "").lower()
+        if row in table:
+            accel, what = table[row], f"{table[row].name} of the hardware table ({name})"
+        else:
+            accel = table[REFERENCE_GPU]
+            what = f"{accel.name} of the hardware table ({name} has no row; the nearest kept)"
+        return make_cluster(accel, world, min(8, world), accel.typical_inter_gbps), \
+            f"{what} x {world}"
+    profile, what = _cpu_profile()
+    return replace(local_cluster(profile), num_gpus=world), f"{what}, {world} worker(s)"
+
+
+def _step_s(cfg: JobConfig, dims: ParallelDims, cluster: Cluster) -> float:
     world = dims.dp * dims.tp * dims.pp
-    accel = load_accelerators()[REFERENCE_GPU]
-    cluster = make_cluster(accel, world, min(8, world), accel.typical_inter_gbps)
-    return simulate(config_model(cfg), config_layout(cfg, world), cluster,
-                    validate=False).step_s
+    layout = config_layout(cfg, world)
+    if layout.precision not in cluster.accel.peak_flops:  # a CPU's profile has fp32 alone
+        layout = replace(layout, precision="fp32")
+    return simulate(config_model(cfg), layout, cluster, validate=False).step_s
 
 
-def search(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[Plan], list[str]]:
-    """Every plan of the search space, cheapest first (ties: fewer bytes), and the fixed keys."""
+def search(cfg: JobConfig, dims: ParallelDims, device_type: str,
+           machine: tuple[Cluster, str] | None = None) -> tuple[list[Plan], list[str]]:
+    """Every plan of the search space, cheapest first (ties: fewer bytes), and the fixed keys;
+    ranked on ``machine`` (default: ``ranking_cluster(device_type, ...)``)."""
+    cluster = (machine or ranking_cluster(device_type, dims.dp * dims.tp * dims.pp))[0]
     stages, offloads, blocks, fixed = _axes(cfg, dims, device_type)
     layers = cfg.model.num_layers
     mem_offload = cfg.controllers.memory.offload
@@ -202,8 +284,8 @@ def search(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[P
         base = with_settings(cfg, {"zero_stage": z, "offload": "none",
                                    "recompute_blocks": None})
         # Steps with every block in one mode: a mix costs each mode's share of the extra.
-        uniform = {mode: _step_s(with_settings(base, {"activation_checkpointing": mode}), dims)
-                   for mode in MODES}
+        uniform = {mode: _step_s(with_settings(base, {"activation_checkpointing": mode}), dims,
+                                 cluster) for mode in MODES}
         for offload, counts in itertools.product(offloads, blocks):
             plan = Plan(z, offload, counts, 0.0, 0.0)  # type: ignore[arg-type]
             candidate = with_settings(cfg, plan.settings())
@@ -241,7 +323,8 @@ def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = Non
         if mem.per_rank <= budget:
             return Placement(given, budget, source, 0)
     budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
-    plans, fixed = search(cfg, dims, device_type)
+    machine = ranking_cluster(device_type, dims.dp * dims.tp * dims.pp)
+    plans, fixed = search(cfg, dims, device_type, machine)
     fitting = [p for p in plans if p.peak_bytes <= budget]
     if not fitting:
         smallest = min(plans, key=lambda p: p.peak_bytes)
@@ -255,4 +338,4 @@ def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = Non
                 f"controllers.memory.{k}" for k in fixed) + " are set)" if fixed else "")))
     chosen = fitting[0]
     rejected = [p for p in plans if p.step_s < chosen.step_s and p.peak_bytes > budget]
-    return Placement(chosen, budget, source, len(plans), rejected, fixed)
+    return Placement(chosen, budget, source, len(plans), rejected, fixed, machine[1])
