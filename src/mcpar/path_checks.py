@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from mcpar.config import JobConfig
-from mcpar.errors import problem
+from mcpar.errors import UserError, problem
 
 # Errors of the filesystem the launcher writes to that the user must fix (a full disk, a quota,
 # a read-only or denied place), rather than faults a restart could cure.
@@ -77,13 +77,24 @@ def path_problems(cfg: JobConfig, run_dir: Path) -> list[str]:
     return [p for p in found if p is not None]
 
 
-def storage_error_line(err: OSError, where: str) -> str | None:
+def storage_error_line(err: OSError, where: str, key: str | None = None) -> str | None:
     """A one-line message for a file operation the filesystem refused, with the fix (None for
     errors that are not the user's to fix). A failed write to an open file carries no file
-    name: ``where`` then names the place it was writing to."""
+    name: ``where`` then names the place it was writing to. ``key``: the setting or option
+    that chose the place (the line starts with it and its fix names it); without it, the
+    launcher's own writes under ``--run-dir``."""
     if err.errno not in STORAGE_ERRNOS:
         return None
     full = err.errno in (errno.ENOSPC, errno.EDQUOT)
-    fix = ("free space there or choose another --run-dir" if full else
-           "fix its permissions or choose another --run-dir")
-    return f"{err.filename or 'writing under ' + where}: {err.strerror}; {fix}"
+    other = key or "--run-dir"
+    fix = (f"free space there or choose another {other}" if full else
+           f"fix its permissions or choose another {other}")
+    line = f"{err.filename or 'writing under ' + str(where)}: {err.strerror}; {fix}"
+    return problem(key, line) if key else line
+
+
+def storage_error(err: OSError, where: str | Path, key: str) -> Exception:
+    """``err`` as the UserError to raise in its place when it is the user's to fix (a full
+    disk, a quota, a read-only or denied place), naming ``key``; else ``err`` itself."""
+    line = storage_error_line(err, str(where), key)
+    return err if line is None else UserError(line)
