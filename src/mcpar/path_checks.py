@@ -10,9 +10,11 @@ nearest existing ancestor is a directory this user may write into, with no file 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from mcpar.config import JobConfig
@@ -93,8 +95,22 @@ def storage_error_line(err: OSError, where: str, key: str | None = None) -> str 
     return problem(key, line) if key else line
 
 
-def storage_error(err: OSError, where: str | Path, key: str) -> Exception:
-    """``err`` as the UserError to raise in its place when it is the user's to fix (a full
-    disk, a quota, a read-only or denied place), naming ``key``; else ``err`` itself."""
-    line = storage_error_line(err, str(where), key)
-    return err if line is None else UserError(line)
+def named(err: OSError, path: str | Path) -> OSError:
+    """``err`` naming ``path`` when it names no file (a failed write to an open file)."""
+    if err.filename is not None or err.errno is None:
+        return err
+    return type(err)(err.errno, err.strerror, str(path))
+
+
+@contextlib.contextmanager
+def storage_errors(where: str | Path, key: str) -> Iterator[None]:
+    """Within: an OSError that is the user's to fix (a full disk, a quota, a read-only or
+    denied place) becomes a UserError of one line naming the file (else ``where``) and
+    ``key``; other OS errors pass as they are."""
+    try:
+        yield
+    except OSError as err:
+        line = storage_error_line(err, str(where), key)
+        if line is None:
+            raise
+        raise UserError(line) from err

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from mcpar.device import host_empty
-from mcpar.path_checks import storage_error
+from mcpar.path_checks import storage_errors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OFFLOAD_DIR_KEY = "controllers.memory.offload_dir"
@@ -111,12 +111,8 @@ class FileBacking:
             os.unlink(path)  # freed with the process, however it ends
             os.ftruncate(self.fd, numel * FLOAT_BYTES)  # sparse: reads zeros until written
 
-    @contextlib.contextmanager
-    def _storage(self) -> Iterator[None]:
-        try:
-            yield
-        except OSError as err:
-            raise storage_error(err, self.path, OFFLOAD_DIR_KEY) from err
+    def _storage(self) -> contextlib.AbstractContextManager[None]:
+        return storage_errors(self.path, OFFLOAD_DIR_KEY)
 
     def read(self, start: int, out: torch.Tensor) -> None:
         view, offset = _bytes_view(out), start * FLOAT_BYTES
