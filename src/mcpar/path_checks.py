@@ -10,13 +10,15 @@ nearest existing ancestor is a directory this user may write into, with no file 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from mcpar.config import JobConfig
-from mcpar.errors import problem
+from mcpar.errors import UserError, problem
 
 # Errors of the filesystem the launcher writes to that the user must fix (a full disk, a quota,
 # a read-only or denied place), rather than faults a restart could cure.
@@ -77,13 +79,38 @@ def path_problems(cfg: JobConfig, run_dir: Path) -> list[str]:
     return [p for p in found if p is not None]
 
 
-def storage_error_line(err: OSError, where: str) -> str | None:
+def storage_error_line(err: OSError, where: str, key: str | None = None) -> str | None:
     """A one-line message for a file operation the filesystem refused, with the fix (None for
     errors that are not the user's to fix). A failed write to an open file carries no file
-    name: ``where`` then names the place it was writing to."""
+    name: ``where`` then names the place it was writing to. ``key``: the setting or option
+    that chose the place (the line starts with it and its fix names it); without it, the
+    launcher's own writes under ``--run-dir``."""
     if err.errno not in STORAGE_ERRNOS:
         return None
     full = err.errno in (errno.ENOSPC, errno.EDQUOT)
-    fix = ("free space there or choose another --run-dir" if full else
-           "fix its permissions or choose another --run-dir")
-    return f"{err.filename or 'writing under ' + where}: {err.strerror}; {fix}"
+    other = key or "--run-dir"
+    fix = (f"free space there or choose another {other}" if full else
+           f"fix its permissions or choose another {other}")
+    line = f"{err.filename or 'writing under ' + str(where)}: {err.strerror}; {fix}"
+    return problem(key, line) if key else line
+
+
+def named(err: OSError, path: str | Path) -> OSError:
+    """``err`` naming ``path`` when it names no file (a failed write to an open file)."""
+    if err.filename is not None or err.errno is None:
+        return err
+    return type(err)(err.errno, err.strerror, str(path))
+
+
+@contextlib.contextmanager
+def storage_errors(where: str | Path, key: str) -> Iterator[None]:
+    """Within: an OSError that is the user's to fix (a full disk, a quota, a read-only or
+    denied place) becomes a UserError of one line naming the file (else ``where``) and
+    ``key``; other OS errors pass as they are."""
+    try:
+        yield
+    except OSError as err:
+        line = storage_error_line(err, str(where), key)
+        if line is None:
+            raise
+        raise UserError(line) from err

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mcpar.config.model import (
     MAX_HIDDEN,
@@ -22,6 +22,10 @@ from mcpar.registry import RegisteredName
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES
 from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES
+
+# The smallest streamed group of offloaded state (MiB): 10 KiB, below which each group's fixed
+# cost (a read, a write, an update call) swamps the work it carries.
+MIN_OFFLOAD_BUFFER_MB = 0.01
 
 
 class _Section(BaseModel):
@@ -134,8 +138,9 @@ class MemoryControllerConfig(_Section):
         None, description="offload 'nvme': directory of the state files (one per rank, "
         "unlinked once open); default <run dir>/offload.")
     offload_buffer_mb: float = Field(
-        64.0, gt=0.0, le=1e6, description="Offload: state per streamed group (MiB); nvme keeps "
-        "two such buffers in host memory.")
+        64.0, le=1e6, description="Offload: state per streamed group (MiB, at least "
+        f"{MIN_OFFLOAD_BUFFER_MB}; below about 1 each group's fixed cost slows the step); nvme "
+        "keeps two such buffers in host memory.")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
                             "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
     gather_mb: float = Field(1.0, ge=0.0, le=1e6, description="ZeRO-3: one parameter gather "
@@ -161,6 +166,19 @@ class MemoryControllerConfig(_Section):
         "block recompute, offload and the ZeRO stage (those not set) of the cheapest plan that "
         "fits (mcpar check prints the choice); dynamic batch splitting sizes micro-batches to it.",
     )
+
+    @field_validator("offload_buffer_mb")
+    @classmethod
+    def _offload_buffer_floor(cls, mb: float) -> float:
+        # Each streamed group costs a fixed round of Python work, a file read and a file write:
+        # groups of a few bytes make the update hundreds of times slower for nothing.
+        if mb < MIN_OFFLOAD_BUFFER_MB:
+            raise ValueError(
+                f"must be at least {MIN_OFFLOAD_BUFFER_MB} MiB, got {mb:g}: every streamed group "
+                "costs a fixed overhead (a read, a write and an update call), so tiny groups "
+                "make the optimizer step thousands of times slower; the default 64 streams at "
+                "full speed (below about 1 MiB the overhead shows)")
+        return mb
 
 
 class CommunicationControllerConfig(_Section):

@@ -51,6 +51,7 @@ from mcpar.data.tokenizer_file import (
     token_dtype_for,
 )
 from mcpar.errors import UserError, problem
+from mcpar.path_checks import storage_errors
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MB per uint16 shard: few files, yet many units to share
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -317,8 +318,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = prepare(args.sources, args.tokenizer, args.out, args.workers, args.shard_tokens,
-                     args.eos_token, progress=not args.quiet)
+    # A full disk (a quota, a read-only place) under --out: one line naming the file and --out.
+    # A shard is complete only once its record is written (after its data), and the manifest
+    # last: what was left is redone by the rerun that resumes, never read as done.
+    with storage_errors(args.out, "--out"):
+        result = prepare(args.sources, args.tokenizer, args.out, args.workers,
+                         args.shard_tokens, args.eos_token, progress=not args.quiet)
     print(f"{args.out}: {len(result['shards'])} shards ({result['built']} built), "
           f"{result['total_tokens']} {result['dtype']} tokens, "
           f"{result['total_documents']} documents")

@@ -62,6 +62,11 @@ def atomic_write(dest: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest)
+    except OSError as err:
+        # A failed write (a full disk) names no file, and the temporary is gone: name ``dest``.
+        if err.filename in (None, str(tmp)) and err.errno is not None:
+            raise type(err)(err.errno, err.strerror, str(dest)) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

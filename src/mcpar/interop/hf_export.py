@@ -9,12 +9,18 @@ token (full_state.run_tokenizer) is written as the tokenizer's eos token and as
 ``eos_token_id`` in config.json and generation_config.json, so that ``generate`` stops where the
 model learned a text ends. The checkpoint is read whole in this process (any layout: see
 full_state.py); weights are written in fp32, as they are trained. Every file is written under a
-temporary name and renamed, with the mode the umask gives (0644 under umask 022).
+temporary name and renamed, with the mode the umask gives (0644 under umask 022). The folder
+too: the export is written into a hidden sibling (``.OUT.partial-PID``) renamed to OUT once
+complete, so OUT never holds a half-written model; a write the filesystem refuses (a full
+disk, a quota) removes the sibling and is one line naming OUT.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ from mcpar.data.shards import atomic_write
 from mcpar.errors import UserError, problem
 from mcpar.interop.full_state import RunTokenizer, load_full_state, run_tokenizer
 from mcpar.interop.hf_names import export_problems, hf_config, to_hf
+from mcpar.path_checks import STORAGE_ERRNOS
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30  # 2 GiB per safetensors file
 SAFE_NAME = "model.safetensors"
@@ -121,13 +128,27 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     ids.update({f"{role}_token_id": i for role, (_, i) in special.items()})
     tensors = to_hf(state.model, state.params)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "config.json", _json({**hf_config(state.model), **ids}))
-    files = write_safetensors(tensors, out, max_shard_bytes)
-    atomic_write(out / "generation_config.json",
-                 _json({**ids, "max_length": state.model.seq_len}))
-    if tokenizer is not None:
-        write_tokenizer(tokenizer.path, out, special)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir()
+        atomic_write(partial / "config.json", _json({**hf_config(state.model), **ids}))
+        files = write_safetensors(tensors, partial, max_shard_bytes)
+        atomic_write(partial / "generation_config.json",
+                     _json({**ids, "max_length": state.model.seq_len}))
+        if tokenizer is not None:
+            write_tokenizer(tokenizer.path, partial, special)
+        os.replace(partial, out)  # onto an empty OUT too: rename(2) replaces an empty folder
+    except OSError as err:
+        if err.errno not in STORAGE_ERRNOS:
+            raise
+        fix = ("free space there or give another output path"
+               if err.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "fix its permissions or give another output path")
+        raise UserError(problem(str(out), f"{err.strerror} while writing the export (nothing "
+                                f"was written there); {fix}")) from err
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     total = sum(t.numel() for t in tensors.values())
     eos = f", end-of-text {special['eos'][0]!r} (id {special['eos'][1]})" if special else ""
     return (f"mcpar export: step {state.step} of {run_dir} ({state.model.kind}) -> {out}: "

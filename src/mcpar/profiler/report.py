@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
+from mcpar.path_checks import named, storage_errors
 from mcpar.profiler import plots
 from mcpar.profiler.analysis import analyse
 from mcpar.profiler.bandwidth import format_bytes, format_rate
@@ -224,24 +225,36 @@ def _capacity(device: torch.device) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def _write_text(path: Path, text: str) -> None:
+    """``path.write_text(text)``; a failed write names ``path`` (an open file's error does not)."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise named(err, path) from err
+
+
 def write_report(out_dir: Path, ranks: list[dict], summary: dict[str, Any],
                  trainer: ReportedRun) -> Path:
     """Writes the report files; the path of report.html."""
     from mcpar.metrics import read_metrics
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = context_of(trainer)
-    ctx["files"] = {p.name: p.stat().st_size for p in sorted(out_dir.iterdir())
-                    if p.name.startswith(("trace_", "memory_snapshot_"))}
-    report = analyse(ranks, summary, ctx)
-    (out_dir / "report.json").write_text(json.dumps({"report": report, "ranks": ranks},
-                                                    indent=1) + "\n")
-    images: dict[str, str] = {}
-    if plots.available():
-        for path in plots.write_all(report, read_metrics(trainer.run_dir), out_dir):
-            images[path.name] = path.name
-    sections = build_sections(report, images)
-    (out_dir / "report.md").write_text(to_markdown(sections))
-    page = out_dir / "report.html"
-    page.write_text(to_html(sections, out_dir))
+    # A full disk (a quota, a read-only place) under the profile folder is the user's to fix:
+    # one line naming the file and --run-dir, not a traceback (nor a restart, on a worker).
+    # report.html, the entry point, is written last: a report cut short has none.
+    with storage_errors(out_dir, "--run-dir"):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ctx = context_of(trainer)
+        ctx["files"] = {p.name: p.stat().st_size for p in sorted(out_dir.iterdir())
+                        if p.name.startswith(("trace_", "memory_snapshot_"))}
+        report = analyse(ranks, summary, ctx)
+        _write_text(out_dir / "report.json", json.dumps({"report": report, "ranks": ranks},
+                                                        indent=1) + "\n")
+        images: dict[str, str] = {}
+        if plots.available():
+            for path in plots.write_all(report, read_metrics(trainer.run_dir), out_dir):
+                images[path.name] = path.name
+        sections = build_sections(report, images)
+        _write_text(out_dir / "report.md", to_markdown(sections))
+        page = out_dir / "report.html"
+        _write_text(page, to_html(sections, out_dir))
     return page

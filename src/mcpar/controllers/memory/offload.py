@@ -50,8 +50,10 @@ from pathlib import Path
 import torch
 
 from mcpar.device import host_empty
+from mcpar.path_checks import storage_errors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+OFFLOAD_DIR_KEY = "controllers.memory.offload_dir"
 FLOAT_BYTES = 4
 
 
@@ -94,27 +96,39 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 
 class FileBacking:
-    """One file of fp32 values, read and written at element offsets (positioned I/O)."""
+    """One file of fp32 values, read and written at element offsets (positioned I/O).
+
+    The filesystem refusing the file (full, over quota, read-only, denied) is the user's to
+    fix, and a restart would meet it again: it is raised as a UserError naming the file and
+    ``controllers.memory.offload_dir``, so the launcher stops the job (exit 2) instead of
+    restarting it; the run's checkpoints are not written to here and stay as they were."""
 
     def __init__(self, path: Path, numel: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.unlink(path)  # freed with the process, however it ends
-        os.ftruncate(self.fd, numel * FLOAT_BYTES)  # sparse: reads zeros until written
+        self.path = path
+        with self._storage():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.unlink(path)  # freed with the process, however it ends
+            os.ftruncate(self.fd, numel * FLOAT_BYTES)  # sparse: reads zeros until written
+
+    def _storage(self) -> contextlib.AbstractContextManager[None]:
+        return storage_errors(self.path, OFFLOAD_DIR_KEY)
 
     def read(self, start: int, out: torch.Tensor) -> None:
         view, offset = _bytes_view(out), start * FLOAT_BYTES
-        while len(view):
-            n = os.preadv(self.fd, [view], offset)
-            if n <= 0:
-                raise OSError(f"short read from the offload file at byte {offset}")
-            view, offset = view[n:], offset + n
+        with self._storage():
+            while len(view):
+                n = os.preadv(self.fd, [view], offset)
+                if n <= 0:
+                    raise OSError(f"short read from the offload file at byte {offset}")
+                view, offset = view[n:], offset + n
 
     def write(self, start: int, data: torch.Tensor) -> None:
         view, offset = _bytes_view(data), start * FLOAT_BYTES
-        while len(view):
-            n = os.pwritev(self.fd, [view], offset)
-            view, offset = view[n:], offset + n
+        with self._storage():
+            while len(view):
+                n = os.pwritev(self.fd, [view], offset)
+                view, offset = view[n:], offset + n
 
     def close(self) -> None:
         os.close(self.fd)
