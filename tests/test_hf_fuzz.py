@@ -3,7 +3,7 @@ problem naming ``model.init_from``, no other exception) before any worker would 
 exactly the tensors of the undamaged directory. No file outside the directory is opened (every
 open is recorded), and none of them hangs (a FIFO named by the index included).
 
-The directory is a tiny Llama written by mcpar's own export code (five safetensors shards and
+The directory is a tiny Llama written by mcpar's own export code (a few safetensors shards and
 an index). Damage: truncated shards, flipped header bytes, header fields rewritten (dtype,
 shape, offsets, header length), tensors saved transposed, reshaped, with an integer dtype or
 non-finite values, index entries that point outside the directory (``..``, absolute, a link
@@ -46,12 +46,12 @@ TIMEOUT_S = 5
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelConfig, dict]:
     """The undamaged directory, the run's model section for it and the tensors it loads."""
     cfg = ModelConfig(kind="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                      ffn_hidden_size=48, vocab_size=64, seq_len=16)
+                      ffn_hidden_size=48, vocab_size=256, seq_len=16)
     model = get_model_spec(cfg.kind).build(cfg, 0)
     params = {k: v.detach() for k, v in model.named_parameters()}
     root = tmp_path_factory.mktemp("hf") / "model"
     root.mkdir()
-    assert write_safetensors(to_hf(cfg, params), root, 20000) == 5
+    assert write_safetensors(to_hf(cfg, params), root, 20000) >= 3  # sharded, with an index
     (root / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
     run = ModelConfig(**{k: v for k, v in hf_import.import_section(root).items()})
     assert run.init_from == f"hf:{root}"
@@ -534,7 +534,7 @@ def test_header_bounds_are_checked_before_the_library_reads(
         raw = file.read_bytes()
         file.write_bytes(struct.pack("<Q", 2**62) + raw[8:])
     line = _one(pristine, tmp_path, huge)
-    assert "header length" in line and "model-00001-of-00005.safetensors" in line, line
+    assert "header length" in line and _shards(tmp_path / "model")[0].name in line, line
 
 
 def test_train_and_import_refuse_damaged_directories_end_to_end(

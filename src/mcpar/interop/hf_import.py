@@ -6,7 +6,10 @@ continued pre-training. The model section must describe the same model: ``mcpar 
 prints the section to paste, and a run whose section differs is refused naming the key and the
 value the directory has. Every rank reads the directory and keeps its own shard, through the
 same index maps that resume uses to reshard (full_state.py), so any layout starts from the same
-full model; a resumed run loads its checkpoint over it.
+full model; a resumed run loads its checkpoint over it. The directory is checked before any
+worker starts, as a checkpoint is (hf_checks.py): its files kept inside it, config.json and the
+index well-formed, safetensors headers sound, every tensor of the shape and dtype the model
+needs and finite; a damaged directory is one exit-2 line, not a worker fault.
 
 Supported: ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``GPT2LMHeadModel`` (hf_names.py
 says what each maps to); any other architecture is refused with exit 2.
