@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from mcpar.contained import contained_file
 from mcpar.data.prepare import prepare
 from mcpar.data.shards import (
     TOKENIZER_COPY,
@@ -97,7 +98,17 @@ def load_prepared(
     tokens = sum(s.num_tokens for s in sources)
     summary = (f"{source}: {len(sources)} prepared source(s), {tokens} {first['dtype']} tokens, "
                f"vocab {need}, blend weights {weights}")
-    return train, val, need, summary, sources[0].directory / TOKENIZER_COPY
+    return train, val, need, summary, tokenizer_copy(sources[0].directory)
+
+
+def tokenizer_copy(directory: Path) -> Path:
+    """The ``tokenizer.json`` copy of a prepared directory, kept inside it (contained.py): a
+    link out of the directory, a FIFO or a device there is refused before anything reads it."""
+    path = directory / TOKENIZER_COPY
+    if not os.path.lexists(path):
+        return path  # readers of the copy name a missing one themselves
+    return contained_file(directory, TOKENIZER_COPY, KEY, f"'{directory}'",
+                          fix="rerun mcpar prepare into this directory to redo it")
 
 
 def prepare_text_cached(

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from mcpar.contained import contained_file
 from mcpar.errors import UserError, problem
 
 FORMAT = "mcpar-shards-v1"
@@ -38,6 +39,12 @@ TOKENIZER_COPY = "tokenizer.json"
 INDEX_DTYPE = np.dtype("<u8")
 BLEND_BLOCK = 4096  # slots of the blend schedule; proportions are exact to 1/BLEND_BLOCK
 _MAX_OPEN = 32  # open shard files kept per source; more would risk the descriptor limit
+
+
+def _plain_name(name: str) -> bool:
+    """A name that stays in its directory as written (no absolute path, no '..')."""
+    return bool(name) and not os.path.isabs(name) and ".." not in Path(name).parts \
+        and "\x00" not in name
 
 
 def shard_name(i: int) -> str:
@@ -126,6 +133,8 @@ def read_manifest(directory: Path, key: str) -> dict[str, Any]:
     where = directory / MANIFEST
     fix = "rerun mcpar prepare into this directory to rebuild it"
     try:
+        if os.path.lexists(where):  # a link out, a FIFO or a device is refused unread
+            contained_file(directory, MANIFEST, key, f"the directory '{directory}'", fix=fix)
         body = json.loads(where.read_text())
     except FileNotFoundError as exc:
         msg = f"'{directory}' has no {MANIFEST}; it is not a finished mcpar prepare output ({fix})"
@@ -136,7 +145,53 @@ def read_manifest(directory: Path, key: str) -> dict[str, Any]:
         raise UserError(problem(key, f"'{where}' is not an {FORMAT} manifest; {fix}"))
     if body.get("checksum") != _checksum(body):
         raise UserError(problem(key, f"'{where}' fails its checksum (corrupt); {fix}"))
+    bad = _manifest_problem(body)
+    if bad is not None:
+        raise UserError(problem(key, f"'{where}': {bad}; {fix}"))
     return body
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _manifest_problem(body: dict[str, Any]) -> str | None:
+    """What of a manifest (its checksum good) training cannot read; None when all is well.
+    Shard names are checked against the directory when the shards are opened."""
+    if body.get("dtype") not in ("uint16", "uint32"):
+        return f"key 'dtype' is {body.get('dtype')!r}, not 'uint16' or 'uint32'"
+    if not _count(body.get("vocab_size")) or body["vocab_size"] < 1:
+        return f"key 'vocab_size' is {body.get('vocab_size')!r}, not a positive whole number"
+    if not isinstance(body.get("tokenizer_sha256"), str):
+        return "key 'tokenizer_sha256' is not a string"
+    shards = body.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return "key 'shards' is not a list of shards"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            return f"shards[{i}] is not an object"
+        if not isinstance(shard.get("name"), str):
+            return f"shards[{i}].name is {shard.get('name')!r}, not a file name"
+        for count in ("tokens", "documents"):
+            if not _count(shard.get(count)):
+                return f"shards[{i}].{count} is {shard.get(count)!r}, not a whole number"
+        for digest in ("sha256", "index_sha256"):
+            if not isinstance(shard.get(digest), str):
+                return f"shards[{i}].{digest} is not a string"
+    return None
+
+
+def _index_problem(index: bytes, shard: dict[str, Any]) -> str | None:
+    """What is wrong with a shard's ``.idx`` bytes (document starts) for its manifest entry."""
+    if len(index) % INDEX_DTYPE.itemsize:
+        return f"{len(index)} bytes, not a whole number of {INDEX_DTYPE.itemsize}-byte offsets"
+    starts = np.frombuffer(index, dtype=INDEX_DTYPE)
+    if len(starts) != shard["documents"]:
+        return f"{len(starts)} document starts, the manifest says {shard['documents']}"
+    if len(starts) and (bool((np.diff(starts.astype(np.int64)) < 0).any())
+                        or int(starts[-1]) >= max(shard["tokens"], 1)):
+        return "document starts out of order or past the shard's tokens"
+    return None
 
 
 @dataclass
@@ -155,9 +210,11 @@ class PreparedSource:
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         fix = "rerun mcpar prepare into this directory to redo it"
         counts = []
+        self._bins: list[Path] = []
         for shard in self.manifest["shards"]:
             name = shard["name"]
-            idx_path, bin_path = self.directory / f"{name}.idx", self.directory / f"{name}.bin"
+            idx_path = self._shard_file(name, ".idx")
+            bin_path = self._shard_file(name, ".bin")
             try:
                 index = idx_path.read_bytes()
                 size = bin_path.stat().st_size
@@ -167,12 +224,26 @@ class PreparedSource:
             if hashlib.sha256(index).hexdigest() != shard["index_sha256"]:
                 msg = f"the index '{idx_path}' fails its checksum (corrupt); {fix}"
                 raise UserError(problem(self.key, msg))
+            bad = _index_problem(index, shard)
+            if bad is not None:
+                raise UserError(problem(self.key, f"the index '{idx_path}': {bad}; {fix}"))
             if size != shard["tokens"] * self.dtype.itemsize:
                 msg = (f"'{bin_path}' is {size} bytes, the manifest says "
                        f"{shard['tokens'] * self.dtype.itemsize} (truncated?); {fix}")
                 raise UserError(problem(self.key, msg))
             counts.append(shard["tokens"])
+            self._bins.append(bin_path)
         self.shard_tokens = np.asarray(counts, dtype=np.int64)
+
+    def _shard_file(self, name: str, suffix: str) -> Path:
+        """A shard file the manifest names, kept inside the directory (contained.py); a
+        missing one is left to the read that follows, which names it."""
+        path = self.directory / f"{name}{suffix}"
+        if os.path.lexists(path) or not _plain_name(name):
+            path = contained_file(self.directory, f"{name}{suffix}", self.key,
+                                  f"'{self.directory / MANIFEST}'",
+                                  fix="rerun mcpar prepare into this directory to redo it")
+        return path
 
     @property
     def vocab_size(self) -> int:
@@ -190,7 +261,7 @@ class PreparedSource:
     def _fd(self, shard: int) -> int:
         fd = self._files.get(shard)
         if fd is None:
-            path = self.directory / f"{self.manifest['shards'][shard]['name']}.bin"
+            path = self._bins[shard]
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mcpar.contained import contained_file
 from mcpar.errors import UserError, problem
 
 if TYPE_CHECKING:
@@ -33,8 +34,16 @@ def is_tokenizer_file(spec: str) -> bool:
 def resolve_tokenizer_path(spec: str, key: str = "data.tokenizer") -> Path:
     """The ``tokenizer.json`` that ``spec`` names (the file, or the one inside a directory)."""
     path = Path(os.path.expanduser(spec))
+    if path.is_dir() and os.path.lexists(path / "tokenizer.json"):
+        # A directory's tokenizer.json is kept inside it, a regular file (contained.py).
+        return contained_file(path, "tokenizer.json", key, f"'{spec}'",
+                              fix="put the tokenizer.json itself in the directory")
     if path.is_dir():
         path = path / "tokenizer.json"
+    if os.path.exists(path) and not path.is_file():
+        msg = (f"'{path}' is not a regular file (a FIFO, a device or a directory); give a "
+               "Hugging Face tokenizer.json")
+        raise UserError(problem(key, msg))
     if not path.is_file():
         builtins = "'bytes', 'bpe', " if key == "data.tokenizer" else ""
         msg = (f"no tokenizer file at '{spec}'; give {builtins}a Hugging Face "

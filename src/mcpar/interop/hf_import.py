@@ -6,7 +6,10 @@ continued pre-training. The model section must describe the same model: ``mcpar 
 prints the section to paste, and a run whose section differs is refused naming the key and the
 value the directory has. Every rank reads the directory and keeps its own shard, through the
 same index maps that resume uses to reshard (full_state.py), so any layout starts from the same
-full model; a resumed run loads its checkpoint over it.
+full model; a resumed run loads its checkpoint over it. The directory is checked before any
+worker starts, as a checkpoint is (hf_checks.py): its files kept inside it, config.json and the
+index well-formed, safetensors headers sound, every tensor of the shape and dtype the model
+needs and finite; a damaged directory is one exit-2 line, not a worker fault.
 
 Supported: ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``GPT2LMHeadModel`` (hf_names.py
 says what each maps to); any other architecture is refused with exit 2.
@@ -14,7 +17,7 @@ says what each maps to); any other architecture is refused with exit 2.
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,13 @@ import yaml
 
 from mcpar.config import ModelConfig
 from mcpar.errors import UserError, problem
+from mcpar.interop.hf_checks import (
+    config_problems,
+    headers,
+    iter_tensors,
+    read_json_object,
+    shape_problems,
+)
 from mcpar.interop.hf_names import architectures, from_hf, hf_notes, hf_problems, model_keys
 from mcpar.models.spec import get_model_spec
 
@@ -41,19 +51,28 @@ def hf_dir(init_from: str, key: str = KEY) -> Path:
 
 
 def read_config(path: Path, key: str = KEY) -> dict[str, Any]:
-    """A supported config.json of ``path``; exit 2 naming the path otherwise."""
+    """A supported config.json of ``path``; exit 2 naming the path (and the key) otherwise."""
     file = path / "config.json"
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise UserError(problem(key, f"{path}: no config.json; give a directory written by "
                                 "save_pretrained or mcpar export"))
-    try:
-        hf = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(problem(key, f"{file}: not readable JSON ({exc})")) from None
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in architectures():
-        raise UserError(problem(key, f"{file}: architectures {hf.get('architectures')!r} has "
+    hf = read_json_object(path, "config.json", key)
+    archs = hf.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise UserError(problem(key, f"{file}: key 'architectures' is {archs!r}, not a list "
+                                "naming the model's class (e.g. [\"LlamaForCausalLM\"])"))
+    arch = archs[0]
+    if not isinstance(arch, str) or arch not in architectures():
+        raise UserError(problem(key, f"{file}: architectures {archs!r} has "
                                 f"no mcpar model; supported: {sorted(architectures())}"))
+    bad = config_problems(file, hf)
+    if bad:
+        raise UserError([problem(key, b) for b in bad])
+    try:
+        model_keys(hf)
+    except KeyError as exc:
+        raise UserError(problem(key, f"{file}: no key {exc}, which {arch} needs; re-save the "
+                                "model (save_pretrained or mcpar export)")) from None
     bad = hf_problems(hf)
     if bad:
         raise UserError([problem(key, f"{file}: {b}: mcpar's model computes something else")
@@ -64,26 +83,30 @@ def read_config(path: Path, key: str = KEY) -> dict[str, Any]:
 
 
 def read_tensors(path: Path, key: str = KEY) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors (one file or an index's shards), fp32."""
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise UserError(problem(key, f"{path}: no model.safetensors nor "
-                                "model.safetensors.index.json; save with safe_serialization"))
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        out.update({k: v.float() for k, v in load_file(str(path / name)).items()})
-    return out
+    """Every tensor of the directory's safetensors (one file or an index's shards), fp32: each
+    file kept inside the directory, each header checked, each value finite (hf_checks.py)."""
+    return {name: value for name, _, value in iter_tensors(path, key)}
 
 
 def import_section(path: Path, key: str = "DIR") -> dict[str, Any]:
-    """The mcpar ``model`` section for a Hugging Face directory (``mcpar import``)."""
-    return {**model_keys(read_config(path, key)), "init_from": f"{PREFIX}{path}"}
+    """The mcpar ``model`` section for a Hugging Face directory (``mcpar import``), its
+    weights checked against the model that section builds as a run would check them."""
+    from pydantic import ValidationError
+
+    keys = model_keys(read_config(path, key))
+    try:
+        cfg = ModelConfig(**keys)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = ".".join(str(p) for p in err["loc"])
+        raise UserError(problem(key, f"{path / 'config.json'} gives model.{name} "
+                                f"{err.get('input')!r}: {err['msg']}")) from None
+    problems = shape_problems(cfg, path, key, headers(path, key))
+    if problems:
+        raise UserError(problems)
+    for _ in iter_tensors(path, key):
+        pass
+    return {**keys, "init_from": f"{PREFIX}{path}"}
 
 
 def section_problems(cfg: ModelConfig, hf: dict[str, Any]) -> list[str]:
@@ -106,18 +129,25 @@ def section_problems(cfg: ModelConfig, hf: dict[str, Any]) -> list[str]:
 
 def check_init_from(cfg: ModelConfig) -> None:
     """Refuse a bad ``model.init_from`` before any worker starts (exit 2 naming the key): the
-    form, the directory's config.json and architecture, the run's model section against it, and
-    that its weights files are there (they are read by the workers)."""
+    form, the directory's config.json and architecture, the run's model section against it,
+    and its weights as the workers will read them: every file inside the directory, every
+    safetensors header sound, every tensor of the shape and dtype the model needs, every value
+    finite (hf_checks.py)."""
     if not cfg.init_from:
         return
     path = hf_dir(cfg.init_from)
     problems = section_problems(cfg, read_config(path))
     if problems:
         raise UserError(problems)
-    if not ((path / "model.safetensors").is_file()
-            or (path / "model.safetensors.index.json").is_file()):
-        raise UserError(problem(KEY, f"{path}: no model.safetensors nor "
-                                "model.safetensors.index.json; save with safe_serialization"))
+    _checked_headers(cfg, path)
+    for _ in iter_tensors(path, KEY):  # the values: finite (one tensor held at a time)
+        pass
+
+
+def _checked_headers(cfg: ModelConfig, path: Path) -> None:
+    problems = shape_problems(cfg, path, KEY, headers(path, KEY))
+    if problems:
+        raise UserError(problems)
 
 
 def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -127,6 +157,7 @@ def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     problems = section_problems(cfg, hf)
     if problems:
         raise UserError(problems)
+    _checked_headers(cfg, path)
     tensors = read_tensors(path)
     names = get_model_spec(cfg.kind).hf
     if names is not None:  # the directory's names, as the family's map reads them
