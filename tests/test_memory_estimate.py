@@ -48,6 +48,11 @@ LAYOUTS = {
     "data4-nvme-bf16-selective": [
         "parallelism.data=4", f"{MEM}offload=nvme", f"{MEM}offload_buffer_mb=0.01",
         "training.dtype=bfloat16", f"{MEM}activation_checkpointing=selective"],
+    # Dropout on CPU: attention falls back to the math kernel (fp32 scores), masks at full width.
+    "data2-tensor2-dropout": ["parallelism.tensor=2", "model.dropout=0.1"],
+    "data2-pipeline2-dropout-selective-bf16": [
+        "parallelism.pipeline=2", "model.dropout=0.1", "training.dtype=bfloat16",
+        f"{MEM}activation_checkpointing=selective"],
 }
 
 
@@ -104,6 +109,12 @@ SHAPES = {
                  "model.seq_len=32"],
     "llama-gqa": ["model.kind=llama", "model.num_layers=2", "model.hidden_size=32",
                   "model.num_heads=4", "model.num_kv_heads=2", "model.seq_len=64"],
+    # Under dropout CPU attention keeps its s^2 scores, which selective recompute drops.
+    "gpt-dropout": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                    "model.seq_len=256", "model.dropout=0.1"],
+    "llama-dropout-bf16": ["model.kind=llama", "model.num_layers=2", "model.hidden_size=32",
+                           "model.num_heads=4", "model.num_kv_heads=2", "model.seq_len=128",
+                           "model.dropout=0.1", "training.dtype=bfloat16"],
 }
 RECOMPUTE = ("none", "selective", "full")
 
@@ -140,3 +151,58 @@ def test_recompute_saves_at_least_what_the_estimate_predicts(shape: str, tmp_pat
         assert seen >= predicted - 0.1 * abs(predicted), (shape, mode, predicted, seen)
         assert abs(seen - predicted) <= 0.1 * abs(predicted), (shape, mode, predicted, seen)
     assert 1 - estimated["full"] / estimated["none"] > 0.2  # the loss and one layer stay
+
+
+def test_cpu_attention_under_dropout_keeps_what_the_memory_model_prices() -> None:
+    """``device_kernels.py``'s facts, read off autograd's saved tensors: on CPU,
+    ``scaled_dot_product_attention`` with dropout keeps three fp32 s x s tensors and fp32
+    copies of Q, K, V (bfloat16 inputs too), and without dropout only its inputs, output and
+    log-sum-exp; so a torch whose kernels change fails here, not silently in the estimate."""
+    import torch
+    import torch.nn.functional as F
+
+    from mcpar.device_kernels import (
+        MATH_ATTENTION_BYTES,
+        MATH_ATTENTION_SCORE_TENSORS,
+        attention_kernel,
+    )
+
+    batch, heads, seq, dim = 2, 4, 64, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        for dropout in (0.0, 0.1):
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, into: dict[int, int] = storages) -> torch.Tensor:
+                into[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            elements = batch * heads * seq * dim
+            scores = batch * heads * seq * seq
+            if attention_kernel("cpu", dropout > 0) == "math":
+                expected = MATH_ATTENTION_BYTES * (MATH_ATTENTION_SCORE_TENSORS * scores
+                                                   + 3 * elements)
+            else:  # Q, K, V, the output (its dtype) and the fp32 log-sum-exp
+                expected = 4 * elements * q.element_size() + 4 * batch * heads * seq
+            assert sum(storages.values()) == expected, (dtype, dropout, storages)
+
+
+def test_a_cpu_layout_under_dropout_prices_the_math_attention() -> None:
+    """The config's layout resolves the kernel once: math on CPU under dropout, flash without
+    dropout or on CUDA; the estimate then counts the scores (about 3x the activations here)."""
+    from mcpar.sim.memory import rank_activations
+
+    def layout(*settings: str) -> tuple[str, float]:
+        cfg = load_config(None, [*TINY, "model.seq_len=256", *settings])
+        lay = config_layout(cfg, 1)
+        return lay.attention_kind, max(rank_activations(config_model(cfg), lay))
+
+    (off, without), (on, with_dropout) = (
+        layout("training.device=cpu"), layout("training.device=cpu", "model.dropout=0.1"))
+    assert (off, on) == ("flash", "math")
+    assert with_dropout > 2.5 * without
+    cuda_kind, _ = layout("training.device=cuda", "model.dropout=0.1")
+    assert cuda_kind == "flash"

@@ -3,6 +3,9 @@
 The device is explicit: ``training.device: cpu|cuda``, or ``auto``, which takes CUDA only when
 ``torch.cuda.is_available()`` says so and logs what it chose; asking for ``cuda`` on a machine
 without it is a user error, never a silent fallback to CPU.
+
+What the devices' kernels keep for the backward pass where they differ (attention under
+dropout, dropout masks), which the memory model prices without torch: ``device_kernels.py``.
 """
 
 from __future__ import annotations

@@ -38,8 +38,12 @@ class LayerActivations:
     attention: float  # Q, K, V, the core's output and the projections' inputs
     mlp: float  # the MLP's (or experts') inner tensors
     weight_copies: float  # autocast's 16-bit weight copies, saved by each matmul's backward
-    core: float  # the attention core's own: scores (unfused) or log-sum-exp (flash)
+    core: float  # the attention core's own: scores (unfused, math) or log-sum-exp (flash)
     core_output: float  # the core's output, which its re-forward writes once more
+    # Of ``attention``, what the core alone kept and no longer keeps because it saves copies of
+    # its own (the math kernel's fp32 Q, K, V): unsaved when the core runs once, kept as the
+    # recomputed core's inputs under selective recompute.
+    core_replaces: float = 0.0
 
     @property
     def inside(self) -> float:
@@ -47,7 +51,7 @@ class LayerActivations:
 
     @property
     def full(self) -> float:
-        return self.outside + self.inside + self.core
+        return self.outside + self.inside + self.core - self.core_replaces
 
 
 @dataclass(frozen=True)

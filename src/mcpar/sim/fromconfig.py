@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mcpar.config import JobConfig
+from mcpar.device_kernels import attention_kernel, run_device_type
 from mcpar.errors import UserError, problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.sim.stages import stage_sizes
@@ -53,6 +54,12 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
     else:
         global_batch = opt.micro_batch_size * (opt.gradient_accumulation or 1) * dp
     topology = {"flat": "flat", "hierarchical": "hierarchical", "hybrid": "auto"}[com.topology]
+    # The device's kernels keep different tensors only under dropout (``device_kernels.py``),
+    # so only then is 'auto' resolved (which asks torch); without dropout the layout keeps
+    # the default, whose kernels keep what CPU's do. A preset is a published GPU run.
+    dropout = preset is None and cfg.model.dropout > 0
+    device = run_device_type(cfg.training.device) if dropout else "cuda"
+    attention = "math" if attention_kernel(device, dropout) == "math" else "auto"
     return Layout(
         tp=tp, pp=pp, vp=par.virtual_stages, cp=1, dp=dp, ep=par.experts,
         zero_stage=mem.zero_stage, seq_parallel=par.sequence_parallel,
@@ -66,6 +73,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         p2p_split=par.sequence_parallel,
         autocast=preset is None,
         stages=_stage_cut(cfg, pp * par.virtual_stages) if preset is None else (),
+        attention=attention, device=device,
     )
 
 

@@ -16,12 +16,15 @@ is sharded over dp x cp / ep, where the old runtime estimate divided it by all o
 Activations per layer and micro-batch (Korthikanti et al. 2022), with X = b s h elements of the
 residual stream:
 - outside tensor parallelism: two LayerNorm inputs (the residual stream: fp32 under autocast,
-  16-bit otherwise), the attention and MLP inputs (16-bit) and two 1-byte dropout masks (none
-  when the model has no dropout); divided by tp only under sequence parallelism;
+  16-bit otherwise), the attention and MLP inputs (16-bit) and two dropout masks (none when
+  the model has no dropout; 1 byte on CUDA, the values' 16 or 32 bits on CPU); divided by tp
+  only under sequence parallelism;
 - inside: Q, K, V (K and V at kv_heads/heads), the output projection's input, the MLP's ffn-wide
   tensors (2 for GELU/ReLU^2, 3 for SwiGLU; x top_k, + 1 for a shared expert, for MoE), / tp;
 - the unfused kernel's scores: softmax output, dropout mask and dropout output (2 x 2 + 1 bytes
-  per score; 2 without dropout), gone with flash attention or selective recompute.
+  per score; 2 without dropout), gone with flash attention or selective recompute; CPU's math
+  kernel under dropout keeps three fp32 score tensors and fp32 copies of Q, K, V in place of
+  them (``device_kernels.py``); the embedding's dropout mask on the first stage.
 At 16 bits this is the paper's s b h (34 + 5 a s / h) (34 / tp with sequence parallelism). The
 old runtime estimate used that sum for every model (doubling the 1-byte masks in fp32, pricing
 the s x s scores mcpar's ``scaled_dot_product_attention`` never keeps, ignoring the ffn width,
@@ -53,6 +56,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mcpar.device_kernels import (
+    MATH_ATTENTION_BYTES,
+    MATH_ATTENTION_SCORE_TENSORS,
+    dropout_mask_bytes,
+)
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerActivations
 from mcpar.registry.schedule import SCHEDULES
@@ -185,7 +193,9 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
     device): the residual stream is 16-bit and no weight copies are made."""
     a = ACT_BYTES[lay.precision]
     resid = 4 if lay.autocast and not weights16 else a  # the residual stream (the norms keep)
-    masks = 1 if m.dropout else 0
+    # Dropout keeps a mask over each value it drops (the block's two, on the sublayers' a-byte
+    # outputs): 1 byte on CUDA, the values' own bytes on CPU (``device_kernels.py``).
+    masks = dropout_mask_bytes(lay.device, a) if m.dropout else 0
     t = lay.tp
     sp = t if lay.seq_parallel else 1
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -209,15 +219,22 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
         # Autocast's 16-bit copies of the layer's weights, saved by each matmul's backward.
         split, _, expert = m.layer_param_split()
         copies = a * (split / t + expert / t / lay.ep)
+    scores = lay.micro_batch * m.heads / t * (m.seq_len / lay.cp) * m.seq_len
+    replaced = 0.0
     if lay.attention_kind == "unfused":
-        per_score = a + (a + 1 if m.dropout else 0)
-        core = per_score * lay.micro_batch * m.heads / t * (m.seq_len / lay.cp) * m.seq_len
+        core = (a + (a + 1 if m.dropout else 0)) * scores
+    elif lay.attention_kind == "math":
+        # Its fp32 scores, and fp32 copies of Q, K and V in place of Q, K and V themselves
+        # (which only the core kept: ``attention`` counts them).
+        qkv = x * (1 + 2 * ratio_kv) / t
+        core = (MATH_ATTENTION_SCORE_TENSORS * scores + qkv) * MATH_ATTENTION_BYTES
+        replaced = a * qkv
     else:  # the flash kernel's fp32 log-sum-exp per query and head
         core = 4 * lay.micro_batch * m.heads / t * m.seq_len / lay.cp
     # The recompute policy's entry says what of the layer's set stays saved.
     return RECOMPUTE_POLICIES.get(lay.recompute).saved(LayerActivations(
         block_input=resid * x / sp, outside=outside, attention=attention, mlp=mlp,
-        weight_copies=copies, core=core, core_output=a * x / t))
+        weight_copies=copies, core=core, core_output=a * x / t, core_replaces=replaced))
 
 
 def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
@@ -246,6 +263,18 @@ def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -
     return head + 3 * 4.0 * tokens * m.vocab / lay.tp
 
 
+def embedding_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
+    """What the first stage keeps for one micro-batch before its blocks: the mask of the
+    embedding's dropout (over the embedding's output, in the weights' dtype), none without
+    dropout."""
+    if not m.dropout:
+        return 0.0
+    resid = 4 if lay.autocast and not weights16 else ACT_BYTES[lay.precision]
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    sp = lay.tp if lay.seq_parallel else 1
+    return dropout_mask_bytes(lay.device, resid) * tokens * m.hidden / sp
+
+
 def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None = None,
                      weights16: bool = False) -> list[float]:
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
@@ -268,6 +297,7 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
         kept = sum(per_mode[mode][0] for mode in held) * flight
         working = max((per_mode[mode][1] for mode in held), default=0.0)
         out.append(kept + working
+                   + (embedding_activation_bytes(m, lay, weights16) * flight if r == 0 else 0.0)
                    + (head_activation_bytes(m, lay, weights16)
                       if r == (len(sizes) - 1) % lay.pp else 0.0))
     return out

@@ -30,7 +30,10 @@ PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 ALLOCATION = ("default", "topology_aware")
 WEIGHT_GATHER = ("none", "int8")  # ZeRO-3's forward gathers, block-quantized (ZeRO++ qwZ)
 TOPOLOGY = ("flat", "hierarchical", "auto")
-ATTENTION = ("auto", "flash", "unfused")
+# math: the CPU composite scaled_dot_product_attention falls back to under dropout
+# (``device_kernels.py``), which keeps its fp32 scores like an unfused kernel.
+ATTENTION = ("auto", "flash", "unfused", "math")
+DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,10 @@ class Layout:
     schedule: str = ""  # a registered pipeline schedule; '': 1f1b, or interleaved when vp > 1
     compression: str = "none"
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
-    attention: str = "auto"  # flash | unfused; auto: unfused for fp16 (see costmodel docs)
+    attention: str = "auto"  # flash | unfused | math; auto: unfused for fp16 (see costmodel docs)
+    # Whose kernels the run uses where they keep different tensors (``device_kernels.py``):
+    # dropout masks, and attention under dropout (a config's layout resolves the kernel).
+    device: str = "cuda"
     powersgd_rank: int = 4
     allocation: str = "default"  # see ALLOCATION
     weight_gather: str = "none"  # see WEIGHT_GATHER
@@ -197,7 +203,7 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if m.seq_len % lay.cp or (m.seq_len // lay.cp) % (lay.tp if lay.seq_parallel else 1):
         bad("cp", f"seq_len {m.seq_len} does not split over cp {lay.cp}"
                   + (f" x tp {lay.tp}" if lay.seq_parallel else ""))
-    if lay.cp > 1 and lay.attention == "unfused":
+    if lay.cp > 1 and lay.attention in ("unfused", "math"):
         bad("cp", "context parallelism exchanges key/value blocks inside a flash-style kernel")
     if (lay.dp * lay.cp) % lay.ep:
         bad("ep", f"expert degree {lay.ep} does not divide dp x cp = {lay.dp * lay.cp}")
@@ -220,7 +226,7 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
             bad(field, text)
     for key, allowed in (("precision", PRECISIONS),
                          ("topology", TOPOLOGY),
-                         ("attention", ATTENTION),
+                         ("attention", ATTENTION), ("device", DEVICES),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
