@@ -42,6 +42,7 @@ from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
 from mcpar.sim.hardware import LocalProfile
 from mcpar.sim.localprofile import local_cluster, measure
+from mcpar.sim.profilestore import lookup_profile
 
 T = TypeVar("T")
 MAX_FOREIGN = 0.05  # share of the cores other processes may use during a timed run
@@ -156,7 +157,12 @@ def main() -> int:
     args = parser.parse_args()
     profile_foreign = None
     if args.profile:
-        profile = LocalProfile.from_json(args.profile.read_text())
+        found = lookup_profile(args.profile)  # this machine's, as a run here would use it
+        if found.profile is None:
+            print(f"--profile: {found.why}; measure it again or leave --profile out",
+                  file=sys.stderr)
+            return 2
+        profile = found.profile
     else:
         for _ in range(1 + args.retries):
             wait_for_idle(args.idle_wait)

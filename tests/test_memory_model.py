@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.hardware import LocalProfile, cluster_preset
 from mcpar.sim.memory import memory_per_gpu, rank_params
+from mcpar.sim.profilestore import save_profile
 from mcpar.sim.stages import partition_layers as sim_cut
 
 SMALL = {"num_layers": 4, "hidden_size": 128, "num_heads": 8, "seq_len": 128, "vocab_size": 256}
@@ -181,7 +181,7 @@ def test_default_simulate_on_this_machine_matches_check(
                      "p2p": [1.5e-3, 1e-10]},
         notes={"flops_all_cores": 140e9})
     saved = tmp_path / "profile.json"
-    saved.write_text(json.dumps(asdict(profile)))
+    save_profile(profile, saved)  # this machine's: used as it is, not measured again
     monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(saved))
     path, _ = write_config(tmp_path, "tensor2-sp-pipeline2")
     check = run_cli_in_process(capsys, "check", str(path))

@@ -15,6 +15,8 @@ from mcpar.config import load_config
 from mcpar.models.spec import get_model_spec
 from mcpar.profiler import mfu as mfu_mod
 from mcpar.profiler.mfu import device_peak
+from mcpar.sim.hardware import LocalProfile
+from mcpar.sim.profilestore import cores, machine_key, save_profile
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=32"]
 CASES = {
@@ -70,18 +72,19 @@ def test_with_cpus_fused_attention_torch_misses_exactly_the_attention_term() -> 
     assert share == pytest.approx(0.138, abs=0.001)  # the default GPT: 12 L s h of 6.1 M
 
 
-def _profile(path, cores: int, per_thread: float, all_cores: float) -> None:
-    path.write_text(json.dumps({
-        "cores": cores, "flops_per_thread": per_thread, "attention_flops_per_thread": 1e9,
-        "mem_bw_per_thread": 1e9, "mem_bw_total": 1e9, "op_overhead_s": 1e-5,
-        "layer_overhead_s": 1e-4, "collectives": {"ar": [1e-4, 1e-9]},
-        "notes": {"flops_all_cores": all_cores}}))
+def _profile(path, cores: int, per_thread: float, all_cores: float,
+             machine: dict | None = None) -> None:
+    """A profile saved as a measurement on this machine (or on ``machine``) saves it."""
+    save_profile(LocalProfile(
+        cores=cores, flops_per_thread=per_thread, attention_flops_per_thread=1e9,
+        mem_bw_per_thread=1e9, mem_bw_total=1e9, op_overhead_s=1e-5, layer_overhead_s=1e-4,
+        collectives={"ar": [1e-4, 1e-9]}, notes={"flops_all_cores": all_cores}), path, machine)
 
 
 def test_cpu_peak_is_the_calibrated_profiles(tmp_path, monkeypatch) -> None:
     path = tmp_path / "local_profile.json"
-    cores = mfu_mod._cores()
-    _profile(path, cores, 3e10, 5e10 * cores)
+    n = cores()
+    _profile(path, n, 3e10, 5e10 * n)
     monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
     monkeypatch.setenv("MCPAR_PEAK_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setattr(mfu_mod, "measured_matmul_flops", _never)
@@ -89,11 +92,43 @@ def test_cpu_peak_is_the_calibrated_profiles(tmp_path, monkeypatch) -> None:
     threads = torch.get_num_threads()
     assert peak.flops_per_device == 5e10 * threads  # the better of one-thread and all-core
     assert str(path) in peak.source and "calibrated local profile" in peak.source
+    assert json.loads(path.read_text())["measured"] in peak.source
     assert device_peak(torch.device("cpu"), "float32", devices=2) == peak
-    # A profile of another machine (core count) is not this one's: measured and cached.
-    _profile(path, cores + 1, 3e10, 5e10)
+
+
+@pytest.mark.parametrize(("stale", "says"), [
+    ({"cpu_model": "Another CPU 9000"}, "cpu_model 'Another CPU 9000' there"),
+    ({"torch": "1.0.0"}, "torch '1.0.0' there"),
+    ({"cores": 999}, "cores 999 there"),
+    ({"backend": "nccl", "device": "cuda"}, "backend 'nccl' there, 'gloo' here"),
+    ("edited", "was edited after it was measured"),
+    ("unkeyed", "no machine key"),
+])
+def test_a_stale_profile_is_not_the_peak_and_the_source_says_why(
+        tmp_path, monkeypatch, stale: dict | str, says: str) -> None:
+    """A profile of another machine (CPU model, torch, cores, backend), edited by hand, or saved
+    before profiles were keyed: this run's peak is measured and cached instead, and its source
+    names why the profile was passed over."""
+    path = tmp_path / "local_profile.json"
+    n = cores()
+    _profile(path, n, 3e10, 5e10 * n, {**machine_key(), **stale}
+             if isinstance(stale, dict) else None)
+    if stale == "edited":
+        doc = json.loads(path.read_text())
+        path.write_text(json.dumps({**doc, "flops_per_thread": 3e12}))  # a number made up
+    elif stale == "unkeyed":
+        doc = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in doc.items()
+                                    if k not in ("machine", "measured", "sha256")}))
+    monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
+    monkeypatch.setenv("MCPAR_PEAK_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setattr(mfu_mod, "measured_matmul_flops", lambda: 7e9)
-    assert device_peak(torch.device("cpu"), "float32", devices=1).flops_per_device == 7e9
+    peak = device_peak(torch.device("cpu"), "float32", devices=1)
+    assert peak.flops_per_device == 7e9
+    assert "calibrated local profile" not in peak.source and says in peak.source
+    assert str(path) in peak.source
+    again = device_peak(torch.device("cpu"), "float32", devices=1)  # the cached figure
+    assert again.flops_per_device == 7e9 and says in again.source
 
 
 def _never() -> float:

@@ -111,15 +111,24 @@ CPU_PROFILE = {"flops_per_thread": 7.4e10, "attention_flops_per_thread": 2.2e10,
                "notes": {"flops_all_cores": 4.2e10}}
 
 
+def _save_cpu_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      machine: dict | None = None) -> Path:
+    """CPU_PROFILE saved as measured on this machine (or on ``machine``), in MCPAR_LOCAL_PROFILE."""
+    from mcpar.sim.hardware import LocalProfile
+    from mcpar.sim.profilestore import PROFILE_ENV, cores, save_profile
+
+    path = tmp_path / "local_profile.json"
+    save_profile(LocalProfile(cores=cores(), **CPU_PROFILE), path, machine)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    return path
+
+
 def test_a_cpu_job_is_ranked_on_this_machine_not_a_gpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mcpar.controllers.memory.placement import _cores, place
+    from mcpar.controllers.memory.placement import place
     from mcpar.sim.hardware import load_accelerators, make_cluster
-    from mcpar.sim.localprofile import PROFILE_ENV
 
-    profile = tmp_path / "local_profile.json"
-    profile.write_text(json.dumps({"cores": _cores(), **CPU_PROFILE}))
-    monkeypatch.setenv(PROFILE_ENV, str(profile))
+    profile = _save_cpu_profile(tmp_path, monkeypatch)
     cfg = load_config(None, [*BASE, "training.device=cpu", "controllers.memory.zero_stage=0",
                              f"{BUDGET}=1"])
     dims = resolve_plan(cfg, WORLD).parallel_dims()
@@ -139,3 +148,23 @@ def test_a_cpu_job_is_ranked_on_this_machine_not_a_gpu(
     gpu = (make_cluster(a100, WORLD, WORLD, a100.typical_inter_gbps), "A100-80GB")
     on_gpu = [p for p in search(cfg, dims, "cpu", gpu)[0] if p.peak_bytes <= budget][0]
     assert on_gpu.offload == "none" and on_gpu.blocks != (4, 0, 0)
+
+
+@pytest.mark.parametrize("stale", ["torch", "edited"])
+def test_a_stale_local_profile_is_not_what_a_cpu_job_is_ranked_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: str) -> None:
+    """A profile measured under another torch, or edited since: the placement ranks on the
+    declared figures and its report says why, as the MFU's peak does (one rule)."""
+    from mcpar.controllers.memory.placement import DECLARED_CPU, ranking_cluster
+    from mcpar.sim.profilestore import cores, machine_key
+
+    machine = {**machine_key(), "torch": "1.0.0"} if stale == "torch" else None
+    path = _save_cpu_profile(tmp_path, monkeypatch, machine)
+    if stale == "edited":
+        doc = json.loads(path.read_text())
+        path.write_text(json.dumps({**doc, "layer_overhead_s": 1e-9}))  # made cheap by hand
+    cluster, what = ranking_cluster("cpu", WORLD)
+    assert "declared figures" in what and str(path) in what
+    assert ("torch '1.0.0' there" if stale == "torch" else "was edited") in what
+    assert cluster.accel.peak_flops["fp32"] == DECLARED_CPU.flops_per_thread
+    assert cluster.cores == cores()

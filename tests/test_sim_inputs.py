@@ -167,19 +167,34 @@ GOOD_PROFILE = {
 def test_a_broken_local_profile_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch, field: str,
                                            value: object, named: str) -> None:
+    """A profile of this machine, its checksum intact, whose measured figures are no rates (an
+    edited one is stale instead, and measured again: test_profilestore.py)."""
     import json
+
+    from mcpar.sim import localprofile
+    from mcpar.sim.hardware import LocalProfile
+    from mcpar.sim.profilestore import profile_document, save_profile
 
     path = tmp_path / "profile.json"
     monkeypatch.setenv("MCPAR_LOCAL_PROFILE", str(path))
-    path.write_text(json.dumps(GOOD_PROFILE))  # a sound profile is still accepted
+    monkeypatch.setattr(localprofile, "measure", _never_measured)
+    save_profile(LocalProfile(**GOOD_PROFILE), path)  # a sound profile is still accepted
     proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
                               "--cluster", "local")
     assert proc.returncode == 0 and "local-cpu" in proc.stdout, proc.stderr
-    path.write_text(json.dumps({**GOOD_PROFILE, field: value}))
+    if named:
+        save_profile(LocalProfile(**{**GOOD_PROFILE, field: value}), path)
+    else:  # not a field of a profile: refused before its checksum is read
+        doc = profile_document(LocalProfile(**GOOD_PROFILE))
+        path.write_text(json.dumps({**doc, field: value}))
     proc = run_cli_in_process(capsys, "simulate", str(REPO / "configs" / "moe.yaml"),
                               "--cluster", "local")
     user_error(proc, f"{path}.{named}:" if named else f"{path}: not a local profile",
                "python -m mcpar.sim.localprofile")
+
+
+def _never_measured() -> None:
+    raise AssertionError("measured although a profile of this machine is saved")
 
 
 # --- the planner's bounds -----------------------------------------------------------------------

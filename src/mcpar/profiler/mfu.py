@@ -30,13 +30,15 @@ Peaks: on CUDA, the datasheet's dense figure from the cost model's hardware tabl
 ``training.dtype: bfloat16``; float32 runs as TF32, half of it). On CPU no datasheet means
 anything for a shared machine, and a rate measured for a fraction of a second at start swings
 with the load of the moment, so the peak is a stored figure, the same for every run on this
-machine: (1) the calibrated local profile (``sim/localprofile.py``, ``profile_path()``) when
-one exists for this machine's core count: the better of its one-thread rate and its all-core
-rate per core, times the rank's threads; else (2) a figure measured once (training-shaped
+machine: (1) the calibrated local profile when it is this machine's (``sim/profilestore.py``,
+``lookup_profile``, the rule the memory placement follows too: keyed to the CPU model, cores,
+torch version and backend, its checksum intact): the better of its one-thread rate and its
+all-core rate per core, times the rank's threads; else (2) a figure measured once (training-shaped
 fp32 matmuls, median of several windows, every rank measuring at once as they train) and
 cached in ``cpu_peak_cache()`` under this machine's key (CPU model, cores, threads per rank,
-torch version), which later runs reuse. The source, with its path and date, goes with every
-MFU (``Peak.source``: summary.json, the profile report).
+torch version), which later runs reuse, its source saying why a saved local profile was not
+used. The source, with its path and date, goes with every MFU (``Peak.source``: summary.json,
+the profile report).
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from mcpar.sim.profilestore import ProfileLookup, cores, cpu_model, lookup_profile
 
 
 @dataclass(frozen=True)
@@ -80,22 +83,8 @@ def cpu_peak_cache() -> Path:
 
 def machine_key(threads: int) -> str:
     """What a cached CPU peak is valid for: CPU model, cores, threads per rank, torch version."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} | {_cores()} cores | {threads} thread(s) per rank | torch {torch.__version__}"
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return (f"{cpu_model()} | {cores()} cores | {threads} thread(s) per rank | "
+            f"torch {torch.__version__}")
 
 
 def measured_matmul_flops(windows: int = 5, seconds: float = 0.3) -> float:
@@ -129,27 +118,20 @@ def measured_matmul_flops(windows: int = 5, seconds: float = 0.3) -> float:
     return statistics.median(rates)
 
 
-def calibrated_cpu_peak(threads: int) -> tuple[float, str] | None:
-    """(FLOP/s of a rank with ``threads`` threads, source) from the calibrated local profile,
-    or None without one for this machine (missing, unreadable, or of another core count)."""
-    from mcpar.errors import UserError
-    from mcpar.sim.localprofile import profile_path, read_profile
-
-    path = profile_path()
-    if not path.is_file():
-        return None
-    try:
-        profile = read_profile(path)
-    except UserError:
-        return None
-    if profile.cores != _cores():
+def calibrated_cpu_peak(threads: int, found: ProfileLookup | None = None,
+                        ) -> tuple[float, str] | None:
+    """(FLOP/s of a rank with ``threads`` threads, source) from the calibrated local profile
+    (``found``, default ``lookup_profile()``), or None without one valid for this machine."""
+    found = found or lookup_profile()
+    profile = found.profile
+    if profile is None:
         return None
     all_cores = profile.notes.get("flops_all_cores", 0.0) / profile.cores
     per_thread = max(profile.flops_per_thread, all_cores)
     return per_thread * threads, (
-        f"fp32 matmul rate of the calibrated local profile {path} (measured {_date(path)}): "
-        f"{per_thread / 1e9:.4g} GFLOP/s per thread x {threads} thread(s) per rank; not a "
-        "datasheet")
+        f"fp32 matmul rate of the calibrated local profile {found.path} (measured "
+        f"{found.measured}): {per_thread / 1e9:.4g} GFLOP/s per thread x {threads} thread(s) per "
+        "rank; not a datasheet")
 
 
 def cached_cpu_peak(threads: int) -> tuple[float, str] | None:
@@ -190,13 +172,21 @@ def _cached_source(path: Path, when: str, threads: int) -> str:
             f"({threads} thread(s) per rank); not a datasheet")
 
 
-def _date(path: Path) -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+def stored_cpu_peak(threads: int, found: ProfileLookup | None = None,
+                    ) -> tuple[float, str] | None:
+    """The CPU peak per rank a run reuses: the calibrated profile's, else the cached one (its
+    source then says why a saved profile was not used)."""
+    found = found or lookup_profile()
+    calibrated = calibrated_cpu_peak(threads, found)
+    if calibrated is not None:
+        return calibrated
+    cached = cached_cpu_peak(threads)
+    return None if cached is None else (cached[0], _not_used(cached[1], found))
 
 
-def stored_cpu_peak(threads: int) -> tuple[float, str] | None:
-    """The CPU peak per rank a run reuses: the calibrated profile's, else the cached one."""
-    return calibrated_cpu_peak(threads) or cached_cpu_peak(threads)
+def _not_used(source: str, found: ProfileLookup) -> str:
+    """``source``, with why the saved local profile was not used (none saved: nothing to say)."""
+    return source if found.status == "missing" else f"{source} ({found.why})"
 
 
 def datasheet_peak(device_name: str, dtype: str) -> tuple[float, str] | None:
@@ -224,8 +214,12 @@ def device_peak(device: torch.device, dtype: str, devices: int) -> Peak:
         return Peak(_measured_cuda(device), devices, f"measured matmul peak ({name}, not in "
                     "the hardware table)")
     threads = torch.get_num_threads()
-    flops, source = stored_cpu_peak(threads) or store_cpu_peak(threads, measured_matmul_flops())
-    return Peak(flops, devices, source)
+    found = lookup_profile()
+    stored = stored_cpu_peak(threads, found)
+    if stored is None:
+        flops, source = store_cpu_peak(threads, measured_matmul_flops())
+        stored = flops, _not_used(source, found)
+    return Peak(stored[0], devices, stored[1])
 
 
 def _measured_cuda(device: torch.device, size: int = 4096) -> float:

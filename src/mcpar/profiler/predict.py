@@ -1,8 +1,10 @@
 """What the plan predicted for this run: the cost model (``mcpar simulate``) on this job's config.
 
 On CUDA the cluster is the hardware table's row for this GPU; on CPU it is the machine's saved
-local profile (``mcpar simulate --cluster local`` measures and saves it once). Without one the
-report says how to get it, rather than stopping the run for a minute of measurements.
+local profile when it is this machine's (``sim.profilestore.lookup_profile``; ``mcpar simulate
+--cluster local`` measures and saves it). Without one, or with a stale one (another machine's, or
+edited), the report says why and how to measure it, rather than stopping the run for half a
+minute of measurements.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def predicted(cfg: JobConfig, world_size: int, device: torch.device) -> tuple[di
     from mcpar.sim.costmodel import simulate
     from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
     from mcpar.sim.hardware import GPU_ALIASES, cluster_preset
-    from mcpar.sim.localprofile import load_local_cluster, profile_path
+    from mcpar.sim.localprofile import local_cluster
+    from mcpar.sim.profilestore import lookup_profile
 
     try:
         if device.type == "cuda":
@@ -33,11 +36,12 @@ def predicted(cfg: JobConfig, world_size: int, device: torch.device) -> tuple[di
             cluster = cluster_preset(f"{alias}x{world_size}")
             source = f"cost model, {cluster.accel.name} x {world_size}"
         else:
-            if not profile_path().is_file():
-                return None, ("no local profile of this machine: run `mcpar simulate --cluster "
-                              "local CONFIG` once to measure it")
-            cluster = replace(load_local_cluster(), num_gpus=world_size)
-            source = f"cost model, local profile ({profile_path()})"
+            found = lookup_profile()
+            if found.profile is None:
+                return None, (f"{found.why}: run `mcpar simulate --cluster local CONFIG` once "
+                              "to measure this machine")
+            cluster = replace(local_cluster(found.profile), num_gpus=world_size)
+            source = f"cost model, local profile ({found.path})"
         precision = {"float32": "fp32", "bfloat16": "bf16"}[cfg.training.dtype]
         layout = config_layout(cfg, world_size, None, precision)
         pred = simulate(config_model(cfg), layout, cluster, where="config", names=CONFIG_KEYS)

@@ -214,7 +214,8 @@ def cluster_preset(name: str, table: dict[str, Accelerator] | None = None,
 
 @dataclass
 class LocalProfile:
-    """This machine, as measured by ``localprofile.measure`` (CPU workers over gloo)."""
+    """This machine, as measured by ``localprofile.measure`` (CPU workers over gloo); saved and
+    read, stamped with the machine it is valid for, by ``profilestore``."""
 
     cores: int
     flops_per_thread: float  # fp32 matmul FLOP/s of one thread at training-like shapes
@@ -229,7 +230,3 @@ class LocalProfile:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> LocalProfile:
-        return cls(**json.loads(text))

@@ -3,6 +3,8 @@ it measures and how ``--cluster local`` uses it: docs/cost_model.md ("The local 
 
     python -m mcpar.sim.localprofile [--out FILE]    # measure and save
 
+The file, its machine key and checksum, and when a saved profile is used: ``profilestore``.
+
 Beyond the doc: rates are sustained over a few tenths of a second; element-wise throughput is
 measured on 4 MiB tensors (cache-resident, as a small model's activations are); the block whose
 fixed cost is measured is so small that its arithmetic is negligible; gloo is timed at 16 KiB to
@@ -12,7 +14,7 @@ fixed cost is measured is so small that its arithmetic is negligible; gloo is ti
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
 import statistics
 import sys
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mcpar.errors import UserError, problem
+from mcpar.errors import UserError
 from mcpar.sim.hardware import (
     Accelerator,
     Cluster,
@@ -29,20 +31,8 @@ from mcpar.sim.hardware import (
     cluster_preset,
     load_accelerators,
 )
-
-PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
-
-
-def profile_path() -> Path:
-    env = os.environ.get(PROFILE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "mcpar" / "local_profile.json"
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+from mcpar.sim.profilestore import cores as cores_here
+from mcpar.sim.profilestore import lookup_profile, profile_path, save_profile
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -257,16 +247,16 @@ def _collective_costs() -> dict[str, tuple[float, float]]:
 
 
 def measure() -> LocalProfile:
-    cores = _cores()
+    n = cores_here()
     flops_1 = _matmul_rate(1)
-    flops_all = _matmul_rate(cores)
+    flops_all = _matmul_rate(n)
     attn_1 = _attention_rate()
     mem_1 = _stream_rate(1)
-    mem_all = _stream_rate(cores)
+    mem_all = _stream_rate(n)
     op, block = _block_overhead()
     costs = _collective_costs()
     return LocalProfile(
-        cores=cores, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
+        cores=n, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
         layer_overhead_s=block, collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all},
@@ -298,61 +288,20 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
 
 
 def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Cluster:
-    """The saved local profile as a cluster (measured and saved first when missing)."""
-    path = path or profile_path()
-    if remeasure or not path.is_file():
-        print(f"mcpar: measuring this machine for the 'local' profile (saved to {path})",
-              file=sys.stderr, flush=True)
-        profile = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(profile.to_json())
-    else:
-        profile = read_profile(path)
+    """The saved local profile as a cluster, when it is this machine's (``lookup_profile``);
+    measured and saved first when missing or stale, with a line saying why. A profile that is
+    this machine's but unsound (a measured rate zero or not finite) is a UserError."""
+    found = lookup_profile(path)
+    if found.profile is not None and not remeasure:
+        return local_cluster(found.profile)
+    if found.status == "broken" and not remeasure:
+        raise UserError(list(found.problems))
+    why = "asked to measure again" if remeasure and found.profile is not None else found.why
+    print(f"mcpar: {why}: measuring this machine for the 'local' profile (saved to "
+          f"{found.path})", file=sys.stderr, flush=True)
+    profile = measure()
+    save_profile(profile, found.path)
     return local_cluster(profile)
-
-
-def _finite(value: object, least: float, strict: bool) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and (value > least if strict else value >= least)
-
-
-def read_profile(path: Path) -> LocalProfile:
-    """The saved profile, or a UserError naming the file and each bad field (a file that is not
-    a profile, a field missing, a non-finite, zero or negative rate) and the fix: measure again."""
-    fix = (f"measure this machine again (python -m mcpar.sim.localprofile --out {path}) or "
-           f"delete the file (set by {PROFILE_ENV} or the default path)")
-    try:
-        profile = LocalProfile.from_json(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, TypeError) as err:
-        raise UserError(problem(str(path), f"not a local profile ({err}); {fix}")) from None
-    problems: list[str] = []
-
-    def bad(key: str, expected: str, value: object) -> None:
-        problems.append(problem(f"{path}.{key}", f"expected {expected}, got {value!r}; {fix}"))
-
-    if not isinstance(profile.cores, int) or isinstance(profile.cores, bool) or profile.cores < 1:
-        bad("cores", "an integer >= 1", profile.cores)
-    for key in ("flops_per_thread", "attention_flops_per_thread", "mem_bw_per_thread",
-                "mem_bw_total"):
-        if not _finite(getattr(profile, key), 0.0, strict=True):
-            bad(key, "a finite number > 0", getattr(profile, key))
-    for key in ("op_overhead_s", "layer_overhead_s"):
-        if not _finite(getattr(profile, key), 0.0, strict=False):
-            bad(key, "a finite number >= 0", getattr(profile, key))
-    ops = profile.collectives if isinstance(profile.collectives, dict) else {}
-    if "ar" not in ops:
-        bad("collectives.ar", "[alpha, beta] of the all-reduce", None)
-    for op, cost in ops.items():
-        if not (isinstance(cost, list | tuple) and len(cost) == 2
-                and _finite(cost[0], 0.0, strict=False) and _finite(cost[1], 0.0, strict=True)):
-            bad(f"collectives.{op}", "[alpha >= 0, beta > 0]", cost)
-    notes = profile.notes if isinstance(profile.notes, dict) else {}
-    if "flops_all_cores" in notes and not _finite(notes["flops_all_cores"], 0.0, strict=True):
-        bad("notes.flops_all_cores", "a finite number > 0", notes["flops_all_cores"])
-    if problems:
-        raise UserError(problems)
-    return profile
 
 
 def named_cluster(name: str, table: dict[str, Accelerator] | None = None,
@@ -368,11 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="where to save the profile")
     args = parser.parse_args(argv)
-    profile = measure()
     path = args.out or profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
-    print(profile.to_json())
+    print(json.dumps(save_profile(measure(), path), indent=2))
     print(f"saved to {path}", file=sys.stderr)
     return 0
 

@@ -21,11 +21,11 @@ placement (a run directory's resolved config, every key written) is kept the sam
 Cost of a plan: the cost model's step time (``sim.costmodel.simulate``) on the machine the job
 runs on (``ranking_cluster``): on CUDA the hardware table's row of the device (by its name; the
 A100-80GB row when the table has none), the job's world in 8-GPU nodes; on CPU this machine's
-calibrated local profile (``sim.localprofile``: ``profile_path()``, read by ``read_profile`` as
-the MFU's CPU peak is), else declared CPU figures (``DECLARED_CPU``) and a note on how to
-calibrate. Only the ranking of plans matters here, but it differs between machines: a slow CPU
-pays more for recompute against a fixed offload bandwidth than a GPU does. The report names the
-machine.
+calibrated local profile when it is this machine's (``sim.profilestore.lookup_profile``, the rule
+the MFU's CPU peak follows too), else declared CPU figures (``DECLARED_CPU``) and why the
+profile was not used, with how to calibrate. Only the ranking of plans matters here, but it
+differs between machines: a slow CPU pays more for recompute against a fixed offload bandwidth
+than a GPU does. The report names the machine.
 The recompute term is the extra forward work, linear in the blocks of each mode (blocks are alike:
 the step of a mix is the step without recompute plus each mode's share of its all-blocks extra);
 ZeRO's is its extra communication as the cost model prices it; offload's is the offloaded state
@@ -40,7 +40,6 @@ the same budget; it is left the whole budget and no placement runs beside it.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field, replace
 
 from mcpar.capabilities import offload_problems
@@ -60,19 +59,42 @@ from mcpar.sim.hardware import (
     load_accelerators,
     make_cluster,
 )
-from mcpar.sim.localprofile import local_cluster, profile_path, read_profile
+from mcpar.sim.localprofile import local_cluster
 from mcpar.sim.memory import format_bytes
+from mcpar.sim.profilestore import cores, lookup_profile
 from mcpar.topology import ParallelDims
 
 BUDGET_KEY = "controllers.memory.memory_budget_gb"
 REFERENCE_GPU = "a100-80gb"  # a CUDA device the hardware table has no row for
 MODES = ("none", "selective", "full")
-# A CPU without a local profile: round figures of a current server core (fp32 matmul and causal
-# attention rates per thread, element-wise streaming, eager op and block costs, gloo all-reduce
-# over loopback), stated as such in the report; the calibration replaces them.
-DECLARED_CPU = {"flops_per_thread": 50e9, "attention_flops_per_thread": 15e9,
-                "mem_bw_per_thread": 10e9, "mem_bw_total_per_core": 5e9,
-                "op_overhead_s": 5e-5, "layer_overhead_s": 7e-4, "ar": (5e-3, 4e-10)}
+Blocks = tuple[int, int, int]  # blocks with none, selective, full recompute
+
+
+@dataclass(frozen=True)
+class DeclaredCpu:
+    """A CPU without a usable local profile: round figures of a current server core (fp32 matmul
+    and causal attention rates per thread, element-wise streaming, eager op and block costs,
+    gloo all-reduce over loopback), stated as such in the report; the calibration replaces
+    them."""
+
+    flops_per_thread: float = 50e9
+    attention_flops_per_thread: float = 15e9
+    mem_bw_per_thread: float = 10e9
+    mem_bw_total_per_core: float = 5e9
+    op_overhead_s: float = 5e-5
+    layer_overhead_s: float = 7e-4
+    allreduce: tuple[float, float] = (5e-3, 4e-10)  # (alpha s, beta s/byte)
+
+    def profile(self, cores: int) -> LocalProfile:
+        return LocalProfile(
+            cores=cores, flops_per_thread=self.flops_per_thread,
+            attention_flops_per_thread=self.attention_flops_per_thread,
+            mem_bw_per_thread=self.mem_bw_per_thread,
+            mem_bw_total=self.mem_bw_total_per_core * cores, op_overhead_s=self.op_overhead_s,
+            layer_overhead_s=self.layer_overhead_s, collectives={"ar": list(self.allreduce)})
+
+
+DECLARED_CPU = DeclaredCpu()
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,7 @@ class Plan:
 
     zero_stage: int
     offload: str
-    blocks: tuple[int, int, int]  # blocks with none, selective, full recompute
+    blocks: Blocks
     step_s: float
     peak_bytes: float
     offloaded_bytes: float = 0.0
@@ -170,7 +192,7 @@ def with_settings(cfg: JobConfig, settings: dict[str, object]) -> JobConfig:
 
 
 def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[int], list[str],
-                                                                          list[tuple[int, ...]],
+                                                                          list[Blocks],
                                                                           list[str]]:
     """(ZeRO stages, offloads, recompute block counts) to search, and the keys kept as set."""
     mem = cfg.controllers.memory
@@ -185,7 +207,8 @@ def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[in
     offloads = [mem.offload] if "offload" in user else \
         ["none", "nvme"] + (["cpu"] if device_type == "cuda" else [])
     if "recompute_blocks" in user and mem.recompute_blocks is not None:
-        blocks = [tuple(mem.recompute_blocks)]
+        none, selective, full = mem.recompute_blocks  # three counts (the schema's bounds)
+        blocks = [(none, selective, full)]
     elif "activation_checkpointing" in user:
         if mem.activation_checkpointing not in MODES:
             raise UserError(problem(
@@ -193,7 +216,8 @@ def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[in
                 f"block; {mem.activation_checkpointing!r} is not one of them: set "
                 "controllers.memory.activation_checkpointing to one, or leave the budget unset"))
         mode = MODES.index(mem.activation_checkpointing)
-        blocks = [tuple(layers if i == mode else 0 for i in range(3))]
+        blocks = [(layers if mode == 0 else 0, layers if mode == 1 else 0,
+                   layers if mode == 2 else 0)]
     else:
         # MoE blocks cannot replay their routing (capabilities.py): no full recompute there.
         full_max = 0 if cfg.model.is_moe else layers
@@ -208,38 +232,16 @@ def _blocks(cfg: JobConfig) -> tuple[int, int, int]:
     return modes.count("none"), modes.count("selective"), modes.count("full")
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _cpu_profile() -> tuple[LocalProfile, str]:
-    """This machine's calibrated profile (the one the MFU's CPU peak reads: of this core count),
-    else the declared figures; with the words the report says of it."""
-    path, cores = profile_path(), _cores()
-    if not path.is_file():
-        why = f"no local profile at {path}"
-    else:
-        try:
-            profile = read_profile(path)
-        except UserError as err:
-            why = f"the local profile {path} is unreadable ({err})"
-        else:
-            if profile.cores == cores:
-                return profile, f"this machine's calibrated local profile ({path})"
-            why = f"the local profile {path} is of {profile.cores} cores, this machine has {cores}"
-    d = DECLARED_CPU
-    declared = LocalProfile(
-        cores=cores, flops_per_thread=d["flops_per_thread"],  # type: ignore[arg-type]
-        attention_flops_per_thread=d["attention_flops_per_thread"],  # type: ignore[arg-type]
-        mem_bw_per_thread=d["mem_bw_per_thread"],  # type: ignore[arg-type]
-        mem_bw_total=d["mem_bw_total_per_core"] * cores,  # type: ignore[operator]
-        op_overhead_s=d["op_overhead_s"], layer_overhead_s=d["layer_overhead_s"],  # type: ignore[arg-type]
-        collectives={"ar": list(d["ar"])})  # type: ignore[call-overload]
-    return declared, (f"this machine's CPU ({cores} cores), declared figures ({why}: "
-                      "python -m mcpar.sim.localprofile calibrates it)")
+    """This machine's calibrated profile when it is valid here (``lookup_profile``: the MFU's
+    CPU peak reads the same), else the declared figures; with the words the report says of it."""
+    found = lookup_profile()
+    if found.profile is not None:
+        return found.profile, f"this machine's calibrated local profile ({found.path})"
+    n = cores()
+    return DECLARED_CPU.profile(n), (f"this machine's CPU ({n} cores), declared figures "
+                                     f"({found.why}: python -m mcpar.sim.localprofile "
+                                     "calibrates it)")
 
 
 def ranking_cluster(device_type: str, world: int) -> tuple[Cluster, str]:
@@ -287,7 +289,7 @@ def search(cfg: JobConfig, dims: ParallelDims, device_type: str,
         uniform = {mode: _step_s(with_settings(base, {"activation_checkpointing": mode}), dims,
                                  cluster) for mode in MODES}
         for offload, counts in itertools.product(offloads, blocks):
-            plan = Plan(z, offload, counts, 0.0, 0.0)  # type: ignore[arg-type]
+            plan = Plan(z, offload, counts, 0.0, 0.0)
             candidate = with_settings(cfg, plan.settings())
             if offload != mem_offload and offload_problems(candidate):
                 continue  # an offload this run cannot use (device, optimizer, checkpoints)
@@ -297,8 +299,7 @@ def search(cfg: JobConfig, dims: ParallelDims, device_type: str,
                 for mode, n in zip(MODES, counts, strict=True))
             if offload != "none":
                 step += 2 * mem.offloaded / OFFLOAD_BANDWIDTH[offload]  # read and write back
-            plans.append(Plan(z, offload, counts, step, mem.per_rank,  # type: ignore[arg-type]
-                              mem.offloaded))
+            plans.append(Plan(z, offload, counts, step, mem.per_rank, mem.offloaded))
     plans.sort(key=lambda p: (p.step_s, p.peak_bytes, p.describe()))
     return plans, fixed
 
