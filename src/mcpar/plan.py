@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.plan import (
@@ -37,6 +38,17 @@ from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, split_dp_by_node
 
 
+class LayoutChoice(Protocol):
+    """``parallelism.auto``'s choice (``auto_layout.AutoLayout``), as the plan carries it."""
+
+    def to_json(self) -> dict[str, object]: ...
+
+    def report_lines(self) -> list[str]: ...
+
+    @property
+    def predicted_step_s(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """Everything a run is, once resolved; ``plan.json`` in the run directory."""
@@ -50,6 +62,7 @@ class JobPlan:
     compute: ComputePlan
     memory: MemoryPlan
     communication: CommPlan
+    auto: LayoutChoice | None = None  # parallelism.auto's choice (auto_layout.py), else None
 
     # The compute plan's batch and pipeline terms, which most readers of a plan want.
     @property
@@ -123,6 +136,7 @@ class JobPlan:
                        **{name: value for name, value in memory.estimate.rows()}},
             "memory_placement": memory.holdings.to_json(),
             **({"memory_plan": memory.budget.to_json()} if memory.budget else {}),
+            **({"auto": self.auto.to_json()} if self.auto is not None else {}),
         }
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mcpar.auto_layout import predicted_against_measured, resolve_job
 from mcpar.checkpoint.manager import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
 from mcpar.comm.compression_state import CompressionState, RankStateGroup
@@ -60,7 +61,7 @@ from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
-from mcpar.plan import JobPlan, resolve_plan
+from mcpar.plan import JobPlan
 from mcpar.profiler.session import RunProfiler
 from mcpar.topology import detect_node_of_rank
 
@@ -443,6 +444,7 @@ class Trainer:
         start_wall = time.perf_counter()
         tokens_per_s_sum, loss, val_loss = 0.0, float("nan"), None
         steps_run, interval = 0, cfg.optimization.checkpoint.interval
+        step_times: list[float] = []
         for step in range(self.start_step, tr.steps):
             self.profiler.before_step(step)
             self.comm.stats.reset_step()
@@ -459,6 +461,7 @@ class Trainer:
             loss, peak_mem, stop = result.loss, result.peak_mem_bytes, result.stop_requested
             self.max_params_per_rank = result.max_params_per_rank
             steps_run += 1
+            step_times.append(step_time)
             record = {
                 "step": step + 1, "loss": loss, "lr": lr_at(step, cfg),
                 "grad_norm": result.grad_norm, "tokens": tokens_per_step,
@@ -528,8 +531,13 @@ class Trainer:
                             "seconds": self.consistency.seconds,
                             "checksum_seconds": self.consistency.checksum_seconds},
         }
+        if self.plan.auto is not None:  # the planner's prediction beside the measurement
+            summary["prediction"] = predicted_against_measured(
+                self.plan.auto.to_json()["chosen"], step_times, summary["memory"])
         self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:
+            if "prediction" in summary and summary["prediction"]["warning"]:
+                print(f"mcpar: warning: {summary['prediction']['warning']}", flush=True)
             write_json_atomic(self.run_dir / "summary.json", summary)
             print(f"mcpar: done: {tr.steps} steps, loss {loss:.4f}, val loss {val_loss:.4f}, "
                   f"{summary['mean_tokens_per_s']:.0f} tokens/s, "
@@ -570,7 +578,7 @@ def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False
     aborts the process (SIGABRT) after a run that succeeded. Every output is closed and flushed
     before this point.
     """
-    trainer = Trainer(resolve_plan(cfg, env.world_size), run_dir, env, resume=resume,
+    trainer = Trainer(resolve_job(cfg, env.world_size), run_dir, env, resume=resume,
                       stop_after=stop_after, faults=FaultInjector.from_env())
     # No closing barrier after a failure: a stalled or dead peer is often why this rank failed,
     # and waiting for it would report the barrier, one more timeout later, instead of the

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from mcpar.auto_layout import resolve_job
 from mcpar.capabilities import unsupported_settings
 from mcpar.commands.train import load_args
 from mcpar.controllers.memory.estimate import format_bytes, params_per_pipeline_rank
 from mcpar.models.spec import get_model_spec
-from mcpar.plan import resolve_plan
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    plan = resolve_plan(load_args(args), args.nproc)
+    plan = resolve_job(load_args(args), args.nproc)
     cfg = plan.config
     m, compute, memory, exchange = cfg.model, plan.compute, plan.memory, plan.communication
     spec = get_model_spec(m.kind)
@@ -49,6 +49,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                     for n in params_per_pipeline_rank(cfg, plan.parallel_dims()))
         + f" (single process: {est.num_params:,})",
     ]
+    if plan.auto is not None:  # the planner's ranking (parallelism.auto)
+        lines += plan.auto.report_lines()
     lines += est.report_lines()
     if memory.budget is not None:  # the MemoryController's placement to the budget
         lines += memory.budget.report_lines()

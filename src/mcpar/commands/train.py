@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from mcpar.auto_layout import AUTO_LAYOUT_FILE, resolve_job
 from mcpar.capabilities import unsupported_settings
 from mcpar.checkpoint.manager import (
     RecoveryLog,
@@ -29,8 +30,9 @@ from mcpar.faults import FaultInjector
 from mcpar.launch.env import DistEnv, detect_env
 from mcpar.launch.local import WORKER_MODULE, WorkerFailure, launch_local
 from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
+from mcpar.metrics import write_json_atomic
 from mcpar.path_checks import path_problems
-from mcpar.plan import JobPlan, resolve_plan
+from mcpar.plan import JobPlan
 
 
 def load_args(args: argparse.Namespace) -> JobConfig:
@@ -194,7 +196,7 @@ def _check_worker_count(plan: JobPlan, workers: int) -> None:
 
 def validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
     select_device(cfg.training.device)
-    plan = resolve_plan(cfg, world_size)
+    plan = resolve_job(cfg, world_size)
     problems = unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
@@ -237,6 +239,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_data(plan)
     run_dir = new_run_dir(args.run_dir, None)
     lock = _prepare_run_dir(run_dir, plan, args.resume)  # held while this process trains/launches
+    if plan.auto is not None:
+        # The planner's whole ranking, from the process that made the choice (workers resolve
+        # the run's config.yaml, where every key is set: their plan.json holds the choice).
+        write_json_atomic(run_dir / AUTO_LAYOUT_FILE, plan.auto.to_json())
+        print("mcpar: " + "\n".join(plan.auto.report_lines()[:2]), flush=True)
     if world_size == 1:
         trainer = Trainer(plan, run_dir, None, resume=args.resume, stop_after=args.stop_after,
                           faults=FaultInjector.from_env())

@@ -83,6 +83,10 @@ class DataConfig(_Section):
 
 
 class ParallelismConfig(_Section):
+    auto: bool = Field(
+        False, description="Let the planner choose the degrees, schedule, micro-batch, ZeRO "
+        "stage, recompute and codec the cost model predicts fastest on this machine within the "
+        "memory budget; keys set by hand stay as set (mcpar check prints the ranking).")
     data: int | None = Field(
         None, ge=1, le=MAX_DEGREE,
         description="Data-parallel degree; default: what the world size leaves.",

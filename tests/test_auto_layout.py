@@ -1,0 +1,106 @@
+"""``parallelism.auto``: the planner chooses the layout, ``mcpar train`` runs it and reports the
+prediction beside the measurement; keys set by hand stay; a budget nothing fits is one line
+naming the key and the smallest layout's bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY, run_mcpar
+
+from mcpar.auto_layout import choose_layout, resolve_job
+from mcpar.config import load_config, to_yaml
+from mcpar.errors import UserError
+
+AUTO = [*TINY, "parallelism.auto=true", "optimization.global_batch_size=8",
+        "optimization.checkpoint.interval=0"]
+
+
+def test_the_choice_is_the_fastest_predicted_layout_that_resolves() -> None:
+    """The chosen layout fills the world, is predicted no slower than any runner-up, and the
+    plan resolved from it runs its degrees."""
+    cfg = load_config(None, AUTO)
+    auto = choose_layout(cfg, 4)
+    s = auto.chosen.settings
+    assert s["parallelism.tensor"] * s["parallelism.pipeline"] * s["parallelism.data"] == 4
+    assert auto.runners_up and all(auto.chosen.step_s <= c.step_s for c in auto.runners_up)
+    assert auto.priced > len(auto.runners_up) + 1
+    plan = resolve_job(cfg, 4)
+    assert (plan.tp, plan.pp, plan.dp) == (s["parallelism.tensor"], s["parallelism.pipeline"],
+                                           s["parallelism.data"])
+    assert plan.config.controllers.memory.zero_stage == s["controllers.memory.zero_stage"]
+    assert plan.to_json()["auto"]["chosen"]["settings"] == s
+
+
+def test_keys_set_by_hand_stay_as_set() -> None:
+    cfg = load_config(None, [*AUTO, "parallelism.tensor=2",
+                             "controllers.communication.compression=bf16"])
+    auto = choose_layout(cfg, 4)
+    for choice in [auto.chosen, *auto.runners_up]:
+        assert choice.settings["parallelism.tensor"] == 2
+        assert choice.settings["controllers.communication.compression"] == "bf16"
+    assert auto.fixed == ["controllers.communication.compression",
+                          "optimization.global_batch_size", "parallelism.tensor"]
+    # Without them the search is wider: the tensor degree varies.
+    free = choose_layout(load_config(None, AUTO), 4)
+    assert free.priced > auto.priced
+
+
+def test_a_worker_resolving_the_run_config_gets_the_same_layout(tmp_path: Path) -> None:
+    """Workers read config.yaml, where every key is set: the search is the choice alone, and
+    it resolves to the same plan and prediction."""
+    plan = resolve_job(load_config(None, AUTO), 4)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(plan.config))
+    again = resolve_job(load_config(saved), 4)
+    assert again.auto is not None and plan.auto is not None
+    assert again.auto.chosen.settings == plan.auto.chosen.settings
+    assert again.auto.chosen.step_s == pytest.approx(plan.auto.chosen.step_s)
+    assert again.to_json()["degrees"] == plan.to_json()["degrees"]
+
+
+def test_a_budget_nothing_fits_names_the_key_and_the_smallest_layout() -> None:
+    cfg = load_config(None, [*AUTO, "controllers.memory.memory_budget_gb=0.0001"])
+    with pytest.raises(UserError) as err:
+        choose_layout(cfg, 4)
+    text = str(err.value)
+    assert "controllers.memory.memory_budget_gb" in text and "the smallest" in text
+    assert " B)" in text  # the smallest layout's exact bytes
+
+
+def test_check_prints_the_ranking_and_a_tiny_budget_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "auto.yaml"
+    config.write_text("{}\n")
+    sets = [arg for s in AUTO for arg in ("--set", s)]
+    out = run_mcpar("check", str(config), "--nproc", "4", *sets)
+    assert out.returncode == 0, out.stderr
+    assert "auto layout (parallelism.auto):" in out.stdout and "  1. " in out.stdout
+    bad = run_mcpar("check", str(config), "--nproc", "4", *sets,
+                    "--set", "controllers.memory.memory_budget_gb=0.0001")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "controllers.memory.memory_budget_gb" in bad.stderr
+
+
+def test_train_runs_the_choice_and_reports_predicted_against_measured(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sets = [arg for s in [*AUTO, "training.steps=6"] for arg in ("--set", s)]
+    out = run_mcpar("train", "--nproc", "4", "--oversubscribe", "--run-dir", str(run_dir),
+                    *sets, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranking = json.loads((run_dir / "auto_layout.json").read_text())
+    chosen = ranking["chosen"]["settings"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    layout = summary["layout"]
+    assert (layout["tensor"], layout["pipeline"], layout["data"]) == (
+        chosen["parallelism.tensor"], chosen["parallelism.pipeline"], chosen["parallelism.data"])
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["auto"]["chosen"]["settings"] == chosen
+    prediction = summary["prediction"]
+    assert prediction["predicted_step_s"] == pytest.approx(ranking["chosen"]["predicted_step_s"])
+    assert prediction["measured_step_s"] > 0
+    assert prediction["step_error"] == pytest.approx(
+        prediction["measured_step_s"] / prediction["predicted_step_s"] - 1)
+    # The memory estimate the plan ranked by is the one the run measures against.
+    assert abs(prediction["peak_error"]) <= 0.10
