@@ -77,6 +77,11 @@ def test_check_prints_the_ranking_and_a_tiny_budget_is_one_line(tmp_path: Path) 
     out = run_mcpar("check", str(config), "--nproc", "4", *sets)
     assert out.returncode == 0, out.stderr
     assert "auto layout (parallelism.auto):" in out.stdout and "  1. " in out.stdout
+    # `mcpar plan CONFIG --world N` prints the same choice.
+    planned = run_mcpar("plan", str(config), "--world", "4", *sets)
+    assert planned.returncode == 0, planned.stderr
+    chosen = next(line for line in out.stdout.splitlines() if line.startswith("auto layout"))
+    assert planned.stdout.splitlines()[0] == chosen
     bad = run_mcpar("check", str(config), "--nproc", "4", *sets,
                     "--set", "controllers.memory.memory_budget_gb=0.0001")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

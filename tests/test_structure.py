@@ -120,6 +120,8 @@ PLANNING_MODULES = (
     "mcpar/controllers/memory/plan.py", "mcpar/controllers/communication/plan.py",
     "mcpar/controllers/memory/placement.py", "mcpar/controllers/memory/estimate.py",
     "mcpar/controllers/memory/zero_plan.py", "mcpar/sim/fromconfig.py",
+    # parallelism.auto's choice of the layout, made before the plan is resolved.
+    "mcpar/auto_layout.py",
     # Checks of a config before it is planned (what this version cannot train, paths).
     "mcpar/capabilities.py", "mcpar/path_checks.py",
 )

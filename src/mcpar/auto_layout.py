@@ -273,7 +273,7 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
     for core in _cores(cfg, world, batch, user):
         priced = _price(cfg, {**core, **base_variant}, cluster)
         if priced is None:
-            drop("not valid for the model or world")
+            drop("refused by the layout rules (degrees, schedule, codec, ZeRO)")
             continue
         cores.append((priced[1].step_s, core))
     cores.sort(key=lambda item: item[0])
@@ -284,7 +284,7 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
         for variant in variants:
             priced = _price(cfg, {**core, **variant}, cluster)
             if priced is None:
-                drop("not valid for the model or world")
+                drop("refused by the layout rules (degrees, schedule, codec, ZeRO)")
                 continue
             priced_all.append(priced)
     priced_all.sort(key=lambda item: (item[1].step_s, item[1].peak_bytes))

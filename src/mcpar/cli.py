@@ -185,6 +185,10 @@ def _run(args: argparse.Namespace) -> int:
         from mcpar.commands.interop import cmd_interop
 
         return cmd_interop(args)
+    if args.command == "plan" and args.world is not None:
+        from mcpar.commands.check import cmd_plan_world
+
+        return cmd_plan_world(args)
     from mcpar.plan import resolve_plan
     from mcpar.sim.cli import run as run_sim_command
 

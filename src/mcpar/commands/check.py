@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from mcpar.auto_layout import resolve_job
+from mcpar.auto_layout import choose_layout, resolve_job
 from mcpar.capabilities import unsupported_settings
 from mcpar.commands.train import load_args
+from mcpar.config import load_config
 from mcpar.controllers.memory.estimate import format_bytes, params_per_pipeline_rank
+from mcpar.errors import UserError, problem
 from mcpar.models.spec import get_model_spec
 
 
@@ -60,4 +62,19 @@ def cmd_check(args: argparse.Namespace) -> int:
         lines.append("not trainable with this version yet (mcpar train will refuse):")
         lines += [f"  {p}" for p in pending]
     print("\n".join(lines))
+    return 0
+
+
+def cmd_plan_world(args: argparse.Namespace) -> int:
+    """``mcpar plan CONFIG --world N``: the layout ``parallelism.auto`` would train on N workers
+    of this machine, and the ranking it was chosen from (what ``mcpar check`` prints)."""
+    for flag in ("model", "global_batch"):
+        if getattr(args, flag, None) is not None:
+            raise UserError(problem(f"--{flag.replace('_', '-')}", "is for the planner of "
+                                    "published stacks; with --world the config's own model "
+                                    "and batch are planned"))
+    if args.world < 1:
+        raise UserError(problem("--world", f"must be at least 1, got {args.world}"))
+    cfg = load_config(args.config, [*args.overrides, "parallelism.auto=true"])
+    print("\n".join(choose_layout(cfg, args.world).report_lines()))
     return 0

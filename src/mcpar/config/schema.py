@@ -142,7 +142,7 @@ class MemoryControllerConfig(_Section):
         None, description="offload 'nvme': directory of the state files (one per rank, "
         "unlinked once open); default <run dir>/offload.")
     offload_buffer_mb: float = Field(
-        64.0, le=1e6, description="Offload: state per streamed group (MiB, at least "
+        64.0, gt=0.0, le=1e6, description="Offload: state per streamed group (MiB, at least "
         f"{MIN_OFFLOAD_BUFFER_MB}; below about 1 each group's fixed cost slows the step); nvme "
         "keeps two such buffers in host memory.")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "

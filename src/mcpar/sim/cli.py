@@ -90,6 +90,9 @@ def add_plan_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("config", nargs="?", help="YAML config (default: the built-in default)")
     pl.add_argument("--top", type=int, default=10,
                     help=f"how many layouts to print (1..{MAX_TOP})")
+    pl.add_argument("--world", type=int, default=None,
+                    help="workers of THIS machine: the layout parallelism.auto would train "
+                         "(the config's model, priced as `mcpar check` prices it)")
     pl.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step (default: the preset's or the config's; at most "
                          f"{MAX_GLOBAL_BATCH:,})")
