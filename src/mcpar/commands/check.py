@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from mcpar.capabilities import unsupported_settings
-from mcpar.commands.train import load_args
+from mcpar.commands.config_args import load_args
 from mcpar.controllers.memory.estimate import format_bytes, params_per_pipeline_rank
 from mcpar.models.spec import get_model_spec
 from mcpar.plan import resolve_plan

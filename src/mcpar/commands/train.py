@@ -20,7 +20,8 @@ from mcpar.checkpoint.manager import (
     read_meta,
     resume_problems,
 )
-from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
+from mcpar.commands.config_args import load_args
+from mcpar.config import DEFAULT_NPROC, JobConfig, to_yaml
 from mcpar.data.corpus import load_corpus
 from mcpar.data.stream import BatchStream
 from mcpar.device import available_devices, select_device
@@ -31,13 +32,6 @@ from mcpar.launch.local import WORKER_MODULE, WorkerFailure, launch_local
 from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.path_checks import path_problems
 from mcpar.plan import JobPlan, resolve_plan
-
-
-def load_args(args: argparse.Namespace) -> JobConfig:
-    overrides = list(args.overrides)
-    if getattr(args, "steps", None) is not None:
-        overrides.append(f"training.steps={args.steps}")
-    return load_config(args.config, overrides)
 
 
 def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -> int:
