@@ -2,7 +2,9 @@
 
 The device is explicit: ``training.device: cpu|cuda``, or ``auto``, which takes CUDA only when
 ``torch.cuda.is_available()`` says so and logs what it chose; asking for ``cuda`` on a machine
-without it is a user error, never a silent fallback to CPU.
+without it is a user error, never a silent fallback to CPU. That choice (``select_device``,
+``DeviceInfo``, ``memory_budget_bytes``) lives in ``device_select.py``, which imports torch only
+where CUDA is possible, so that ``mcpar check`` plans without torch; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import sys
 
 import torch
 
-# The device choice lives torch-free (`mcpar check` plans without torch); re-exported here.
 from mcpar.device_select import DeviceInfo, memory_budget_bytes, select_device
 
 __all__ = ["DeviceInfo", "memory_budget_bytes", "select_device"]
