@@ -209,3 +209,39 @@ def test_help_answers_at_once_without_importing_torch() -> None:
     wall = time.perf_counter() - start
     assert proc.returncode == 0 and "prepare" in proc.stdout and "simulate" in proc.stdout
     assert wall < 1.0, f"mcpar --help took {wall:.2f} s"
+
+
+_CHECK_WITHOUT_TORCH = """
+import sys, time
+from mcpar.cli import main
+for path in sys.argv[1:]:
+    start = time.perf_counter()
+    code = main(["check", path])
+    print("checked", path, code, f"{time.perf_counter() - start:.2f}", file=sys.stderr)
+print("torch" in sys.modules)
+"""
+
+
+def test_check_plans_every_shipped_config_without_importing_torch(tmp_path: Path) -> None:
+    """`mcpar check` needs no tensor: the built-in default and every config under configs/ are
+    validated and planned (layout, controllers' plans, memory estimate and placement) without
+    importing torch, which alone takes seconds. The registries' built-in entries load without
+    it (their builds import it); the device probe of training.device 'auto' asks torch only
+    where CUDA is possible (``mcpar.device_select``), so on a GPU machine it may import it."""
+    from mcpar.device_select import cuda_ruled_out
+
+    default = tmp_path / "default.yaml"
+    default.write_text("{}\n")  # the schema's defaults: the built-in default job
+    configs = sorted(str(p) for p in (REPO / "configs").glob("*.yaml"))
+    assert len(configs) >= 3
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CHECK_WITHOUT_TORCH, str(default), *configs],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    for path in (str(default), *configs):
+        assert f"mcpar check: {path} is valid" in proc.stdout
+        assert f"checked {path} 0 " in proc.stderr, proc.stderr
+    if cuda_ruled_out():
+        assert proc.stdout.split()[-1] == "False", (
+            f"mcpar check imported torch ({wall:.2f} s for {1 + len(configs)} configs)")

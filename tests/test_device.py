@@ -22,6 +22,17 @@ def test_cpu_is_taken_when_asked_and_cuda_is_never_guessed() -> None:
             select_device("cuda")
 
 
+def test_the_torch_free_probe_agrees_with_torch() -> None:
+    """``auto`` decided without torch (``mcpar check``) is torch's own decision: CUDA ruled out
+    only where torch sees none, and ``cuda_available`` is ``torch.cuda.is_available()``."""
+    from mcpar.device_select import cuda_available, cuda_ruled_out
+
+    if cuda_ruled_out():
+        assert not torch.cuda.is_available()
+    assert cuda_available() == torch.cuda.is_available()
+    assert select_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_glibc_takes_the_host_memory_settings() -> None:
     # In a fresh process (the settings are process-wide): mallopt refuses values out of its

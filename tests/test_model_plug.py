@@ -505,3 +505,16 @@ def test_parallel_names_no_model_attribute(path: Path) -> None:
     allowed = frozenset({"mcpar.models.spec"} if path.name == "parallelize.py" else ())
     found = model_references(path.read_text(), builtin_model_names(), allowed)
     assert not found, f"{path.name} reaches into the model: {found}"
+
+
+def test_the_expert_plans_name_their_family_functions() -> None:
+    """The MoE families' expert plans hold their torch functions by name (so that the entries
+    load without torch); each name resolves to the family's own function."""
+    from mcpar.models.llama.model import swiglu_experts
+    from mcpar.models.llama.plans import LLAMA_MOE_EXPERTS
+    from mcpar.models.moe.model import expert_mlps, moe_layers
+    from mcpar.models.moe.plans import MOE_EXPERTS
+
+    for plan, compute in ((MOE_EXPERTS, expert_mlps), (LLAMA_MOE_EXPERTS, swiglu_experts)):
+        assert plan.layers.resolve() is moe_layers  # type: ignore[attr-defined]
+        assert plan.compute.resolve() is compute  # type: ignore[attr-defined]

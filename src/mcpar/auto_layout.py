@@ -30,7 +30,7 @@ from mcpar.capabilities import unsupported_settings
 from mcpar.config import JobConfig
 from mcpar.controllers.memory.estimate import memory_breakdown
 from mcpar.controllers.memory.placement import budget_bytes, ranking_cluster
-from mcpar.device import select_device
+from mcpar.device_select import select_device
 from mcpar.errors import UserError, problem
 from mcpar.plan import JobPlan, resolve_plan
 from mcpar.registry.codec import CODECS

@@ -74,8 +74,11 @@ def offload_problems(cfg: JobConfig) -> list[str]:
 
 
 def _cuda_visible() -> bool:
-    import torch  # the device check of training.device 'auto' (device.select_device)
-    return torch.cuda.is_available()
+    # The device check of training.device 'auto' (device.select_device); torch is imported
+    # only where CUDA is possible here.
+    from mcpar.device_select import cuda_available
+
+    return cuda_available()
 
 
 def environment_problems(cfg: JobConfig) -> list[str]:

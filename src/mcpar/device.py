@@ -2,7 +2,9 @@
 
 The device is explicit: ``training.device: cpu|cuda``, or ``auto``, which takes CUDA only when
 ``torch.cuda.is_available()`` says so and logs what it chose; asking for ``cuda`` on a machine
-without it is a user error, never a silent fallback to CPU.
+without it is a user error, never a silent fallback to CPU. That choice (``select_device``,
+``DeviceInfo``, ``memory_budget_bytes``) lives in ``device_select.py``, which imports torch only
+where CUDA is possible, so that ``mcpar check`` plans without torch; it is re-exported here.
 
 What the devices' kernels keep for the backward pass where they differ (attention under
 dropout, dropout masks), which the memory model prices without torch: ``device_kernels.py``.
@@ -15,41 +17,12 @@ import ctypes
 import os
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
 
-from mcpar.errors import UserError, problem
+from mcpar.device_select import DeviceInfo, memory_budget_bytes, select_device
 
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    type: str  # "cpu" | "cuda"
-    # Process-group backend: "gloo" on CPU; on CUDA, NCCL for device tensors and gloo for the
-    # small host tensors of bookkeeping collectives (step statistics, norms, routing counts).
-    backend: str
-    reason: str  # why this device, for the log
-
-    def torch_device(self, local_rank: int) -> torch.device:
-        if self.type == "cuda":
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
-
-
-def select_device(requested: str) -> DeviceInfo:
-    has_cuda = torch.cuda.is_available()
-    if requested == "cuda" and not has_cuda:
-        raise UserError(problem(
-            "training.device", "'cuda' was asked for but no CUDA device is visible; use cpu or auto"
-        ))
-    if requested == "cuda" or (requested == "auto" and has_cuda):
-        why = "asked for" if requested == "cuda" else "auto: CUDA is available"
-        # MCPAR_DIST_BACKEND=gloo: several ranks on one GPU (bench/gpu_check.py), which NCCL
-        # refuses; gloo carries CUDA tensors through host memory.
-        backend = os.environ.get("MCPAR_DIST_BACKEND") or "cpu:gloo,cuda:nccl"
-        return DeviceInfo("cuda", backend, f"cuda ({torch.cuda.device_count()} visible, {why})")
-    why = "asked for" if requested == "cpu" else "auto: no CUDA device visible"
-    return DeviceInfo("cpu", "gloo", f"cpu ({why})")
+__all__ = ["DeviceInfo", "memory_budget_bytes", "select_device"]
 
 
 def available_devices(info: DeviceInfo) -> int:
@@ -141,14 +114,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so step timings are true on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def memory_budget_bytes(device: torch.device, local_world_size: int) -> float:
-    """Memory one worker may plan to use: 90% of its GPU, or its share of 80% of host RAM."""
-    if device.type == "cuda":
-        return 0.9 * torch.cuda.get_device_properties(device).total_memory
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0.8 * host / max(1, local_world_size)
 
 
 # --- What differs between the torch versions mcpar supports (pyproject's range) -------------

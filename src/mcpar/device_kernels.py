@@ -17,6 +17,8 @@ around one attention block, torch 2.13, CPU):
 
 from __future__ import annotations
 
+from mcpar.device_select import cuda_available
+
 # The math attention keeps its scores and its copies of Q, K and V in fp32 (bytes per element).
 MATH_ATTENTION_BYTES = 4
 # The scores it keeps per query-key pair: softmax output, scaled dropout mask, dropped output.
@@ -35,10 +37,8 @@ def dropout_mask_bytes(device: str, value_bytes: float) -> float:
 
 
 def run_device_type(requested: str) -> str:
-    """'cpu' or 'cuda' for ``training.device``: 'auto' asks torch (imported only then), as
-    ``device.select_device`` does when the run starts."""
+    """'cpu' or 'cuda' for ``training.device``: the choice ``select_device`` makes when the run
+    starts (for 'auto', torch is asked only where CUDA is possible)."""
     if requested in ("cpu", "cuda"):
         return requested
-    import torch  # noqa: PLC0415  (only 'auto' needs to know what is visible)
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available() else "cpu"

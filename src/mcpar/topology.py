@@ -13,11 +13,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from mcpar.errors import UserError, problem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a plan's degrees are read without torch (`mcpar check`); groups import it
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -75,6 +74,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> None:
         """Create the DeviceMesh once the default process group exists (world size > 1)."""
+        import torch.distributed as dist
+
         if self.world_size == 1 or not dist.is_initialized():
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -100,6 +101,8 @@ class ParallelDims:
         return ep_lists, edp_lists
 
     def _build_expert_groups(self) -> None:
+        import torch.distributed as dist
+
         me = dist.get_rank()
         self._expert_groups = {"ep": None, "edp": None}
         # Every rank creates every group, in the same order (new_group is collective).
@@ -131,6 +134,8 @@ class ParallelDims:
         return self._world_group
 
     def axis_rank(self, axis: str) -> int:
+        import torch.distributed as dist
+
         if self._mesh is None:
             return 0
         if axis in ("dp_intra", "dp_inter"):
@@ -153,6 +158,8 @@ class ParallelDims:
         Every rank calls this with the same `node_of_rank` (global rank -> node index), because
         creating a process group is a collective over the world.
         """
+        import torch.distributed as dist
+
         self.dp_intra, intra_lists, inter_lists = split_dp_by_node(self, node_of_rank)
         self.dp_inter = self.dp // self.dp_intra
         me = dist.get_rank() if dist.is_initialized() else 0
@@ -213,6 +220,8 @@ def detect_node_of_rank(ranks_per_node: int | None) -> list[int]:
     """Node index of every global rank, the same list on every rank: from
     ``cluster.ranks_per_node`` when given (consecutive ranks share a node), else from each
     rank's ``node_key`` gathered over the world (nodes numbered by first appearance)."""
+    import torch.distributed as dist
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     if ranks_per_node is not None:
         if world % ranks_per_node:

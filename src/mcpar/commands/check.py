@@ -7,7 +7,7 @@ import argparse
 
 from mcpar.auto_layout import choose_layout, resolve_job
 from mcpar.capabilities import unsupported_settings
-from mcpar.commands.train import load_args
+from mcpar.commands.config_args import load_args
 from mcpar.config import load_config
 from mcpar.controllers.memory.estimate import format_bytes, params_per_pipeline_rank
 from mcpar.errors import UserError, problem

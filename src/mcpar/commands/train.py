@@ -21,7 +21,8 @@ from mcpar.checkpoint.manager import (
     read_meta,
     resume_problems,
 )
-from mcpar.config import DEFAULT_NPROC, JobConfig, load_config, to_yaml
+from mcpar.commands.config_args import load_args
+from mcpar.config import DEFAULT_NPROC, JobConfig, to_yaml
 from mcpar.data.corpus import load_corpus
 from mcpar.data.stream import BatchStream
 from mcpar.device import available_devices, select_device
@@ -33,13 +34,6 @@ from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_confi
 from mcpar.metrics import write_json_atomic
 from mcpar.path_checks import path_problems
 from mcpar.plan import JobPlan
-
-
-def load_args(args: argparse.Namespace) -> JobConfig:
-    overrides = list(args.overrides)
-    if getattr(args, "steps", None) is not None:
-        overrides.append(f"training.steps={args.steps}")
-    return load_config(args.config, overrides)
 
 
 def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -> int:

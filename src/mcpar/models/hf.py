@@ -10,13 +10,14 @@ Parameters are passed by mcpar's names, as ``named_parameters`` of the built mod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mcpar.config import ModelConfig
 
-Tensors = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # `mcpar check` reads the name maps' entries without torch
+    import torch
+
+Tensors = dict[str, "torch.Tensor"]
 
 
 class HFNames(ABC):

@@ -15,12 +15,14 @@ mcpar's own (parallel/tensor.py, parallel/expert.py).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # plans are data: `mcpar check` reads the entries holding them without torch
+    import torch
+    from torch import nn
 
 
 class ModelPieces(NamedTuple):
@@ -101,7 +103,29 @@ class ExpertWeight:
 
 # (rows sorted by expert, rows per expert, this rank's grouped weights in ExpertPlan order)
 # -> each row through its expert
-ExpertCompute = Callable[..., torch.Tensor]
+ExpertCompute = Callable[..., "torch.Tensor"]
+
+
+class LazyFunction:
+    """A function named ``"module:attr"``, imported on its first call: a plan names its
+    family's torch functions (``ExpertPlan.layers``, ``.compute``) without importing them, so
+    the registry entry holding the plan loads without torch."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self._function: Callable[..., Any] | None = None
+
+    def resolve(self) -> Callable[..., Any]:
+        if self._function is None:
+            module, _, attr = self.target.partition(":")
+            self._function = getattr(importlib.import_module(module), attr)
+        return self._function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LazyFunction({self.target!r})"
 
 
 @dataclass(frozen=True)

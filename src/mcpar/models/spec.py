@@ -20,13 +20,15 @@ simulator need (attributes, rules, ``shape``); a ``ModelSpec`` adds what trainin
 from __future__ import annotations
 
 from abc import abstractmethod
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.models.hf import HFNames
 from mcpar.models.plan import ExpertPlan, ModelPieces, TensorParallelPlan
 from mcpar.registry.model_family import MODEL_FAMILIES, ModelFamily
+
+if TYPE_CHECKING:  # an entry is read without torch (`mcpar check`); its build imports it
+    from torch import nn
 
 
 class ModelSpec(ModelFamily):

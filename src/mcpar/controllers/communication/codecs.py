@@ -17,21 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from mcpar.comm.powersgd import PowerSGDCompressor
 from mcpar.config import JobConfig
-from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.exchanges import (
-    AllReduceExchange,
-    GradExchange,
-    OneBitExchange,
-    PowerSGDExchange,
-    onebit_exchange,
-)
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync
-from mcpar.optim.onebit_adam import OneBitAdam
 from mcpar.registry.codec import (
     CODECS,
     INT8_BYTES,
@@ -40,6 +28,15 @@ from mcpar.registry.codec import (
     Wire,
     WireCost,
 )
+
+# The entries' rules and prices are read without torch (`mcpar check`, the planner); each
+# build imports the runtime it builds.
+if TYPE_CHECKING:
+    import torch
+
+    from mcpar.controllers.communication.controller import CommunicationController
+    from mcpar.controllers.communication.exchanges import GradExchange, OneBitExchange
+    from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,8 @@ class RuntimeCodec(GradientCodec):
     strategy = "allreduce"  # the exchange's name in plan.json
 
     def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
+        from mcpar.controllers.communication.exchanges import AllReduceExchange
+
         exchange = AllReduceExchange(ctx.comm)
         return exchange, f"gradient exchange: {ctx.topology} all-reduce"
 
@@ -98,6 +97,8 @@ class Cast16(RuntimeCodec):
     """A 16-bit cast of each bucket on the wire."""
 
     def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
+        from mcpar.controllers.communication.exchanges import AllReduceExchange
+
         return (AllReduceExchange(ctx.comm, self.name),
                 f"gradient exchange: {ctx.topology} all-reduce, {self.name} on the wire")
 
@@ -148,6 +149,9 @@ class OneBit(RuntimeCodec):
         return problems
 
     def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
+        from mcpar.controllers.communication.exchanges import onebit_exchange
+        from mcpar.optim.onebit_adam import OneBitAdam
+
         if not isinstance(ctx.optimizer, OneBitAdam):
             raise ValueError("the onebit gradient exchange needs the OneBitAdam optimizer")
         exchange: OneBitExchange
@@ -184,6 +188,9 @@ class PowerSGD(RuntimeCodec):
                 "powersgd_start_step": section["powersgd_start_step"]}
 
     def build(self, ctx: ExchangeContext) -> tuple[GradExchange, str]:
+        from mcpar.comm.powersgd import PowerSGDCompressor
+        from mcpar.controllers.communication.exchanges import PowerSGDExchange
+
         rank, start = ctx.settings["powersgd_rank"], ctx.settings["powersgd_start_step"]
         assert isinstance(rank, int) and isinstance(start, int)
         compressor = PowerSGDCompressor(rank, start_iter=start, seed=ctx.seed)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
+from mcpar.controllers.compute.balance_plan import BalancePlan
 from mcpar.controllers.compute.load_balance import (
     ExpertLoadBalancer,
     StepCosts,
@@ -46,16 +47,6 @@ from mcpar.parallel.expert import ShardedExperts, swap_expert_slots
 from mcpar.topology import ParallelDims
 
 BALANCER_PREFIX = "balancer/"
-
-
-@dataclass(frozen=True)
-class BalancePlan:
-    """How the expert load balancer runs (``controllers.compute``)."""
-
-    scheduler: str  # 'static' (no balancer), 'greedy' or 'reinforcement'
-    interval: int  # steps between balancing decisions
-    migration_cost: float
-    costs: str  # 'measured' or 'modeled' expert-phase costs
 
 
 class MoERoutingController:

@@ -14,24 +14,28 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.controllers.compute.controller import ComputeController, GradientSync
-from mcpar.controllers.compute.expert_balance import BalancePlan, MoERoutingController
-from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
+from mcpar.controllers.compute.balance_plan import BalancePlan
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import problem
-from mcpar.parallel.pipeline import PipelineExecutor
-from mcpar.parallel.tasks import Task
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.schedule import SCHEDULES
 from mcpar.topology import ParallelDims
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The plan is made without torch (`mcpar check`); its methods that build the runtime import it.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mcpar.comm.communicator import Communicator
+    from mcpar.controllers.compute.controller import ComputeController, GradientSync
+    from mcpar.controllers.compute.expert_balance import MoERoutingController
+    from mcpar.parallel.pipeline import PipelineExecutor
+    from mcpar.parallel.tasks import Task
+
+LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class ComputePlan:
 
     def step_tasks(self, pp_rank: int, reduce_every_backward: bool) -> list[Task]:
         """Every task of one optimizer step on pipeline rank ``pp_rank``, in order."""
+        from mcpar.controllers.compute.schedules import step_tasks
+
         return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
                           self.virtual_stages, reduce_every_backward=reduce_every_backward)
 
@@ -67,6 +73,10 @@ class ComputePlan:
               run_dir: Path | None, has_experts: bool, is_main: bool) -> ComputeRuntime:
         """The pipeline executor of this rank's chunks, the ComputeController over the step's
         task list (``update``: the step's last task), and a model with experts' balancer."""
+        from mcpar.controllers.compute.controller import ComputeController
+        from mcpar.controllers.compute.expert_balance import MoERoutingController
+        from mcpar.parallel.pipeline import PipelineExecutor
+
         pp_rank = dims.axis_rank("pp")
         executor = PipelineExecutor(
             chunks, pp_rank, self.pp, comm, self.num_microbatches, activation_shape, loss_fn,
@@ -82,6 +92,8 @@ class ComputePlan:
 
     def split_allowed(self, num_microbatches: int) -> bool:
         """Whether the schedule runs with this micro-batch count (dynamic splitting asks)."""
+        from mcpar.controllers.compute.schedules import schedule_problem
+
         return self.schedule is None or schedule_problem(
             self.schedule, self.pp, num_microbatches, self.virtual_stages) is None
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.device_select import cuda_available
 from mcpar.models.spec import get_model_spec
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import (
@@ -97,7 +96,7 @@ def config_offload(cfg: JobConfig) -> Offload | None:
     mb = getattr(mem, "offload_buffer_mb", None) or OFFLOAD_BUFFER_MB
     # The two streaming buffers are host memory: the device's own on a CPU device only.
     on_host = cfg.training.device == "cuda" or (cfg.training.device == "auto"
-                                                 and torch.cuda.is_available())
+                                                 and cuda_available())
     return Offload(mem.offload, 0.0 if on_host else mb * 2**20)
 
 

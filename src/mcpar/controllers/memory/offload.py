@@ -428,34 +428,6 @@ class OffloadSpec:
         return self.engine
 
 
-@dataclass(frozen=True)
-class OffloadPlan:
-    """The MemoryController's planned optimizer-state offload."""
-
-    target: str  # 'none', 'cpu' or 'nvme'
-    folder: str | None  # nvme: where the state files go (None: <run dir>/offload)
-    buffer_bytes: int  # one streaming group
-    masters: bool  # the fp32 master weights are offloaded too (the model trains on bf16 copies)
-
-    def build(self, params: list[torch.nn.Parameter], run_dir: Path, rank: int,
-              device: torch.device) -> OffloadSpec | None:
-        """The offload (None without). With bf16 master weights, the store is filled from the
-        fp32 parameters here and the parameters become bf16 copies, one at a time (so that no
-        second full copy is ever resident): build it before the gradient buffers exist."""
-        if self.target == "none":
-            return None
-        folder = Path(self.folder) if self.folder else run_dir / "offload"
-        spec = OffloadSpec(self.target, folder / f"rank{rank}.state" if self.target == "nvme"
-                           else None, self.buffer_bytes, self.masters, device)
-        if spec.masters:
-            unique = list({id(p): p for p in params if p.requires_grad}.values())
-            spec.build(unique)
-            with torch.no_grad():
-                for p in unique:
-                    p.data = p.data.to(torch.bfloat16)
-        return spec
-
-
 def checkpoint_parameters(spec: OffloadSpec | None,
                           ) -> Callable[[bool], contextlib.AbstractContextManager[None]] | None:
     """With bf16 copies, what a checkpoint saves and restores the parameters through (the

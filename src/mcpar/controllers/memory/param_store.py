@@ -83,11 +83,9 @@ from torch import nn
 from mcpar.comm.communicator import CommHandle
 from mcpar.comm.int8_blocks import dequantize_rows, quantize_rows
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync, GradBucket, ShardSpec
+from mcpar.controllers.communication.grad_sync import GradBucket
 from mcpar.errors import UserError, problem
 from mcpar.parallel.expert import is_expert_sharded
-from mcpar.sim.memory import gather_span
-from mcpar.topology import detect_node_of_rank
 
 
 class QueuedReduce(CommHandle):
@@ -522,49 +520,3 @@ class ParameterStore:
             if backward_follows:
                 output.register_hook(backward_pre)
         return hook
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """ZeRO-3's planned parameter store."""
-
-    gather_mb: float  # one parameter gather holds at least this much of consecutive blocks
-    node_cache: bool  # the hierarchical store (``allocation: topology_aware``)
-    weight_codec: str  # what the parameter gathers carry: 'none' or 'int8'
-    grad_codec: str  # the hierarchical store's inter-node gradient codec ('none' without it)
-    ranks_per_node: int | None  # the cluster's, for the store's two levels (None: detected)
-
-    def build(self, comm: CommunicationController, chunks: list[nn.Module], shards: ShardSpec,
-              bucket_size_mb: float, overlap: bool,
-              ) -> tuple[DataParallelGradSync, ParameterStore, str]:
-        """Stage 3's gradient sync (one bucket per layer and kind) and parameter store, and a
-        line for the start-up log saying what runs."""
-        if self.node_cache:
-            # The store's two levels are the data axis split by node (as hierarchical
-            # all-reduce).
-            comm.dims.build_node_groups(detect_node_of_rank(self.ranks_per_node))
-        names, groups, unit_of_group = unit_groups(chunks)
-        # The largest block's full parameters (blocks alike but for experts), and a chunk's
-        # blocks.
-        blocks = [g for g, u in zip(groups, unit_of_group, strict=True) if ".block" in names[u]]
-        block_bytes = max((sum(p.numel() * p.element_size() for p in g) for g in blocks),
-                          default=0)
-        span = gather_span(block_bytes, self.gather_mb, max(1, len(names) // len(chunks) - 1))
-        sync = DataParallelGradSync([p for g in groups for p in g], bucket_size_mb,
-                                    overlap=overlap, shards=shards, release_grads=True,
-                                    groups=groups)
-        store = ParameterStore(comm, chunks, sync.buckets, names, unit_of_group,
-                               node_cache=self.node_cache, weight_codec=self.weight_codec,
-                               grad_codec=self.grad_codec, span=span)
-        per_gather = ("per layer" if span == 1 else
-                      f"{span} blocks per gather ({span * block_bytes / 2**20:.2f} MiB, "
-                      f"controllers.memory.gather_mb {self.gather_mb:g})")
-        text = (f"memory: ZeRO stage 3, {len(names)} units gathered {per_gather} over "
-                f"{comm.axis_size('dp')} data-parallel ranks")
-        if self.node_cache:
-            text += (f"; hierarchical parameter store: {comm.dims.dp_inter} node(s) x "
-                     f"{comm.dims.dp_intra} rank(s), backward gathers inside the node, "
-                     f"gradients reduced inside then across nodes ({self.grad_codec} across)")
-        if self.weight_codec != "none":
-            text += f"; {self.weight_codec} weight gathers"
-        return sync, store, text

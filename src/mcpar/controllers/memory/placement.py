@@ -46,7 +46,7 @@ from mcpar.capabilities import offload_problems
 from mcpar.config import JobConfig
 from mcpar.controllers.memory.estimate import layer_modes, memory_breakdown
 from mcpar.controllers.memory.zero_plan import zero_problems
-from mcpar.device import memory_budget_bytes, select_device
+from mcpar.device_select import memory_budget_bytes, select_device
 from mcpar.errors import UserError, problem
 from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate

@@ -15,26 +15,29 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.config import JobConfig
-from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.communication.grad_sync import DataParallelGradSync, ShardSpec
-from mcpar.controllers.communication.plan import CommPlan
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory, layer_modes
-from mcpar.controllers.memory.offload import OffloadPlan, OffloadSpec, checkpoint_parameters
-from mcpar.controllers.memory.optimizer import build_optimizer
-from mcpar.controllers.memory.param_store import ParameterStore, StorePlan
 from mcpar.controllers.memory.placement import Placement, with_settings
-from mcpar.controllers.memory.zero import ZeroAdamW
+from mcpar.controllers.memory.store_offload_plan import OffloadPlan, StorePlan
 from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
 from mcpar.registry.zero import ZeroStage, zero_stage
 from mcpar.topology import ParallelDims
+
+# The plan is made without torch (`mcpar check`); the runtime it builds imports it.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mcpar.controllers.communication.controller import CommunicationController
+    from mcpar.controllers.communication.grad_sync import DataParallelGradSync, ShardSpec
+    from mcpar.controllers.communication.plan import CommPlan
+    from mcpar.controllers.memory.offload import OffloadSpec
+    from mcpar.controllers.memory.param_store import ParameterStore
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class MemoryPlan:
         makes the parameters bf16 copies), then the gradient sync (ZeRO: buckets
         reduce-scattered into shards over the data axis, experts over their replicas; stage 3:
         the parameter store, which gathers each layer)."""
+        from mcpar.controllers.communication.grad_sync import DataParallelGradSync
+
         offload = self.offload.build(params, run_dir, rank, device)
         shards: ShardSpec = ((comm.axis_size("dp"), comm.axis_rank("dp")),
                              (comm.axis_size("edp"), comm.axis_rank("edp")))
@@ -111,12 +116,16 @@ class MemoryRuntime:
                         ) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
         """The optimizer over what this rank holds, and the parameters whose gradients the
         update reads (ZeRO: the shards' pieces)."""
+        from mcpar.controllers.memory.optimizer import build_optimizer
+
         return build_optimizer(params, cfg, self.plan.zero_stage, exchange, comm,
                                self.grad_sync, self.store, self.offload)
 
     def full_parameters(self) -> Callable[[bool], contextlib.AbstractContextManager[None]] | None:
         """What a checkpoint saves and restores the full parameters through (ZeRO-3: the
         store's gathers; bf16 copies under offload: the fp32 masters), or None."""
+        from mcpar.controllers.memory.offload import checkpoint_parameters
+
         if self.store is not None:
             return self.store.full_parameters
         return checkpoint_parameters(self.offload)
@@ -127,6 +136,8 @@ class MemoryRuntime:
         checksums the consistency check keeps); none without ZeRO."""
         if self.plan.zero_stage == 0:
             return []
+        from mcpar.controllers.memory.zero import ZeroAdamW
+
         assert isinstance(optimizer, ZeroAdamW)  # build_optimizer's, under ZeRO
         return optimizer.owned_shards()
 

@@ -22,12 +22,8 @@ saved and restored for its replay, so dropout draws the same masks and the losse
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from mcpar.models.gpt import AttentionCore
 from mcpar.registry.recompute import (
     RECOMPUTE_POLICIES,
     LayerActivations,
@@ -35,6 +31,10 @@ from mcpar.registry.recompute import (
     RecomputeFacts,
     RecomputePolicy,
 )
+
+if TYPE_CHECKING:  # the policies' rules and terms are read without torch (`mcpar check`)
+    import torch
+    from torch import nn
 
 
 class NoRecompute(RecomputePolicy):
@@ -66,6 +66,8 @@ class SelectiveRecompute(RecomputePolicy):
         return work.core
 
     def targets(self, block: nn.Module) -> list[nn.Module]:
+        from mcpar.models.gpt.model import AttentionCore
+
         return [m for m in block.modules() if isinstance(m, AttentionCore)]
 
 
@@ -108,6 +110,9 @@ def set_reforward_probe(probe: Callable[[Callable[..., torch.Tensor], tuple], No
 
 
 def _recompute_forward(module: nn.Module) -> None:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
     forward = module.forward
 
     def run(*args: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,18 @@ imported, by ``mcpar.controllers.registered``)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.models.gpt.hf import GPT2Names
-from mcpar.models.gpt.model import GPT
 from mcpar.models.gpt.plans import GPT_TENSOR_PARALLEL
 from mcpar.models.plan import ModelPieces
 from mcpar.models.spec import ModelSpec
 from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import ModelShape
+
+if TYPE_CHECKING:  # the entry is read without torch (`mcpar check`); build and pieces import it
+    from torch import nn
 
 
 def gpt_shape(cfg: ModelConfig, ffn_kind: str = "gelu") -> ModelShape:
@@ -33,11 +35,15 @@ class GPTFamily(ModelSpec):
     hf = GPT2Names()
 
     def build(self, cfg: ModelConfig, seed: int) -> nn.Module:
+        from mcpar.models.gpt.model import GPT
+
         model = GPT(cfg)
         model.init_weights(seed)
         return model
 
     def pieces(self, model: nn.Module) -> ModelPieces:
+        from mcpar.models.gpt.model import GPT
+
         assert isinstance(model, GPT), type(model)
         return model.pieces()
 

@@ -4,31 +4,56 @@ forms, readable in one file), ``plans.py`` (where tensor and expert parallelism 
 ``family.py`` (their shapes, which count them, their rules and registry entries,
 ``model.kind: llama`` and ``llama_moe``)."""
 
-from mcpar.models.llama.family import (
-    LLAMA_FAMILY,
-    LLAMA_MOE_FAMILY,
-    llama_shape,
-)
-from mcpar.models.llama.model import (
-    GroupedQueryAttention,
-    Llama,
-    LlamaBlock,
-    LlamaMoELayer,
-    RMSNorm,
-    SwiGLU,
-    SwiGLUExperts,
-    apply_rotary,
-    build_llama,
-    rotary_cos_sin,
-    swiglu_experts,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from mcpar.models.llama.family import LLAMA_FAMILY, LLAMA_MOE_FAMILY, llama_shape
 from mcpar.models.llama.plans import (
     LLAMA_MOE_EXPERTS,
     LLAMA_MOE_TENSOR_PARALLEL,
     LLAMA_TENSOR_PARALLEL,
 )
 
+if TYPE_CHECKING:
+    from mcpar.models.llama.model import (
+        GroupedQueryAttention,
+        Llama,
+        LlamaBlock,
+        LlamaMoELayer,
+        RMSNorm,
+        SwiGLU,
+        SwiGLUExperts,
+        apply_rotary,
+        build_llama,
+        rotary_cos_sin,
+        swiglu_experts,
+    )
+
 __all__ = ["LLAMA_FAMILY", "LLAMA_MOE_EXPERTS", "LLAMA_MOE_FAMILY", "LLAMA_MOE_TENSOR_PARALLEL",
            "LLAMA_TENSOR_PARALLEL", "GroupedQueryAttention", "Llama", "LlamaBlock",
            "LlamaMoELayer", "RMSNorm", "SwiGLU", "SwiGLUExperts", "apply_rotary", "build_llama",
            "llama_shape", "rotary_cos_sin", "swiglu_experts"]
+
+
+# The modules' classes and functions import torch: they load on first use, so that the family's
+# registry entry (family.py, which ``mcpar check`` reads) loads without torch.
+_LAZY = {
+    "GroupedQueryAttention": "mcpar.models.llama.model",
+    "Llama": "mcpar.models.llama.model",
+    "LlamaBlock": "mcpar.models.llama.model",
+    "LlamaMoELayer": "mcpar.models.llama.model",
+    "RMSNorm": "mcpar.models.llama.model",
+    "SwiGLU": "mcpar.models.llama.model",
+    "SwiGLUExperts": "mcpar.models.llama.model",
+    "apply_rotary": "mcpar.models.llama.model",
+    "build_llama": "mcpar.models.llama.model",
+    "rotary_cos_sin": "mcpar.models.llama.model",
+    "swiglu_experts": "mcpar.models.llama.model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

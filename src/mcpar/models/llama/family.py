@@ -6,13 +6,11 @@ key/value heads per tensor rank, rotary embeddings rotate pairs)."""
 from __future__ import annotations
 
 import math
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.errors import problem
 from mcpar.models.llama.hf import LlamaNames
-from mcpar.models.llama.model import Llama, build_llama
 from mcpar.models.llama.plans import (
     LLAMA_MOE_EXPERTS,
     LLAMA_MOE_TENSOR_PARALLEL,
@@ -23,6 +21,9 @@ from mcpar.models.plan import ModelPieces
 from mcpar.models.spec import ModelSpec
 from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import ModelShape
+
+if TYPE_CHECKING:  # the entries are read without torch (`mcpar check`); build and pieces import it
+    from torch import nn
 
 
 def llama_shape(cfg: ModelConfig) -> ModelShape:
@@ -79,9 +80,13 @@ class LlamaFamily(ModelSpec):
         return out
 
     def build(self, cfg: ModelConfig, seed: int) -> nn.Module:
+        from mcpar.models.llama.model import build_llama
+
         return build_llama(cfg, seed, self.moe)
 
     def pieces(self, model: nn.Module) -> ModelPieces:
+        from mcpar.models.llama.model import Llama
+
         assert isinstance(model, Llama), type(model)
         return model.pieces()
 

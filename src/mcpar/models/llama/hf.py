@@ -20,13 +20,14 @@ Both are checked against ``transformers``' own modeling code by the logits test
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mcpar.config import ModelConfig
 from mcpar.errors import problem
 from mcpar.models.hf import HFNames, Tensors
+
+if TYPE_CHECKING:  # the family's entry holds this map; `mcpar check` reads it without torch
+    import torch
 
 
 def mixtral_problems(cfg: ModelConfig, expert_bias: Tensors) -> list[str]:
@@ -61,6 +62,8 @@ def _split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
 
 def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cfg: ModelConfig) -> torch.Tensor:
+    import torch
+
     d, kv = cfg.head_dim, cfg.kv_heads
     groups = torch.cat([q.reshape(kv, -1, d, q.shape[-1]), k.reshape(kv, 1, d, k.shape[-1]),
                         v.reshape(kv, 1, d, v.shape[-1])], dim=1)
@@ -69,6 +72,8 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _experts_from_hf(cfg: ModelConfig, hf: Tensors, b: str, h: str) -> Tensors:
     """One Mixtral layer's router and experts, per-expert or fused layout."""
+    import torch
+
     out: Tensors = {}
     fused = h + "mlp.experts.gate_up_proj"
     if fused in hf:  # [E, 2F, H] and [E, H, F]
@@ -162,6 +167,8 @@ class LlamaNames(HFNames):
         return out
 
     def from_hf(self, cfg: ModelConfig, hf: Tensors) -> Tensors:
+        import torch
+
         out = {"embed.tok.weight": hf["model.embed_tokens.weight"]}
         for i in range(cfg.num_layers):
             b, h = f"blocks.{i}.", f"model.layers.{i}."

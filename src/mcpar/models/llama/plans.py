@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from mcpar.models.llama.model import swiglu_experts
-from mcpar.models.moe.model import moe_layers
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,
     EmbeddingPlan,
     ExpertPlan,
     ExpertWeight,
+    LazyFunction,
     OutputPlan,
     TensorParallelPlan,
 )
@@ -37,10 +36,11 @@ LLAMA_TENSOR_PARALLEL = TensorParallelPlan(
 LLAMA_MOE_TENSOR_PARALLEL = TensorParallelPlan(
     embedding=_EMBEDDING, block=LLAMA_ATTENTION_TENSOR_PARALLEL, output=_OUTPUT)
 LLAMA_MOE_EXPERTS = ExpertPlan(
-    layers=moe_layers,
+    # Named, not imported: the entry holding this plan loads without torch (`mcpar check`).
+    layers=LazyFunction("mcpar.models.moe.model:moe_layers"),
     routed="experts",
     weights=(ExpertWeight("gate.weight", width_dim=2), ExpertWeight("up.weight", width_dim=2),
              ExpertWeight("down.weight", width_dim=1)),
-    compute=swiglu_experts,
+    compute=LazyFunction("mcpar.models.llama.model:swiglu_experts"),
     dense=BlockPlan(column=(ColumnParallel("shared.gate_up", fused=2),), row=("shared.down",)),
 )

@@ -5,19 +5,19 @@ shares (``moe_layout_problems``, which the Llama MoE form uses too)."""
 from __future__ import annotations
 
 from dataclasses import replace
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.errors import problem
 from mcpar.models.gpt.family import gpt_shape
-from mcpar.models.gpt.model import GPT
-from mcpar.models.moe.model import build_moe
 from mcpar.models.moe.plans import MOE_EXPERTS, MOE_TENSOR_PARALLEL
 from mcpar.models.plan import ModelPieces
 from mcpar.models.spec import ModelSpec
 from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import ModelShape
+
+if TYPE_CHECKING:  # the entry is read without torch (`mcpar check`); build and pieces import it
+    from torch import nn
 
 
 def moe_layout_problems(cfg: ModelConfig, ep: int, sequence_parallel: bool) -> list[str]:
@@ -58,9 +58,13 @@ class MoEFamily(ModelSpec):
     expert_parallel = MOE_EXPERTS
 
     def build(self, cfg: ModelConfig, seed: int) -> nn.Module:
+        from mcpar.models.moe.model import build_moe
+
         return build_moe(cfg, seed)
 
     def pieces(self, model: nn.Module) -> ModelPieces:
+        from mcpar.models.gpt.model import GPT
+
         assert isinstance(model, GPT), type(model)
         return model.pieces()
 

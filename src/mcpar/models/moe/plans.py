@@ -4,12 +4,12 @@ of ``mcpar.models.plan``)."""
 from __future__ import annotations
 
 from mcpar.models.gpt.plans import ATTENTION_TENSOR_PARALLEL, GPT_TENSOR_PARALLEL
-from mcpar.models.moe.model import expert_mlps, moe_layers
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,
     ExpertPlan,
     ExpertWeight,
+    LazyFunction,
     TensorParallelPlan,
 )
 
@@ -21,9 +21,10 @@ MOE_TENSOR_PARALLEL = TensorParallelPlan(
     output=GPT_TENSOR_PARALLEL.output,
 )
 MOE_EXPERTS = ExpertPlan(
-    layers=moe_layers,
+    # Named, not imported: the entry holding this plan loads without torch (`mcpar check`).
+    layers=LazyFunction("mcpar.models.moe.model:moe_layers"),
     routed="experts",
     weights=(ExpertWeight("fc.weight", width_dim=2), ExpertWeight("proj.weight", width_dim=1)),
-    compute=expert_mlps,
+    compute=LazyFunction("mcpar.models.moe.model:expert_mlps"),
     dense=BlockPlan(column=(ColumnParallel("shared.fc"),), row=("shared.proj",)),
 )
