@@ -331,3 +331,11 @@ def test_the_first_rule_followed_is_the_shortest_horizon():
         == "H10_fast"
     frozen = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0, learning="frozen")
     assert rule_name(frozen.leader) == "H100_fast"
+
+
+def test_an_agent_saved_before_amortizing_is_refused_by_name():
+    balancer = ExpertLoadBalancer("reinforcement", 2, 8, 2, seed=0)
+    run(balancer, zipf_trace(40, 2, 8, 0.8, 20, seed=1))
+    state = {k: v for k, v in balancer.state_tensors().items() if k != "agent/debts"}
+    with pytest.raises(ValueError, match="agent/debts"):
+        ExpertLoadBalancer("reinforcement", 2, 8, 2, seed=0).load_state_tensors(state)
