@@ -55,8 +55,9 @@ LAYOUTS = {
     # MoE over 2 expert ranks whose learning balancer migrates experts before and after the
     # checkpoint: placement, router biases, the agent's values and RNG must all be restored.
     # Modeled costs: measured times differ from run to run, and so would the decisions; a
-    # cheap migration and 8 experts (4 per rank: enough imbalance for the agent, which stays
-    # until a moving rule pays, to move experts both before and after the checkpoint).
+    # cheap migration and 8 experts (4 per rank: enough imbalance for the agent, which first
+    # moves only what pays back within 10 steps, to move experts both before and after the
+    # checkpoint).
     "moe_experts2": ["model.kind=moe", "model.num_experts=8", "model.top_k=2",
                      "parallelism.data=2", "parallelism.experts=2",
                      "controllers.compute.scheduler=reinforcement",

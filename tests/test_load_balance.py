@@ -299,3 +299,43 @@ def test_staying_is_not_credited_with_a_moving_leaders_placement():
     held = agent.shadows[STAY].copy()
     agent.decide(np.array([[0, 2, 1, 3]]), 1.0, 1.0)
     assert np.array_equal(agent.shadows[STAY], held)
+
+
+def test_a_move_is_charged_over_the_objectives_horizon_not_at_once():
+    """A rule that moves owes its migration seconds and pays 1 - discount of what it still owes
+    each step: right after a move it is charged that share, and in all the full price."""
+    from mcpar.controllers.compute.placement_agent import STAY, PlacementAgent
+
+    agent = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0)
+    counts = np.array([[10.0, 10.0, 1.0, 1.0]])  # identity: ranks 20 and 2, one swap evens it
+    agent.observe(counts, True, 1.0, 1.0)
+    agent.decide(np.array([[0, 1, 2, 3]]), 1.0, 3.0)
+    movers = [r for r in range(len(agent.scores)) if r != STAY]
+    before = agent.scores.copy()
+    agent.observe(counts, False, 1.0, 3.0)
+    for r in movers:  # one swap = 2 experts at 3 s: 6 s owed, 1% of it charged now, no wait
+        assert agent.scores[r] - 0.998 * before[r] == pytest.approx(0.06), r
+        assert agent.debts[r] == pytest.approx(5.94), r
+    for _ in range(3000):
+        agent.observe(counts, False, 1.0, 3.0)
+    assert agent.debts[movers].max() < 1e-9
+    assert agent.debts[STAY] == 0.0
+
+
+def test_the_first_rule_followed_is_the_shortest_horizon():
+    """Before any rule has a record the agent follows the rule whose moves must pay back within
+    10 steps; without learning it is greedy's rule."""
+    from mcpar.controllers.compute.placement_agent import PlacementAgent, rule_name
+
+    assert rule_name(PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0).leader) \
+        == "H10_fast"
+    frozen = PlacementAgent(1, 4, 2, discount=0.99, max_swaps=2, seed=0, learning="frozen")
+    assert rule_name(frozen.leader) == "H100_fast"
+
+
+def test_an_agent_saved_before_amortizing_is_refused_by_name():
+    balancer = ExpertLoadBalancer("reinforcement", 2, 8, 2, seed=0)
+    run(balancer, zipf_trace(40, 2, 8, 0.8, 20, seed=1))
+    state = {k: v for k, v in balancer.state_tensors().items() if k != "agent/debts"}
+    with pytest.raises(ValueError, match="agent/debts"):
+        ExpertLoadBalancer("reinforcement", 2, 8, 2, seed=0).load_state_tensors(state)
