@@ -6,6 +6,7 @@ import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -178,3 +179,18 @@ def write_csv_rows(path: Path, header: list[str], data: list[dict[str, str]]) ->
         writer.writeheader()
         writer.writerows(data)
 
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TimeoutError in this thread when the block runs past ``seconds`` (a hang, e.g. a
+    FIFO opened for reading, fails the fuzz case instead of the suite)."""
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

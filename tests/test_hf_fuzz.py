@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import struct
 import time
 from collections import Counter
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli_in_process, sets
+from conftest import run_cli_in_process, sets, time_limit
 
 from mcpar.config import ModelConfig
 from mcpar.errors import UserError
@@ -84,19 +83,6 @@ def recorded_opens(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         m.setattr(safetensors.torch, "safe_open", wrap(safetensors.torch.safe_open))
         yield seen
 
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # --- damage ---------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import time_limit
 
 from mcpar.data.prepare import prepare
 from mcpar.data.prepared_corpus import load_prepared
@@ -94,19 +94,6 @@ def recorded_opens(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         m.setattr(os, "open", wrap(os.open))
         yield seen
 
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # --- damage ---------------------------------------------------------------------------------

@@ -128,6 +128,18 @@ class LazyFunction:
         return f"LazyFunction({self.target!r})"
 
 
+def lazy_attributes(package: str, module: str, names: tuple[str, ...]
+                    ) -> Callable[[str], Any]:
+    """A package's module-level ``__getattr__`` that imports ``names`` from ``module`` on first
+    use: a family package re-exports its torch classes without importing torch itself."""
+    def attribute(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return attribute
+
+
 @dataclass(frozen=True)
 class ExpertPlan:
     """Where the routed experts of a model are and how they compute.

@@ -3,11 +3,11 @@ readable in one file), ``plans.py`` (where tensor parallelism splits it), ``hf.p
 Hugging Face names, ``GPT2LMHeadModel``) and ``family.py`` (its shape, which counts it, and its
 registry entry, ``model.kind: gpt``)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mcpar.models.gpt.family import GPT_FAMILY, gpt_shape
 from mcpar.models.gpt.plans import ATTENTION_TENSOR_PARALLEL, GPT_TENSOR_PARALLEL
+from mcpar.models.plan import lazy_attributes
 
 if TYPE_CHECKING:
     from mcpar.models.gpt.model import (
@@ -27,19 +27,6 @@ __all__ = ["ATTENTION_TENSOR_PARALLEL", "GPT", "GPT_FAMILY", "GPT_TENSOR_PARALLE
 
 # The modules' classes and functions import torch: they load on first use, so that the family's
 # registry entry (family.py, which ``mcpar check`` reads) loads without torch.
-_LAZY = {
-    "GPT": "mcpar.models.gpt.model",
-    "MLP": "mcpar.models.gpt.model",
-    "AttentionCore": "mcpar.models.gpt.model",
-    "Block": "mcpar.models.gpt.model",
-    "CausalSelfAttention": "mcpar.models.gpt.model",
-    "OutputHead": "mcpar.models.gpt.model",
-    "TokenEmbedding": "mcpar.models.gpt.model",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(__name__, "mcpar.models.gpt.model", (
+    "GPT", "MLP", "AttentionCore", "Block", "CausalSelfAttention", "OutputHead", "TokenEmbedding",
+))

@@ -4,8 +4,7 @@ forms, readable in one file), ``plans.py`` (where tensor and expert parallelism 
 ``family.py`` (their shapes, which count them, their rules and registry entries,
 ``model.kind: llama`` and ``llama_moe``)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mcpar.models.llama.family import LLAMA_FAMILY, LLAMA_MOE_FAMILY, llama_shape
 from mcpar.models.llama.plans import (
@@ -13,6 +12,7 @@ from mcpar.models.llama.plans import (
     LLAMA_MOE_TENSOR_PARALLEL,
     LLAMA_TENSOR_PARALLEL,
 )
+from mcpar.models.plan import lazy_attributes
 
 if TYPE_CHECKING:
     from mcpar.models.llama.model import (
@@ -37,23 +37,7 @@ __all__ = ["LLAMA_FAMILY", "LLAMA_MOE_EXPERTS", "LLAMA_MOE_FAMILY", "LLAMA_MOE_T
 
 # The modules' classes and functions import torch: they load on first use, so that the family's
 # registry entry (family.py, which ``mcpar check`` reads) loads without torch.
-_LAZY = {
-    "GroupedQueryAttention": "mcpar.models.llama.model",
-    "Llama": "mcpar.models.llama.model",
-    "LlamaBlock": "mcpar.models.llama.model",
-    "LlamaMoELayer": "mcpar.models.llama.model",
-    "RMSNorm": "mcpar.models.llama.model",
-    "SwiGLU": "mcpar.models.llama.model",
-    "SwiGLUExperts": "mcpar.models.llama.model",
-    "apply_rotary": "mcpar.models.llama.model",
-    "build_llama": "mcpar.models.llama.model",
-    "rotary_cos_sin": "mcpar.models.llama.model",
-    "swiglu_experts": "mcpar.models.llama.model",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(__name__, "mcpar.models.llama.model", (
+    "GroupedQueryAttention", "Llama", "LlamaBlock", "LlamaMoELayer", "RMSNorm", "SwiGLU",
+    "SwiGLUExperts", "apply_rotary", "build_llama", "rotary_cos_sin", "swiglu_experts",
+))

@@ -3,11 +3,11 @@
 and expert parallelism split it) and ``family.py`` (its shape, which counts it, the rules of
 routed models and its registry entry, ``model.kind: moe``). It has no Hugging Face counterpart."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mcpar.models.moe.family import MOE_FAMILY, moe_layout_problems
 from mcpar.models.moe.plans import MOE_EXPERTS, MOE_TENSOR_PARALLEL
+from mcpar.models.plan import lazy_attributes
 
 if TYPE_CHECKING:
     from mcpar.models.moe.model import (
@@ -34,25 +34,8 @@ __all__ = ["MOE_EXPERTS", "MOE_FAMILY", "MOE_TENSOR_PARALLEL", "Experts", "Group
 
 # The modules' classes and functions import torch: they load on first use, so that the family's
 # registry entry (family.py, which ``mcpar check`` reads) loads without torch.
-_LAZY = {
-    "Experts": "mcpar.models.moe.model",
-    "GroupedWeight": "mcpar.models.moe.model",
-    "MoELayer": "mcpar.models.moe.model",
-    "Router": "mcpar.models.moe.model",
-    "build_moe": "mcpar.models.moe.model",
-    "describe_expert_kernel": "mcpar.models.moe.model",
-    "expert_kernel": "mcpar.models.moe.model",
-    "expert_mlps": "mcpar.models.moe.model",
-    "grouped_expert_mlps": "mcpar.models.moe.model",
-    "loop_expert_mlps": "mcpar.models.moe.model",
-    "moe_block": "mcpar.models.moe.model",
-    "moe_layers": "mcpar.models.moe.model",
-    "set_expert_kernel": "mcpar.models.moe.model",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(__name__, "mcpar.models.moe.model", (
+    "Experts", "GroupedWeight", "MoELayer", "Router", "build_moe", "describe_expert_kernel",
+    "expert_kernel", "expert_mlps", "grouped_expert_mlps", "loop_expert_mlps", "moe_block",
+    "moe_layers", "set_expert_kernel",
+))
