@@ -89,11 +89,24 @@ def test_check_prints_the_ranking_and_a_tiny_budget_is_one_line(tmp_path: Path) 
 
 
 def test_train_runs_the_choice_and_reports_predicted_against_measured(tmp_path: Path) -> None:
+    """End to end, from a deliberately stale profile (a number edited by hand): it is detected
+    and measured again before the planner prices the layouts."""
+    from test_profilestore import PROFILE, _edit
+
+    from mcpar.sim.profilestore import PROFILE_ENV, lookup_profile, save_profile
+
+    profile = tmp_path / "profile.json"
+    save_profile(PROFILE, profile)
+    _edit(profile, flops_per_thread=9e12)
     run_dir = tmp_path / "run"
     sets = [arg for s in [*AUTO, "training.steps=6"] for arg in ("--set", s)]
     out = run_mcpar("train", "--nproc", "4", "--oversubscribe", "--run-dir", str(run_dir),
-                    *sets, timeout=400)
+                    *sets, timeout=400, env={PROFILE_ENV: str(profile)})
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "edited after it was measured" in out.stderr
+    assert "measuring this machine" in out.stderr
+    remeasured = lookup_profile(profile)
+    assert remeasured.status == "valid" and remeasured.profile != PROFILE
     ranking = json.loads((run_dir / "auto_layout.json").read_text())
     chosen = ranking["chosen"]["settings"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -109,3 +122,36 @@ def test_train_runs_the_choice_and_reports_predicted_against_measured(tmp_path: 
         prediction["measured_step_s"] / prediction["predicted_step_s"] - 1)
     # The memory estimate the plan ranked by is the one the run measures against.
     assert abs(prediction["peak_error"]) <= 0.10
+    # A step off by more than the margin measures the machine again (a loaded CI machine).
+    drifted = abs(prediction["step_error"]) > prediction["margin"]
+    assert ("profile_remeasured" in prediction) == drifted
+    assert ("the term off most is" in prediction["warning"]) == drifted
+
+
+CHOSEN = {"layout": "tensor 1 x pipeline 1 x data 4", "predicted_step_s": 1.0,
+          "predicted_peak_bytes": 100 << 20, "predicted_dp_exposed_s": 0.1}
+
+
+@pytest.mark.parametrize(("steps", "exposed", "peak", "named"), [
+    ([9.0, 1.1, 1.1, 1.1], [0.0, 0.1, 0.1, 0.1], 100 << 20, None),  # within every margin
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 0.1, 0.1, 0.1], 100 << 20, "compute"),
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 1.1, 1.1, 1.1], 100 << 20,
+     "exposed data-parallel communication"),
+    ([9.0, 1.0, 1.0, 1.0], [0.0, 0.1, 0.1, 0.1], 120 << 20, "memory"),
+])
+def test_a_drift_past_the_margin_names_the_term_that_is_off(
+        steps: list[float], exposed: list[float], peak: int, named: str | None) -> None:
+    from mcpar.auto_layout import predicted_against_measured
+
+    out = predicted_against_measured(CHOSEN, steps, {"measured": {"total": peak}}, exposed)
+    assert out["measured_step_s"] == steps[1]  # the first step pays the warm-up
+    terms = out["terms"]
+    assert terms["exposed data-parallel communication"]["measured"] == exposed[1]
+    assert terms["compute"]["measured"] == pytest.approx(steps[1] - exposed[1])
+    assert terms["compute"]["predicted"] == pytest.approx(0.9)
+    if named is None:
+        assert out["warning"] == ""
+    else:
+        assert f"the term off {'most ' if named != 'memory' else ''}is {named}" in out["warning"]
+        other = {"compute", "exposed data-parallel communication"} - {named}
+        assert not any(f"is {o} (" in out["warning"] for o in other)

@@ -56,6 +56,9 @@ class Choice:
     settings: dict[str, object] = field(hash=False)
     step_s: float
     peak_bytes: float
+    # The data-parallel traffic the step waits for after its compute (the cost model's exposed
+    # ``dp_comm``); the rest of the step is compute and in-step communication.
+    dp_exposed_s: float = 0.0
 
     def describe(self) -> str:
         s = self.settings
@@ -74,7 +77,8 @@ class Choice:
 
     def to_json(self) -> dict[str, object]:
         return {"layout": self.describe(), "settings": self.settings,
-                "predicted_step_s": self.step_s, "predicted_peak_bytes": round(self.peak_bytes)}
+                "predicted_step_s": self.step_s, "predicted_peak_bytes": round(self.peak_bytes),
+                "predicted_dp_exposed_s": self.dp_exposed_s}
 
 
 @dataclass(frozen=True)
@@ -240,12 +244,12 @@ def _price(cfg: JobConfig, settings: dict[str, object], cluster: object
         layout = config_layout(candidate, dims.world_size)
         if layout.precision not in cluster.accel.peak_flops:  # type: ignore[attr-defined]
             layout = dc_replace(layout, precision="fp32")  # a CPU's profile has fp32 alone
-        step = simulate(config_model(candidate), layout, cluster,  # type: ignore[arg-type]
-                        where=AUTO_KEY).step_s
+        pred = simulate(config_model(candidate), layout, cluster,  # type: ignore[arg-type]
+                        where=AUTO_KEY)
         peak = memory_breakdown(candidate, dims).per_rank
     except UserError:
         return None
-    return candidate, Choice(dict(settings), step, peak)
+    return candidate, Choice(dict(settings), pred.step_s, peak, pred.breakdown.get("dp_comm", 0.0))
 
 
 def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
@@ -337,29 +341,63 @@ def resolve_job(cfg: JobConfig, world_size: int | None) -> JobPlan:
     return dataclasses.replace(plan, auto=auto)
 
 
-# A measured step further than this from the prediction is reported as a warning line.
+# A measured step further than this from the prediction is reported as a warning line (and,
+# on CPU, makes ``mcpar train`` measure this machine's local profile again).
 PREDICTION_MARGIN = 0.25
+# A measured peak further than this from the estimate is reported too (the memory estimate's
+# target: within 10% on every layout).
+MEMORY_MARGIN = 0.10
+
+
+def _median_after_first(values: list[float]) -> float:
+    """The median after the first step, which pays the warm-up."""
+    ordered = sorted(values[1:] or values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def _terms(chosen: dict[str, object], step: float, measured_step: float,
+           exposed: list[float]) -> dict[str, dict[str, float]]:
+    """The step's terms, predicted and measured: the data-parallel traffic waited for after the
+    compute (measured: the WAIT_GRADS tasks' time, ``exposed_comm_s``), and the rest (compute,
+    in-step tensor/pipeline communication, the bubble and the optimizer; measured: the step
+    minus that wait). Without a profile window the bubble is not measured apart."""
+    dp = float(chosen.get("predicted_dp_exposed_s", 0.0))  # type: ignore[arg-type]
+    dp_measured = _median_after_first(exposed) if exposed else 0.0
+    return {"compute": {"predicted": step - dp, "measured": measured_step - dp_measured},
+            "exposed data-parallel communication": {"predicted": dp, "measured": dp_measured}}
 
 
 def predicted_against_measured(chosen: dict[str, object], step_times: list[float],
-                               memory: dict[str, dict[str, int]]) -> dict[str, object]:
+                               memory: dict[str, dict[str, int]],
+                               exposed_comm: list[float] | None = None) -> dict[str, object]:
     """``summary.json``'s ``prediction``: the chosen layout's predicted step time and peak per
-    rank beside the measured ones (the median step after the first, which pays the warm-up),
-    their relative errors, and a warning when the step is off by more than the margin."""
-    steps = sorted(step_times[1:] or step_times)
-    measured = steps[len(steps) // 2] if steps else float("nan")
+    rank beside the measured ones (the median step after the first), their relative errors, the
+    step's terms predicted and measured (``_terms``), and a warning for each figure off by more
+    than its margin, naming the term that is off most."""
+    measured = _median_after_first(step_times)
     predicted = float(chosen["predicted_step_s"])  # type: ignore[arg-type]
     peak = float(chosen["predicted_peak_bytes"])  # type: ignore[arg-type]
     measured_peak = float(memory.get("measured", {}).get("total", 0))
     error = measured / predicted - 1 if predicted > 0 else float("nan")
-    warning = ""
+    peak_error = measured_peak / peak - 1 if peak > 0 else float("nan")
+    terms = _terms(chosen, predicted, measured, exposed_comm or [])
+    warnings = []
     if abs(error) > PREDICTION_MARGIN:
-        warning = (f"the measured step ({measured:.4g} s) is {error:+.0%} off the planner's "
-                   f"prediction ({predicted:.4g} s) for {chosen['layout']}; the ranking of "
-                   "parallelism.auto may not hold on this machine (python -m "
-                   "mcpar.sim.localprofile re-measures its profile)")
+        name, term = max(terms.items(),
+                         key=lambda kv: abs(kv[1]["measured"] - kv[1]["predicted"]))
+        warnings.append(
+            f"the measured step ({measured:.4g} s) is {error:+.0%} off the planner's prediction "
+            f"({predicted:.4g} s) for {chosen['layout']}; the term off most is {name} "
+            f"(predicted {term['predicted']:.4g} s, measured {term['measured']:.4g} s); the "
+            "ranking of parallelism.auto may not hold on this machine")
+    if measured_peak > 0 and abs(peak_error) > MEMORY_MARGIN:
+        warnings.append(
+            f"the measured peak per rank ({format_bytes(measured_peak)}) is {peak_error:+.0%} "
+            f"off the memory estimate ({format_bytes(peak)}) for {chosen['layout']}; the term "
+            "off is memory: the budget check of parallelism.auto may not hold")
     return {"source": AUTO_KEY, "layout": chosen["layout"],
             "predicted_step_s": predicted, "measured_step_s": measured, "step_error": error,
             "predicted_peak_bytes": peak, "measured_peak_bytes": measured_peak,
-            "peak_error": measured_peak / peak - 1 if peak > 0 else float("nan"),
-            "margin": PREDICTION_MARGIN, "warning": warning}
+            "peak_error": peak_error, "terms": terms,
+            "margin": PREDICTION_MARGIN, "memory_margin": MEMORY_MARGIN,
+            "warning": "; ".join(warnings)}

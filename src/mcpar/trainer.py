@@ -445,6 +445,7 @@ class Trainer:
         tokens_per_s_sum, loss, val_loss = 0.0, float("nan"), None
         steps_run, interval = 0, cfg.optimization.checkpoint.interval
         step_times: list[float] = []
+        exposed_comm: list[float] = []  # per step, for the prediction's terms
         for step in range(self.start_step, tr.steps):
             self.profiler.before_step(step)
             self.comm.stats.reset_step()
@@ -473,6 +474,7 @@ class Trainer:
                 "exposed_comm_s": self.compute.exposed_comm_s(),
                 "skipped": result.skipped,
             }
+            exposed_comm.append(record["exposed_comm_s"])
             if compile_s > 0:
                 record["compile_s"] = compile_s
             if result.moe is not None:
@@ -533,7 +535,7 @@ class Trainer:
         }
         if self.plan.auto is not None:  # the planner's prediction beside the measurement
             summary["prediction"] = predicted_against_measured(
-                self.plan.auto.to_json()["chosen"], step_times, summary["memory"])
+                self.plan.auto.to_json()["chosen"], step_times, summary["memory"], exposed_comm)
         self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:
             if "prediction" in summary and summary["prediction"]["warning"]:

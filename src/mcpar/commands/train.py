@@ -21,6 +21,7 @@ from mcpar.checkpoint.manager import (
     read_meta,
     resume_problems,
 )
+from mcpar.commands.calibration import calibrate_before_plan, remeasure_after_drift
 from mcpar.commands.config_args import load_args
 from mcpar.config import DEFAULT_NPROC, JobConfig, to_yaml
 from mcpar.data.corpus import load_corpus
@@ -226,6 +227,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     world_size = _requested_world(cfg, args.nproc, builtin_default=args.config is None)
     _check_local_devices(cfg, world_size, explicit_nproc=args.nproc is not None)
+    # Here, not in torchrun's workers: one process measures the machine, not every rank at once.
+    calibrate_before_plan(cfg)
     plan = validate_for_training(cfg, world_size)
     if args.nproc is not None and not getattr(args, "oversubscribe", False):
         _check_worker_count(plan, world_size)
@@ -242,6 +245,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(plan, run_dir, None, resume=args.resume, stop_after=args.stop_after,
                           faults=FaultInjector.from_env())
         trainer.train()
+        remeasure_after_drift(cfg, run_dir)
         lock.release()
         return 0
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
@@ -260,5 +264,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     grace = 30.0 if cfg.optimization.checkpoint.interval > 0 else 3.0
     launch_local(world_size, argv, max_restarts=restarts, on_restart=on_restart,
                  stop_grace_s=grace)
+    remeasure_after_drift(cfg, run_dir)
     lock.release()
     return 0

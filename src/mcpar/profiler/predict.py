@@ -2,9 +2,9 @@
 
 On CUDA the cluster is the hardware table's row for this GPU; on CPU it is the machine's saved
 local profile when it is this machine's (``sim.profilestore.lookup_profile``; ``mcpar simulate
---cluster local`` measures and saves it). Without one, or with a stale one (another machine's, or
-edited), the report says why and how to measure it, rather than stopping the run for half a
-minute of measurements.
+--cluster local`` measures and saves it, and ``mcpar profile`` before its workers start:
+``commands.calibration``). Without one (a worker of torchrun or Slurm, which measure nothing), or
+with a stale one (another machine's, or edited), the report says why and how to measure it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,200 @@
+"""Does ``parallelism.auto`` rank layouts on this machine as they really run?
+
+What it does
+    1. Trains one small GPT with ``mcpar train --nproc 4`` under each layout of ``LAYOUTS``
+       (data, tensor, sequence, pipeline with each registered schedule, ZeRO 1 and 3, both
+       recompute policies, two gradient codecs, two micro-batch sizes, dropout on and off).
+       Every key the planner searches is set, with ``parallelism.auto=true``: the planner then
+       prices that layout alone, exactly as it prices it in a search, and the run's
+       ``summary.json`` holds its ``prediction`` (step time, peak per rank) beside the measured
+       ones (the median step after the first; the memory meter's largest rank).
+    2. Trains once more with only the model's keys and ``parallelism.auto=true``: the planner's
+       own pick among every layout of the world, measured the same way.
+    3. Reports Spearman's rho between predicted and measured step times, the median relative
+       error of the step and of the peak, and the auto pick's measured throughput against the
+       set's best and median.
+    Another job sharing the cores would slow some runs and not others, so each run waits for an
+    idle machine and is repeated when other processes used more than 5% of the cores while it
+    ran (``local_sim_check``'s rule); the JSON records the share.
+
+How to run
+    python bench/auto_ranking.py [--steps 14] [--out bench/data/auto_ranking.json] [--only ...]
+
+    Prints one JSON object on stdout; progress goes to stderr. About 10 minutes on 2 cores.
+    The local profile the planner prices with is the one ``mcpar train`` uses here (measured
+    first when missing or stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from local_sim_check import MAX_FOREIGN, foreign_share, wait_for_idle
+
+WORKERS = 4
+MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.seq_len=128",
+         "optimization.global_batch_size=32", "training.eval_interval=0",
+         "training.eval_batches=1", "training.progress=false", "parallelism.auto=true"]
+
+# Every searched key the layouts below do not set themselves: a layout is then priced alone.
+BASE = {"parallelism.tensor": 1, "parallelism.pipeline": 1, "parallelism.data": 4,
+        "parallelism.virtual_stages": 1, "parallelism.schedule": "1f1b",
+        "optimization.micro_batch_size": 8, "optimization.gradient_accumulation": 1,
+        "controllers.memory.zero_stage": 0, "controllers.memory.activation_checkpointing": "none",
+        "controllers.communication.compression": "none"}
+
+
+def _pipeline(pp: int, dp: int, micro: int, schedule: str, vp: int = 1) -> dict[str, object]:
+    return {"parallelism.pipeline": pp, "parallelism.data": dp, "parallelism.schedule": schedule,
+            "parallelism.virtual_stages": vp, "optimization.micro_batch_size": micro,
+            "optimization.gradient_accumulation": 32 // (dp * micro)}
+
+
+LAYOUTS: dict[str, dict[str, object]] = {
+    "dp4": {},
+    "dp4_mb4": {"optimization.micro_batch_size": 4, "optimization.gradient_accumulation": 2},
+    "dp4_zero1": {"controllers.memory.zero_stage": 1},
+    "dp4_zero3": {"controllers.memory.zero_stage": 3},
+    "dp4_selective": {"controllers.memory.activation_checkpointing": "selective"},
+    "dp4_full": {"controllers.memory.activation_checkpointing": "full"},
+    "dp4_bf16_codec": {"controllers.communication.compression": "bf16"},
+    "dp4_1bit": {"controllers.communication.compression": "1bit"},
+    "dp4_dropout": {"model.dropout": 0.1},
+    "tp2_dp2": {"parallelism.tensor": 2, "parallelism.data": 2,
+                "optimization.micro_batch_size": 16},
+    "tp2_sp_dp2": {"parallelism.tensor": 2, "parallelism.data": 2,
+                   "parallelism.sequence_parallel": True, "optimization.micro_batch_size": 16},
+    "tp2_dp2_dropout": {"parallelism.tensor": 2, "parallelism.data": 2,
+                        "optimization.micro_batch_size": 16, "model.dropout": 0.1},
+    "tp4": {"parallelism.tensor": 4, "parallelism.data": 1, "optimization.micro_batch_size": 32},
+    "pp2_dp2_1f1b": _pipeline(2, 2, 4, "1f1b"),
+    "pp2_dp2_gpipe": _pipeline(2, 2, 4, "gpipe"),
+    "pp2_dp2_interleaved": _pipeline(2, 2, 4, "interleaved_1f1b", vp=2),
+    "pp4_1f1b": _pipeline(4, 1, 4, "1f1b"),
+    "tp2_pp2": {"parallelism.tensor": 2, **_pipeline(2, 1, 8, "1f1b")},
+}
+
+
+def _value(v: object) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def run(overrides: list[str], steps: int) -> dict[str, object]:
+    """Train with ``overrides``; the summary's prediction and the layout the run chose."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "mcpar.cli", "train", "--nproc", str(WORKERS),
+               "--steps", str(steps), "--run-dir", str(run_dir)]
+        for item in overrides:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"mcpar train failed ({overrides}): {proc.stderr[-2000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["prediction"]
+
+
+def measured(overrides: list[str], steps: int, retries: int, idle_wait: float
+             ) -> tuple[dict[str, object], float]:
+    for attempt in range(1 + retries):
+        wait_for_idle(idle_wait)
+        prediction, foreign = foreign_share(lambda: run(overrides, steps))
+        if foreign <= MAX_FOREIGN:
+            break
+        print(f"  other processes used {foreign:.0%} of the cores meanwhile; "
+              f"{'again' if attempt < retries else 'keeping it'}", file=sys.stderr, flush=True)
+    return prediction, foreign
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def _row(name: str, prediction: dict[str, object], foreign: float) -> dict[str, object]:
+    p = prediction
+    return {"layout": name, "chosen": p["layout"],
+            "predicted_step_s": round(float(p["predicted_step_s"]), 4),  # type: ignore[arg-type]
+            "measured_step_s": round(float(p["measured_step_s"]), 4),  # type: ignore[arg-type]
+            "step_error": round(float(p["step_error"]), 3),  # type: ignore[arg-type]
+            "predicted_peak_bytes": int(p["predicted_peak_bytes"]),  # type: ignore[call-overload]
+            "measured_peak_bytes": int(p["measured_peak_bytes"]),  # type: ignore[call-overload]
+            "peak_error": round(float(p["peak_error"]), 3),  # type: ignore[arg-type]
+            "foreign_cpu_share": round(foreign, 3)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--only", nargs="*", default=None, help="layouts to run")
+    parser.add_argument("--no-auto", action="store_true", help="skip the planner's own pick")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--idle-wait", type=float, default=300.0)
+    parser.add_argument("--retries", type=int, default=2)
+    args = parser.parse_args()
+    rows = []
+    for name, keys in LAYOUTS.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        overrides = MODEL + [f"{k}={_value(v)}" for k, v in {**BASE, **keys}.items()]
+        prediction, foreign = measured(overrides, args.steps, args.retries, args.idle_wait)
+        rows.append(_row(name, prediction, foreign))
+        print(f"  predicted {rows[-1]['predicted_step_s']} s, measured "
+              f"{rows[-1]['measured_step_s']} s; peak error {rows[-1]['peak_error']:+.1%}",
+              file=sys.stderr, flush=True)
+    auto = None
+    if not args.no_auto:
+        print("running the planner's own pick ...", file=sys.stderr, flush=True)
+        prediction, foreign = measured(MODEL, args.steps, args.retries, args.idle_wait)
+        auto = _row("auto", prediction, foreign)
+    result: dict[str, object] = {"model": MODEL, "workers": WORKERS, "steps": args.steps,
+                                 "layouts": rows, "auto": auto}
+    if len(rows) >= 2:
+        pred = [float(r["predicted_step_s"]) for r in rows]  # type: ignore[arg-type]
+        meas = [float(r["measured_step_s"]) for r in rows]  # type: ignore[arg-type]
+        result["spearman_rho"] = round(spearman(pred, meas), 3)
+        result["median_abs_step_error"] = round(statistics.median(
+            abs(float(r["step_error"])) for r in rows), 3)  # type: ignore[arg-type]
+        result["median_abs_peak_error"] = round(statistics.median(
+            abs(float(r["peak_error"])) for r in rows), 3)  # type: ignore[arg-type]
+        result["worst_abs_peak_error"] = round(max(
+            abs(float(r["peak_error"])) for r in rows), 3)  # type: ignore[arg-type]
+        if auto is not None:
+            best, median = min(meas), statistics.median(meas)
+            chosen = float(auto["measured_step_s"])  # type: ignore[arg-type]
+            result["auto_vs_best_throughput"] = round(best / chosen, 3)
+            result["auto_vs_median_throughput"] = round(median / chosen, 3)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
