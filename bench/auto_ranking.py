@@ -21,14 +21,16 @@ How to run
     python bench/auto_ranking.py [--steps 14] [--out bench/data/auto_ranking.json] [--only ...]
 
     Prints one JSON object on stdout; progress goes to stderr. About 10 minutes on 2 cores.
-    The local profile the planner prices with is the one ``mcpar train`` uses here (measured
-    first when missing or stale).
+    The planner prices every run on one local profile, measured at the start on an idle machine
+    (or ``--profile``, a saved one valid here) and restored before each run, since a run whose
+    step misses its prediction by more than the margin measures the machine again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,9 @@ import tempfile
 from pathlib import Path
 
 from local_sim_check import MAX_FOREIGN, foreign_share, wait_for_idle
+
+from mcpar.sim.localprofile import measure
+from mcpar.sim.profilestore import PROFILE_ENV, lookup_profile, save_profile
 
 WORKERS = 4
 MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.seq_len=128",
@@ -64,7 +69,8 @@ LAYOUTS: dict[str, dict[str, object]] = {
     "dp4_selective": {"controllers.memory.activation_checkpointing": "selective"},
     "dp4_full": {"controllers.memory.activation_checkpointing": "full"},
     "dp4_bf16_codec": {"controllers.communication.compression": "bf16"},
-    "dp4_1bit": {"controllers.communication.compression": "1bit"},
+    "dp4_1bit": {"controllers.communication.compression": "1bit",
+                 "optimization.freeze_step": 3},  # compressing from step 4 of 14
     "dp4_dropout": {"model.dropout": 0.1},
     "tp2_dp2": {"parallelism.tensor": 2, "parallelism.data": 2,
                 "optimization.micro_batch_size": 16},
@@ -85,26 +91,31 @@ def _value(v: object) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def run(overrides: list[str], steps: int) -> dict[str, object]:
-    """Train with ``overrides``; the summary's prediction and the layout the run chose."""
+def run(overrides: list[str], steps: int, profile: Path, saved: str) -> dict[str, object]:
+    """Train with ``overrides`` priced on ``profile`` (restored to ``saved`` first); the
+    summary's prediction."""
+    profile.write_text(saved)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "mcpar.cli", "train", "--nproc", str(WORKERS),
                "--steps", str(steps), "--run-dir", str(run_dir)]
         for item in overrides:
             cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                              env={**os.environ, PROFILE_ENV: str(profile)})
         if proc.returncode != 0:
             raise RuntimeError(f"mcpar train failed ({overrides}): {proc.stderr[-2000:]}")
         summary = json.loads((run_dir / "summary.json").read_text())
     return summary["prediction"]
 
 
-def measured(overrides: list[str], steps: int, retries: int, idle_wait: float
+def measured(overrides: list[str], args: argparse.Namespace, profile: Path, saved: str
              ) -> tuple[dict[str, object], float]:
+    retries = args.retries
     for attempt in range(1 + retries):
-        wait_for_idle(idle_wait)
-        prediction, foreign = foreign_share(lambda: run(overrides, steps))
+        wait_for_idle(args.idle_wait)
+        prediction, foreign = foreign_share(
+            lambda: run(overrides, args.steps, profile, saved))
         if foreign <= MAX_FOREIGN:
             break
         print(f"  other processes used {foreign:.0%} of the cores meanwhile; "
@@ -144,7 +155,8 @@ def _row(name: str, prediction: dict[str, object], foreign: float) -> dict[str, 
             "predicted_peak_bytes": int(p["predicted_peak_bytes"]),  # type: ignore[call-overload]
             "measured_peak_bytes": int(p["measured_peak_bytes"]),  # type: ignore[call-overload]
             "peak_error": round(float(p["peak_error"]), 3),  # type: ignore[arg-type]
-            "foreign_cpu_share": round(foreign, 3)}
+            "foreign_cpu_share": round(foreign, 3),
+            "remeasured_after": "profile_remeasured" in p}
 
 
 def main() -> int:
@@ -153,16 +165,37 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="layouts to run")
     parser.add_argument("--no-auto", action="store_true", help="skip the planner's own pick")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="a saved local profile (default: measure one now)")
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--retries", type=int, default=2)
     args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="auto-ranking-"))
+    profile = tmp / "local_profile.json"
+    if args.profile is not None:
+        found = lookup_profile(args.profile)
+        if found.profile is None:
+            print(f"--profile: {found.why}; leave --profile out to measure one",
+                  file=sys.stderr)
+            return 2
+        saved = args.profile.read_text()
+        profile_foreign = None
+    else:
+        for _ in range(1 + args.retries):
+            wait_for_idle(args.idle_wait)
+            print("measuring the local profile ...", file=sys.stderr, flush=True)
+            measured_profile, profile_foreign = foreign_share(measure)
+            if profile_foreign <= MAX_FOREIGN:
+                break
+        save_profile(measured_profile, profile)
+        saved = profile.read_text()
     rows = []
     for name, keys in LAYOUTS.items():
         if args.only and name not in args.only:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         overrides = MODEL + [f"{k}={_value(v)}" for k, v in {**BASE, **keys}.items()]
-        prediction, foreign = measured(overrides, args.steps, args.retries, args.idle_wait)
+        prediction, foreign = measured(overrides, args, profile, saved)
         rows.append(_row(name, prediction, foreign))
         print(f"  predicted {rows[-1]['predicted_step_s']} s, measured "
               f"{rows[-1]['measured_step_s']} s; peak error {rows[-1]['peak_error']:+.1%}",
@@ -170,9 +203,11 @@ def main() -> int:
     auto = None
     if not args.no_auto:
         print("running the planner's own pick ...", file=sys.stderr, flush=True)
-        prediction, foreign = measured(MODEL, args.steps, args.retries, args.idle_wait)
+        prediction, foreign = measured(MODEL, args, profile, saved)
         auto = _row("auto", prediction, foreign)
     result: dict[str, object] = {"model": MODEL, "workers": WORKERS, "steps": args.steps,
+                                 "profile": json.loads(saved),
+                                 "profile_foreign_cpu_share": profile_foreign,
                                  "layouts": rows, "auto": auto}
     if len(rows) >= 2:
         pred = [float(r["predicted_step_s"]) for r in rows]  # type: ignore[arg-type]

@@ -155,3 +155,13 @@ def test_a_drift_past_the_margin_names_the_term_that_is_off(
         assert f"the term off {'most ' if named != 'memory' else ''}is {named}" in out["warning"]
         other = {"compute", "exposed data-parallel communication"} - {named}
         assert not any(f"is {o} (" in out["warning"] for o in other)
+
+
+def test_when_the_plan_refuses_every_layout_its_own_words_are_given() -> None:
+    """1-bit Adam fixed by hand on a run shorter than its warm-up: the plan's rule is named."""
+    cfg = load_config(None, [*AUTO, "controllers.communication.compression=1bit",
+                             "training.steps=3"])
+    with pytest.raises(UserError) as err:
+        choose_layout(cfg, 4)
+    assert "optimization.freeze_step" in str(err.value)
+    assert "not below training.steps 3" in str(err.value)

@@ -21,3 +21,37 @@ def test_bench_script_imports(script: str, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)  # module level only: each bench runs under __main__
     assert callable(getattr(module, "main", None)) or module.__doc__, script
+
+
+def test_each_ranking_layout_is_priced_alone_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/auto_ranking.py`` measures the planner's prediction of each layout by running it
+    with every searched key set: the planner must then price that layout alone, unchanged."""
+    from mcpar.auto_layout import SEARCHED, choose_layout
+    from mcpar.config import load_config
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import auto_ranking
+
+    assert len(auto_ranking.LAYOUTS) >= 12
+    assert set(auto_ranking.BASE) == set(SEARCHED) - {"parallelism.experts",
+                                                      "optimization.global_batch_size"}
+    for name, keys in auto_ranking.LAYOUTS.items():
+        settings = {**auto_ranking.BASE, **keys}
+        cfg = load_config(None, auto_ranking.MODEL + [f"{k}={auto_ranking._value(v)}"
+                                                      for k, v in settings.items()])
+        auto = choose_layout(cfg, auto_ranking.WORKERS)
+        assert auto.runners_up == [], name
+        chosen = auto.chosen.settings
+        assert all(chosen[k] == v for k, v in settings.items() if k in chosen), name
+
+
+def test_spearman_of_the_ranking_bench() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from auto_ranking import spearman
+    finally:
+        sys.path.remove(str(BENCH))
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties averaged

@@ -294,6 +294,7 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
     priced_all.sort(key=lambda item: (item[1].step_s, item[1].peak_bytes))
     kept: list[Choice] = []
     smallest: Choice | None = None
+    first_refusal = ""  # the plan's own words for the fastest layout it refused
     for candidate, choice in priced_all:
         if choice.peak_bytes > budget:
             drop("over the memory budget")
@@ -304,8 +305,9 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
             continue
         try:
             resolve_plan(candidate, world)
-        except UserError:
+        except UserError as err:
             drop("refused by the plan's rules")
+            first_refusal = first_refusal or str(err)
             continue
         if unsupported_settings(candidate):
             drop("not trainable by this version")
@@ -323,7 +325,9 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
         raise UserError(problem(AUTO_KEY, (
             f"no layout of {world} worker(s) resolves for this config ("
             + ", ".join(f"{n} {why}" for why, n in dropped.items())
-            + "); `mcpar check` with the degrees set by hand names the rule")))
+            + (f"); the fastest was refused with: {first_refusal.removeprefix('mcpar: error: ')}"
+               if first_refusal else
+               "); `mcpar check` with the degrees set by hand names the rule"))))
     return AutoLayout(kept[0], kept[1:], ranked_on, sorted(user), budget, source,
                       len(cores) + len(priced_all), dropped, time.perf_counter() - start)
 
