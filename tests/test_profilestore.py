@@ -212,3 +212,18 @@ def test_the_runs_prediction_passes_over_a_stale_profile_without_measuring(
     assert pred is None and "cores 999 there" in source and "mcpar simulate --cluster local" \
         in source
     assert calls == []
+
+
+def test_a_profile_measured_before_a_field_existed_is_stale_naming_it(tmp_path: Path) -> None:
+    """A profile saved without the dropout-mask rate (an earlier version's, its checksum
+    sound) is measured again, not read with the rate at 0, which prices dropout as free."""
+    from mcpar.sim.profilestore import _digest
+
+    path = tmp_path / "p.json"
+    save_profile(PROFILE, path)
+    doc = json.loads(path.read_text())
+    del doc["mask_rate_per_thread"], doc["sha256"]
+    path.write_text(json.dumps({**doc, "sha256": _digest(doc)}))
+    found = lookup_profile(path)
+    assert found.status == "stale" and "earlier version" in found.why
+    assert "mask_rate_per_thread" in found.why

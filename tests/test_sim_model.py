@@ -263,3 +263,37 @@ def test_memory_fits_where_published_runs_ran() -> None:
                 "nvidia-dgxc"):
             continue  # see cost_model.md: that row almost surely ran with sequence parallelism
         assert predict_run(run).memory.total < 80 * GIB, run.id
+
+
+def test_dropout_masks_cost_their_draw_where_it_is_a_kernel_of_its_own() -> None:
+    """On a CPU (a measured mask rate) dropout adds the masks' draw: the embedding's, two per
+    layer and, under the math kernel, the attention probabilities'; on a GPU (rate 0, the draw
+    fused into the element-wise kernels) it adds nothing."""
+    from mcpar.sim.hardware import LocalProfile
+    from mcpar.sim.localprofile import local_cluster
+
+    shape = ModelShape(name="t", layers=4, hidden=256, heads=4, kv_heads=4, ffn=1024,
+                       ffn_kind="gelu", vocab=512, seq_len=128)
+    lay = Layout(tp=1, pp=1, dp=1, micro_batch=8, global_batch=8, precision="fp32")
+    rate = 1.6e8
+    cpu = local_cluster(LocalProfile(
+        cores=2, flops_per_thread=5e10, attention_flops_per_thread=2e10, mem_bw_per_thread=1e10,
+        mem_bw_total=2e10, op_overhead_s=1e-5, layer_overhead_s=1e-4, mask_rate_per_thread=rate,
+        collectives={"ar": [1e-4, 1e-9]}, notes={}))
+
+    def step(m: ModelShape, layout: Layout, cluster: object) -> float:
+        return simulate(m, layout, cluster, validate=False).step_s  # type: ignore[arg-type]
+
+    off, on = replace(shape, dropout=False), replace(shape, dropout=True)
+    tokens = 8 * 128
+    hidden_masks = (1 + 2 * 4) * tokens * 256  # the embedding's, then two per layer
+    per_rank = rate * 2  # one worker on two cores runs two threads
+    assert step(on, lay, cpu) - step(off, lay, cpu) == pytest.approx(hidden_masks / per_rank,
+                                                                      rel=1e-6)
+    math_lay = replace(lay, attention="math")
+    scores = 4 * 8 * 4 * 128 * 128  # layers x micro-batch x heads x s x s
+    extra = step(on, math_lay, cpu) - step(off, math_lay, cpu)
+    assert extra == pytest.approx((hidden_masks + scores) / per_rank, rel=1e-6)
+    gpu = make_cluster(load_accelerators()["a100-80gb"], 1, 1, 200)
+    bf16 = replace(lay, precision="bf16")
+    assert step(on, bf16, gpu) == step(off, bf16, gpu)

@@ -4,7 +4,10 @@ GPU": roofline GEMMs, the attention kernels, element-wise work, MoE layers, reco
 
 Beyond the doc: element-wise work is counted in tensor reads+writes of the hidden size, 2 per
 LayerNorm and 3.5 per bias-dropout-residual add (the mask at 1 byte), and the backward moves
-twice the forward's bytes; the busiest expert rank's share is ``MOE_LOAD_IMBALANCE``. The
+twice the forward's bytes; the busiest expert rank's share is ``MOE_LOAD_IMBALANCE``. Where
+drawing a dropout mask is a kernel of its own (a CPU: the accelerator's ``mask_rate``, measured
+by the local profile), each mask costs its draw: the embedding's, the attention and MLP
+outputs', and the attention probabilities' under the unfused or math kernel. The
 communication inside a layer (tensor, context and expert parallelism) is priced here too, per
 pass: forward, backward, and the forward again under full recompute.
 """
@@ -45,6 +48,11 @@ class Roofline:
     attn_flops: float
     mem_bw: float
     act_bytes: int
+    mask_rate: float = 0.0  # dropout-mask elements/s; 0: drawn inside the element-wise kernels
+
+    def masks(self, elements: float) -> float:
+        """Drawing dropout masks of ``elements`` where that is a kernel of its own (CPU)."""
+        return elements / self.mask_rate if self.mask_rate > 0 else 0.0
 
     def gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
         flops = 2.0 * m * n * k * count
@@ -60,7 +68,8 @@ def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0)
     peak = cluster.accel.peak(lay.precision)
     attn_peak = cluster.accel.peak("bf16" if lay.precision == "fp8" else lay.precision)
     return Roofline(peak * eff.gemm * share, attn_peak * eff.attention * share,
-                    cluster.accel.hbm_bw * eff.memory * share, ACT_BYTES[lay.precision])
+                    cluster.accel.hbm_bw * eff.memory * share, ACT_BYTES[lay.precision],
+                    cluster.accel.mask_rate * share)
 
 
 @dataclass
@@ -117,6 +126,8 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
                   + rl.stream(SCORE_TENSORS_FWD * scores * rl.act_bytes))
         core_b = (2 * (rl.gemm(sq, m.seq_len, dh, batch) + rl.gemm(sq, dh, m.seq_len, batch))
                   + rl.stream(SCORE_TENSORS_BWD * scores * rl.act_bytes))
+        if m.dropout:  # the probabilities' mask, drawn again when the core is recomputed
+            core_f += rl.masks(scores)
     # MLP or experts.
     hidden_share = 1.0 / t if lay.seq_parallel else 1.0
     moved = HIDDEN_TENSORS_FWD * tok * h * hidden_share  # element-wise traffic, in elements
@@ -140,13 +151,16 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         # output projection's and the down projection's inputs.
         moved += 1.5 * tok * (2 * h + h / t + act_tokens / tok * f / t)
     elementwise = rl.stream(rl.act_bytes * moved)
+    # The attention and MLP outputs' masks, drawn in the forward (the backward multiplies by
+    # the kept mask: that traffic is in `moved`).
+    masks = rl.masks(2 * tok * h * hidden_share) if m.dropout else 0.0
 
     gemm_f = proj + mlp
-    out.fwd = gemm_f + core_f + elementwise
+    out.fwd = gemm_f + core_f + elementwise + masks
     out.bwd = 2 * gemm_f + core_b + 2 * elementwise
     out.add("gemm", 3 * gemm_f)
     out.add("attention", core_f + core_b)
-    out.add("elementwise", 3 * elementwise)
+    out.add("elementwise", 3 * elementwise + masks)
     policy = RECOMPUTE_POLICIES.get(lay.recompute)  # what the backward pass runs again
     again = policy.recompute_seconds(LayerWork(forward=out.fwd, core=core_f, mlp=mlp))
     if again:
@@ -208,8 +222,9 @@ def embedding_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficienc
     are all-reduced over tensor ranks."""
     tok = tokens_per_gpu(m, lay)
     move = rl.stream(2 * rl.act_bytes * tok * m.hidden)
-    out = PassTimes(fwd=move, bwd=2 * move)
-    out.add("elementwise", 3 * move)
+    masks = rl.masks(tok * m.hidden) if m.dropout else 0.0
+    out = PassTimes(fwd=move + masks, bwd=2 * move)
+    out.add("elementwise", 3 * move + masks)
     out.add("tp_comm", all_reduce(tok * m.hidden * rl.act_bytes, tp_group(lay), cluster,
                                   eff.network, "flat"))
     return out

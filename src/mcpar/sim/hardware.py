@@ -77,6 +77,7 @@ class Accelerator:
     typical_inter_gbps: float
     is_cpu: bool = False
     mem_bw_total: float = 0.0  # CPU only: what all cores stream together (hbm_bw: one thread)
+    mask_rate: float = 0.0  # CPU only: dropout-mask elements/s per rank; 0: fused (GPUs)
 
     def peak(self, precision: str, key: str = "precision") -> float:
         if precision not in self.peak_flops:
@@ -224,6 +225,10 @@ class LocalProfile:
     mem_bw_total: float  # bytes/s all cores stream together
     op_overhead_s: float  # eager dispatch + autograd cost of one small op
     layer_overhead_s: float  # fixed cost of one transformer block's forward+backward
+    # Elements/s a dropout mask is drawn at (torch's CPU bernoulli, all cores together / cores):
+    # 25x slower than an element-wise multiply, it is most of what dropout costs a CPU step.
+    # 0: not measured (GPUs fuse the draw into the element-wise kernels).
+    mask_rate_per_thread: float = 0.0
     # gloo over loopback, two ranks: op -> [alpha s, beta s/byte] of t = alpha + n beta
     collectives: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, float] = field(default_factory=dict)

@@ -93,6 +93,17 @@ def _attention_rate() -> float:
     return flops / _sustained_time(step, 0.3)
 
 
+def _mask_rate(threads: int) -> float:
+    """Elements/s ``threads`` threads draw a dropout mask at (``F.dropout`` in training mode on
+    a cache-resident fp32 tensor: the Bernoulli draw, the scale and the multiply)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    x = torch.randn(1 << 20)
+    return x.numel() / _sustained_time(lambda: F.dropout(x, 0.1, training=True), 0.3)
+
+
 def _stream_rate(threads: int) -> float:
     """Bytes/s of element-wise kernels, counted as the cost model counts them (tensors read and
     written), over the mix a transformer runs: adds, GELU forward and backward, LayerNorm. On a
@@ -254,11 +265,13 @@ def measure() -> LocalProfile:
     mem_1 = _stream_rate(1)
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
+    masks_all = _mask_rate(n)
     costs = _collective_costs()
     return LocalProfile(
         cores=n, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
-        layer_overhead_s=block, collectives={k: list(v) for k, v in costs.items()},
+        layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
+        collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all},
     )
 
@@ -276,6 +289,7 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
         hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         hbm_bw=profile.mem_bw_total / cores, intra_bw=1.0 / (2 * ar_beta),
         typical_inter_gbps=0.0, is_cpu=True, mem_bw_total=profile.mem_bw_total,
+        mask_rate=profile.mask_rate_per_thread,
     )
     eff = Efficiency(gemm=1.0, attention=profile.attention_flops_per_thread
                      / profile.flops_per_thread, memory=1.0, network=1.0, overlap=0.0,

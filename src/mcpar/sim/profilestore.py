@@ -24,7 +24,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +35,8 @@ PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
 # What ``localprofile.measure`` measures: CPU workers talking over gloo.
 MEASURED_DEVICE, MEASURED_BACKEND = "cpu", "gloo"
 STAMP_FIELDS = ("machine", "measured", "sha256")
+# What ``localprofile.measure`` writes: a profile without one of them predates its measurement.
+MEASURED_FIELDS = tuple(f.name for f in fields(LocalProfile))
 
 Status = Literal["valid", "missing", "stale", "broken"]
 
@@ -159,6 +161,11 @@ def lookup_profile(path: Path | None = None) -> ProfileLookup:
         return ProfileLookup(path, "stale", why=(
             f"the local profile {path} was edited after it was measured (its sha256 does not "
             "match its content)"))
+    unmeasured = sorted(set(MEASURED_FIELDS) - set(doc))
+    if unmeasured:
+        return ProfileLookup(path, "stale", why=(
+            f"the local profile {path} was measured by an earlier version (it lacks "
+            f"{', '.join(unmeasured)})"))
     differs = _differences(stamp["machine"], machine_key())
     if differs:
         return ProfileLookup(path, "stale", why=(
@@ -190,7 +197,7 @@ def field_problems(profile: LocalProfile, path: Path, fix: str) -> list[str]:
                 "mem_bw_total"):
         if not _finite(getattr(profile, key), 0.0, strict=True):
             bad(key, "a finite number > 0", getattr(profile, key))
-    for key in ("op_overhead_s", "layer_overhead_s"):
+    for key in ("op_overhead_s", "layer_overhead_s", "mask_rate_per_thread"):
         if not _finite(getattr(profile, key), 0.0, strict=False):
             bad(key, "a finite number >= 0", getattr(profile, key))
     ops = profile.collectives if isinstance(profile.collectives, dict) else {}
