@@ -10,7 +10,8 @@ What it does
        ones (the median step after the first; the memory meter's largest rank).
     2. Trains once more with only the model's keys and ``parallelism.auto=true``: the planner's
        own pick among every layout of the world, measured the same way.
-    3. Reports Spearman's rho between predicted and measured step times, the median relative
+    3. Repeats the rounds (``--repeats``) and keeps each layout's median over them. Reports
+       Spearman's rho between predicted and measured step times, the median relative
        error of the step and of the peak, and the auto pick's measured throughput against the
        set's best and median.
     Another job sharing the cores would slow some runs and not others, so each run waits for an
@@ -20,7 +21,8 @@ What it does
 How to run
     python bench/auto_ranking.py [--steps 14] [--out bench/data/auto_ranking.json] [--only ...]
 
-    Prints one JSON object on stdout; progress goes to stderr. About 10 minutes on 2 cores.
+    Prints one JSON object on stdout; progress goes to stderr. About 8 minutes a round on 2
+    cores (``--repeats``, default 3).
     The planner prices every run on one local profile, measured at the start on an idle machine
     (or ``--profile``, a saved one valid here) and restored before each run, since a run whose
     step misses its prediction by more than the margin measures the machine again.
@@ -146,17 +148,22 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sx * sy) if sx and sy else float("nan")
 
 
-def _row(name: str, prediction: dict[str, object], foreign: float) -> dict[str, object]:
-    p = prediction
-    return {"layout": name, "chosen": p["layout"],
-            "predicted_step_s": round(float(p["predicted_step_s"]), 4),  # type: ignore[arg-type]
-            "measured_step_s": round(float(p["measured_step_s"]), 4),  # type: ignore[arg-type]
-            "step_error": round(float(p["step_error"]), 3),  # type: ignore[arg-type]
-            "predicted_peak_bytes": int(p["predicted_peak_bytes"]),  # type: ignore[call-overload]
-            "measured_peak_bytes": int(p["measured_peak_bytes"]),  # type: ignore[call-overload]
-            "peak_error": round(float(p["peak_error"]), 3),  # type: ignore[arg-type]
-            "foreign_cpu_share": round(foreign, 3),
-            "remeasured_after": "profile_remeasured" in p}
+def _row(name: str, rounds: list[tuple[dict[str, object], float]]) -> dict[str, object]:
+    """One layout over its rounds: the median of the rounds' measured steps (a launch's own
+    noise, 5-10% on this machine, is larger than many layouts' differences)."""
+    p = rounds[0][0]
+    steps = [float(r["measured_step_s"]) for r, _ in rounds]  # type: ignore[arg-type]
+    peaks = [float(r["measured_peak_bytes"]) for r, _ in rounds]  # type: ignore[arg-type]
+    predicted = float(p["predicted_step_s"])  # type: ignore[arg-type]
+    predicted_peak = float(p["predicted_peak_bytes"])  # type: ignore[arg-type]
+    step, peak = statistics.median(steps), statistics.median(peaks)
+    return {"layout": name, "chosen": p["layout"], "predicted_step_s": round(predicted, 4),
+            "measured_step_s": round(step, 4), "rounds_step_s": [round(t, 4) for t in steps],
+            "step_error": round(step / predicted - 1, 3),
+            "predicted_peak_bytes": int(predicted_peak), "measured_peak_bytes": int(peak),
+            "peak_error": round(peak / predicted_peak - 1, 3),
+            "foreign_cpu_share": round(max(f for _, f in rounds), 3),
+            "remeasured_after": any("profile_remeasured" in r for r, _ in rounds)}
 
 
 def main() -> int:
@@ -169,6 +176,7 @@ def main() -> int:
                         help="a saved local profile (default: measure one now)")
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--retries", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every layout")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="auto-ranking-"))
     profile = tmp / "local_profile.json"
@@ -189,23 +197,23 @@ def main() -> int:
                 break
         save_profile(measured_profile, profile)
         saved = profile.read_text()
-    rows = []
-    for name, keys in LAYOUTS.items():
-        if args.only and name not in args.only:
-            continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        overrides = MODEL + [f"{k}={_value(v)}" for k, v in {**BASE, **keys}.items()]
-        prediction, foreign = measured(overrides, args, profile, saved)
-        rows.append(_row(name, prediction, foreign))
-        print(f"  predicted {rows[-1]['predicted_step_s']} s, measured "
-              f"{rows[-1]['measured_step_s']} s; peak error {rows[-1]['peak_error']:+.1%}",
-              file=sys.stderr, flush=True)
-    auto = None
+    jobs = {name: MODEL + [f"{k}={_value(v)}" for k, v in {**BASE, **keys}.items()]
+            for name, keys in LAYOUTS.items() if not args.only or name in args.only}
     if not args.no_auto:
-        print("running the planner's own pick ...", file=sys.stderr, flush=True)
-        prediction, foreign = measured(MODEL, args, profile, saved)
-        auto = _row("auto", prediction, foreign)
+        jobs["auto"] = MODEL  # the planner's own pick among every layout of the world
+    rounds: dict[str, list[tuple[dict[str, object], float]]] = {name: [] for name in jobs}
+    for r in range(args.repeats):  # rounds over every layout: a slow spell hits them all
+        for name, overrides in jobs.items():
+            print(f"round {r + 1}/{args.repeats}: {name} ...", file=sys.stderr, flush=True)
+            prediction, foreign = measured(overrides, args, profile, saved)
+            rounds[name].append((prediction, foreign))
+            print(f"  predicted {float(prediction['predicted_step_s']):.4f} s, measured "  # type: ignore[arg-type]
+                  f"{float(prediction['measured_step_s']):.4f} s; peak error "  # type: ignore[arg-type]
+                  f"{float(prediction['peak_error']):+.1%}", file=sys.stderr, flush=True)  # type: ignore[arg-type]
+    rows = [_row(name, rounds[name]) for name in jobs if name != "auto"]
+    auto = _row("auto", rounds["auto"]) if "auto" in rounds else None
     result: dict[str, object] = {"model": MODEL, "workers": WORKERS, "steps": args.steps,
+                                 "repeats": args.repeats,
                                  "profile": json.loads(saved),
                                  "profile_foreign_cpu_share": profile_foreign,
                                  "layouts": rows, "auto": auto}
