@@ -39,9 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from local_sim_check import MAX_FOREIGN, foreign_share, wait_for_idle
+from local_sim_check import MAX_FOREIGN, foreign_share, measure_when_idle, wait_for_idle
 
-from mcpar.sim.localprofile import measure
 from mcpar.sim.profilestore import PROFILE_ENV, lookup_profile, save_profile
 
 WORKERS = 4
@@ -189,12 +188,7 @@ def main() -> int:
         saved = args.profile.read_text()
         profile_foreign = None
     else:
-        for _ in range(1 + args.retries):
-            wait_for_idle(args.idle_wait)
-            print("measuring the local profile ...", file=sys.stderr, flush=True)
-            measured_profile, profile_foreign = foreign_share(measure)
-            if profile_foreign <= MAX_FOREIGN:
-                break
+        measured_profile, profile_foreign = measure_when_idle(args.retries, args.idle_wait)
         save_profile(measured_profile, profile)
         saved = profile.read_text()
     jobs = {name: MODEL + [f"{k}={_value(v)}" for k, v in {**BASE, **keys}.items()]

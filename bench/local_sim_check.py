@@ -134,6 +134,18 @@ def wait_for_idle(max_wait_s: float) -> float:
     return idle
 
 
+def measure_when_idle(retries: int, idle_wait: float) -> tuple[LocalProfile, float]:
+    """This machine's local profile, measured once the machine is idle and again (up to
+    ``retries`` times) when other processes shared the cores meanwhile; with their share."""
+    for _ in range(1 + retries):
+        wait_for_idle(idle_wait)
+        print("measuring the local profile ...", file=sys.stderr, flush=True)
+        profile, foreign = foreign_share(measure)
+        if foreign <= MAX_FOREIGN:
+            break
+    return profile, foreign
+
+
 def predicted(overrides: list[str], nproc: int, profile: LocalProfile) -> dict[str, object]:
     cfg = load_config(None, overrides)
     cluster = replace(local_cluster(profile), num_gpus=nproc)
@@ -164,12 +176,7 @@ def main() -> int:
             return 2
         profile = found.profile
     else:
-        for _ in range(1 + args.retries):
-            wait_for_idle(args.idle_wait)
-            print("measuring the local profile ...", file=sys.stderr, flush=True)
-            profile, profile_foreign = foreign_share(measure)
-            if profile_foreign <= MAX_FOREIGN:
-                break
+        profile, profile_foreign = measure_when_idle(args.retries, args.idle_wait)
     rows = []
     for name, (nproc, extra) in LAYOUTS.items():
         if args.only and name not in args.only:
