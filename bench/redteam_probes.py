@@ -21,6 +21,8 @@ mounts (root only; the probes are skipped, with the reason, where mount is refus
 
     python bench/redteam_probes.py --src /tmp/rt-before --out before.json
     python bench/redteam_probes.py --out after.json [--only NAME,NAME]
+    python bench/redteam_probes.py --combine before.json after.json \
+        --out bench/data/redteam_probes.json   # prints the before → after table
 """
 
 from __future__ import annotations
@@ -713,6 +715,26 @@ def table(results: list[dict]) -> dict[str, dict[str, int]]:
     return out
 
 
+def markdown(before: dict, after: dict) -> str:
+    """The per-family table, each count 'before → after' (probes run on each side)."""
+    head = ["family", "probes", "tracebacks", "hangs", "restarts", "outside reads",
+            "wrong exits"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for family, b in before["families"].items():
+        a = after["families"][family]
+        cells = [family, f"{b['probes']} → {a['probes']}",
+                 *(f"{b[k]} → {a[k]}" for k in COUNTS)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def combine(before_path: Path, after_path: Path, out: Path) -> str:
+    """One JSON of both runs (``out``) and the markdown table of them."""
+    before, after = (json.loads(p.read_text()) for p in (before_path, after_path))
+    out.write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
+    return markdown(before, after)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=REPO,
@@ -721,7 +743,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated probe names")
     parser.add_argument("--old", action="store_true",
                         help="the tree is the code before the fixes: skip probes not safe there")
+    parser.add_argument("--combine", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="write BEFORE and AFTER's JSON as one to --out; print the table")
     args = parser.parse_args(argv)
+    if args.combine:
+        if args.out is None:
+            parser.error("--combine needs --out")
+        print(combine(*args.combine, args.out))
+        return 0
     src = args.src.resolve()
     chosen = PROBES
     if args.only:
