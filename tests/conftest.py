@@ -180,12 +180,18 @@ def write_csv_rows(path: Path, header: list[str], data: list[dict[str, str]]) ->
         writer.writerows(data)
 
 
+class TimeLimitExceeded(BaseException):
+    """A block ran past its ``time_limit``. Not an OSError (TimeoutError is one, so an ``except
+    OSError`` in the code under test would swallow the hang it should report), nor an Exception
+    (which a broad ``except Exception`` would swallow): only the test sees it."""
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
-    """Raise TimeoutError in this thread when the block runs past ``seconds`` (a hang, e.g. a
-    FIFO opened for reading, fails the fuzz case instead of the suite)."""
+    """Raise TimeLimitExceeded in this thread when the block runs past ``seconds`` (a hang, e.g.
+    a FIFO opened for reading, fails the fuzz case instead of the suite)."""
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"no answer within {seconds} s")
+        raise TimeLimitExceeded(f"no answer within {seconds} s")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -291,3 +291,57 @@ def test_a_profile_report_onto_a_full_disk_names_the_profile_file(
     assert line == (f"mcpar: error: --run-dir: {report}: {ENOSPC_TEXT}; free space there or "
                     "choose another --run-dir"), line
     assert not (run_dir / "profile" / "report.html").exists()
+
+
+def _no_trace_left(profile: Path) -> None:
+    left = sorted(p.name for p in profile.iterdir()) if profile.exists() else []
+    assert not [n for n in left if n.startswith(("trace_", ".trace_"))], left
+
+
+def test_a_trace_onto_a_full_disk_names_the_trace_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's exporter reports no failed write: on a full disk it leaves the trace cut short
+    (or no file) and the read of it was a traceback (JSONDecodeError, FileNotFoundError). Now
+    a probe write finds the full disk, and the line names the trace file and --run-dir."""
+    from mcpar.profiler import trace
+
+    real_export = trace.profile.export_chrome_trace
+
+    def cut_short(self: object, path: str) -> None:
+        real_export(self, path)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    monkeypatch.setattr(trace.profile, "export_chrome_trace", cut_short)
+    monkeypatch.setattr(trace.os, "fsync", _enospc)
+    run_dir = tmp_path / "run"
+    proc = run_cli_in_process(capsys, "profile", "--steps", "2", *sets(*TINY), "--nproc", "1",
+                              "--run-dir", str(run_dir))
+    line = _one_error_line(proc)
+    assert line == (f"mcpar: error: --run-dir: {run_dir / 'profile' / 'trace_rank0.json'}: "
+                    f"{ENOSPC_TEXT}; free space there or choose another --run-dir"), line
+    _no_trace_left(run_dir / "profile")
+
+
+def test_a_two_worker_trace_onto_a_full_tmpfs_is_one_line(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The run directory fits on the tmpfs, the traces do not. Before: a traceback on each
+    rank and 'training failed' (exit 1); each worker's own copy of a user error's line made
+    one problem three lines."""
+    with _tmpfs(tmp_path / "small", "400k") as mount:
+        run_dir = mount / "run"
+        code = launch_in_process("train", *sets(*TINY, "training.profile.enabled=true",
+                                                "training.profile.start_step=2",
+                                                "training.profile.steps=1",
+                                                "optimization.checkpoint.interval=0"),
+                                 "--steps", "2", "--nproc", "2", "--run-dir", str(run_dir))
+        err = capfd.readouterr().err
+        assert code == 2, err
+        assert "Traceback" not in err and "terminate called" not in err, err
+        lines = [ln for ln in err.splitlines() if ln.startswith("mcpar:")]
+        assert len(lines) == 1, err
+        assert lines[0].startswith(f"mcpar: error: --run-dir: {run_dir / 'profile'}/trace_rank")
+        assert lines[0].endswith(f"{ENOSPC_TEXT}; free space there or choose another --run-dir")
+        assert "restart" not in err
+        _no_trace_left(run_dir / "profile")

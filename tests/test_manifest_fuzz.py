@@ -423,3 +423,23 @@ def test_train_on_an_escaping_manifest_exits_2_in_one_line(
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "data.source: " in lines[0] and "outside" in lines[0], lines
     assert "Traceback" not in proc.stderr
+
+
+def test_the_run_tokenizer_of_a_prepared_source_is_its_contained_copy(
+    pristine: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """export and generate take a prepared run's tokenizer from its source directory: a
+    tokenizer.json there that links out is refused like the training read refuses it, not
+    handed on to be read (the run's full state joined the path unchecked)."""
+    from mcpar.config import load_config
+    from mcpar.interop.full_state import run_tokenizer
+
+    d = _case_dir(pristine[0], tmp_path)
+    job = load_config(None, [f"data.source={d}", "model.vocab_size=300"])
+    assert run_tokenizer(job, 300).path == d / "tokenizer.json"
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")  # a copy outside
+    with pytest.raises(UserError) as exc:
+        run_tokenizer(job, 300)
+    assert exc.value.problems[0].startswith("data.source: "), exc.value.problems
+    assert "tokenizer.json" in exc.value.problems[0]

@@ -291,3 +291,29 @@ def test_prepare_refuses_a_built_in_tokenizer_without_suggesting_it(
     with pytest.raises(UserError) as err:
         prepare([str(corpus)], str(tmp_path / "missing.json"), tmp_path / "x", progress=False)
     assert "'bytes'" not in str(err.value) and "--tokenizer" in str(err.value)
+
+
+@pytest.mark.parametrize("craft", ["name_out", "tokens", "documents", "extra_key", "not_object"])
+def test_a_crafted_record_of_an_earlier_output_is_rebuilt_not_trusted(
+    tmp_path: Path, tokenizer: Path, corpus: Path, craft: str
+) -> None:
+    """A rerun reuses a shard only by what its files hold: a record whose checksums still
+    match but whose name points outside, or whose counts lie, went into the new manifest as it
+    was (checksummed anew, so training trusted it). Now the shard is rebuilt."""
+    out = tmp_path / "out"
+    first = prepare([str(corpus)], str(tokenizer), out, shard_tokens=1500, progress=False)
+    record = out / f"{shard_name(0)}.json"
+    body = json.loads(record.read_text())
+    if craft == "name_out":
+        body["name"] = "../elsewhere/shard"
+    elif craft in ("tokens", "documents"):
+        body[craft] += 7
+    elif craft == "extra_key":
+        body["path"] = "/etc/passwd"
+    else:
+        body = [body]
+    record.write_text(json.dumps(body))
+    again = prepare([str(corpus)], str(tokenizer), out, shard_tokens=1500, progress=False)
+    assert again["built"] == 1
+    assert again["shards"] == first["shards"]
+    assert json.loads(record.read_text())["name"] == shard_name(0)

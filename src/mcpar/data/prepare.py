@@ -261,7 +261,7 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, workers: int = 
     jobs: list[Job] = []
     for i, unit in enumerate(units):
         key = _unit_key(unit, tok_file, dtype)
-        done = complete_shard(out, shard_name(i), key)
+        done = complete_shard(out, shard_name(i), key, dtype)
         records.append(done)
         if done is None:
             jobs.append((str(out), i, unit, key, tok_file, dtype))

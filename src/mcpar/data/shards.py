@@ -92,20 +92,41 @@ def write_shard(out: Path, name: str, tokens: np.ndarray, doc_starts: np.ndarray
     return record
 
 
-def complete_shard(out: Path, name: str, unit_key: str) -> dict[str, Any] | None:
+RECORD_KEYS = frozenset({"name", "unit", "tokens", "documents", "sha256", "index_sha256"})
+
+
+def complete_shard(out: Path, name: str, unit_key: str,
+                   dtype: str | None = None) -> dict[str, Any] | None:
     """The record of shard ``name`` if it was finished for ``unit_key`` and its files still
-    match their checksums (a truncated or edited shard is redone); else None."""
+    match their checksums (a truncated or edited shard is redone); else None.
+
+    The record is a file an earlier output left, so nothing in it is taken on trust: it must
+    hold exactly write_shard's keys, name this shard, and count what the files hold (tokens by
+    the ``.bin`` size at ``dtype``, documents by the ``.idx`` offsets). The record returned is
+    rebuilt from those facts, so a crafted name or count never reaches the new manifest."""
     try:
         record = json.loads((out / f"{name}.json").read_text())
-        if record.get("unit") != unit_key:
+        if not isinstance(record, dict) or set(record) != RECORD_KEYS:
+            return None
+        if record["name"] != name or record["unit"] != unit_key:
+            return None
+        tokens, documents = record["tokens"], record["documents"]
+        if not (_count(tokens) and _count(documents)):
+            return None
+        sizes = [np.dtype(dtype).itemsize] if dtype is not None else [2, 4]
+        if (out / f"{name}.bin").stat().st_size not in [tokens * size for size in sizes]:
+            return None
+        index = (out / f"{name}.idx").read_bytes()
+        if _index_problem(index, record) is not None:
             return None
         if sha256_file(out / f"{name}.bin") != record["sha256"]:
             return None
-        if sha256_file(out / f"{name}.idx") != record["index_sha256"]:
+        if hashlib.sha256(index).hexdigest() != record["index_sha256"]:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return record
+    return {"name": name, "unit": unit_key, "tokens": int(tokens), "documents": int(documents),
+            "sha256": record["sha256"], "index_sha256": record["index_sha256"]}
 
 
 def _dumps(obj: Any) -> bytes:

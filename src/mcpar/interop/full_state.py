@@ -166,8 +166,8 @@ def run_tokenizer(job: JobConfig, vocab_size: int) -> RunTokenizer | None:
     and the token its manifest names (``mcpar prepare --eos-token`` included), the configured
     file and the token its data was prepared with, or mcpar's cached BPE (read back through the
     corpus cache); None for the bytes tokenizer (and a ``.bin`` source without one)."""
-    from mcpar.data.prepared_corpus import is_prepared_source, parse_blend
-    from mcpar.data.shards import TOKENIZER_COPY, read_manifest
+    from mcpar.data.prepared_corpus import is_prepared_source, parse_blend, tokenizer_copy
+    from mcpar.data.shards import read_manifest
     from mcpar.data.tokenizer_file import is_tokenizer_file, load_tokenizer_file
 
     data = job.data
@@ -175,7 +175,8 @@ def run_tokenizer(job: JobConfig, vocab_size: int) -> RunTokenizer | None:
         # A blend's sources share one tokenizer (checked when it is read): the first one's.
         first = Path((parse_blend(data.source) or [(data.source, 1.0)])[0][0]).expanduser()
         manifest = read_manifest(first, "data.source")
-        return RunTokenizer(first / TOKENIZER_COPY, manifest.get("eos_token"))
+        # The copy kept inside the directory (a link out is refused), as training reads it.
+        return RunTokenizer(tokenizer_copy(first), manifest.get("eos_token"))
     if data.tokenizer == "bytes":
         return None
     if is_tokenizer_file(data.tokenizer):

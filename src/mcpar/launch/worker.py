@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(Path(run_dir) / "config.yaml")
             run_worker(cfg, Path(run_dir), env, resume=resume, stop_after=args.stop_after)
     except UserError as err:
-        # A user error a worker found (recorded for the launcher above): one line per problem
-        # and exit 2, no traceback; the launcher does not restart the job for it.
-        for line in err.problems:
-            print(f"mcpar: error: {line}", file=sys.stderr)
+        # A user error a worker found (recorded for the launcher above): exit 2, no traceback;
+        # the launcher does not restart the job for it, and prints its lines once for the job
+        # (every rank printing them too made one problem N+1 lines). Printed here only when
+        # it could not be recorded (or no launcher reads the record).
+        recorded = os.environ.get("MCPAR_ERROR_FILE")
+        if not recorded or not os.path.exists(recorded):
+            for line in err.problems:
+                print(f"mcpar: error: {line}", file=sys.stderr)
         sys.exit(2)
 
 

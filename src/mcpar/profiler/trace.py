@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mcpar.path_checks import named, storage_errors
+
 # The categories of the events each trace_detail level writes ("ops": all of them). Metadata
 # events (process and thread names) and events without a category stay at every level.
 KEPT_CATEGORIES: dict[str, frozenset[str]] = {
@@ -39,6 +41,10 @@ KEPT_CATEGORIES: dict[str, frozenset[str]] = {
 # kineto prints these two lines on stderr when a trace starts and stops (its 'USDT' markers, at
 # a level above its errors, so KINETO_LOG_LEVEL cannot drop them and keep the errors).
 _KINETO_MARK = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+
+# What a probe write asks of a folder where the exporter's file came out missing or cut short:
+# a trace of a few steps is larger, so a disk that refuses this much is why.
+PROBE_BYTES = 1 << 20
 
 
 class WindowTrace:
@@ -69,28 +75,82 @@ class WindowTrace:
             self._range = None
         self.prof.step()
 
-    def stop(self, out_dir: Path, rank: int) -> list[Path]:
+    def stop(self, out_dir: Path, rank: int, key: str = "--run-dir") -> list[Path]:
         """Stops tracing; the files written. :attr:`memory` is then the last traced step's
-        memory over time."""
+        memory over time.
+
+        Each file is written under a temporary name and renamed into place once whole, so a
+        full disk leaves no trace file looking complete; it is one line naming the file and
+        ``key`` (the option that chose the folder), not a traceback or, on a worker, a restart.
+        """
         if self._range is not None:  # a run that ended inside a step
             self.end_step()
-        with _without_kineto_marks():
-            self.prof.stop()
-        out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"trace_rank{rank}.json"
-        self.prof.export_chrome_trace(str(path))
-        written = [path]
-        trace = json.loads(path.read_text())
-        self.memory = step_memory(trace, cuda=self.cuda)
-        if self.detail != "ops":
-            path.write_text(json.dumps(at_detail(trace, self.detail), separators=(",", ":")))
-        if self.cuda:
-            snap = out_dir / f"memory_snapshot_rank{rank}.pickle"
-            with snap.open("wb") as out:
-                pickle.dump(torch.cuda.memory._snapshot(), out, protocol=4)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            written.append(snap)
+        raw = _temporary(path, "raw")
+        with storage_errors(out_dir, key):
+            try:
+                # What torch prints while stopping and exporting (allocator notes, kineto's
+                # 'Failed to write' on a full disk) is dropped when the export fails: the one
+                # line of the error says it all.
+                with _without_kineto_marks(drop_on_error=True):
+                    self.prof.stop()
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    self.prof.export_chrome_trace(str(raw))
+                    trace = _read_export(raw, path)
+                self.memory = step_memory(trace, cuda=self.cuda)
+                text = (raw.read_text() if self.detail == "ops" else
+                        json.dumps(at_detail(trace, self.detail), separators=(",", ":")))
+                _write_then_rename(path, text.encode())
+            finally:
+                raw.unlink(missing_ok=True)
+                # kineto writes RAW.tmp and renames it; a write it could not finish stays.
+                raw.with_name(raw.name + ".tmp").unlink(missing_ok=True)
+            written = [path]
+            if self.cuda:
+                snap = out_dir / f"memory_snapshot_rank{rank}.pickle"
+                _write_then_rename(snap, pickle.dumps(torch.cuda.memory._snapshot(), protocol=4))
+                torch.cuda.memory._record_memory_history(enabled=None)
+                written.append(snap)
         return written
+
+
+def _temporary(path: Path, what: str) -> Path:
+    return path.with_name(f".{path.name}.{what}-{os.getpid()}")
+
+
+def _read_export(raw: Path, path: Path) -> dict[str, Any]:
+    """The trace torch's exporter wrote to ``raw``. The exporter reports no failed write: a
+    file missing or cut short is a full disk when a probe write there fails too (it raises
+    the disk's own error, naming ``path``); else the export itself failed."""
+    try:
+        return json.loads(raw.read_text())
+    except (OSError, ValueError) as err:
+        probe = _temporary(path, "probe")
+        try:
+            _write_then_rename(probe, b"\0" * PROBE_BYTES, rename=False)
+        except OSError as full:
+            raise named(OSError(full.errno, full.strerror), path) from err
+        finally:
+            probe.unlink(missing_ok=True)
+        raise RuntimeError(f"torch.profiler wrote no readable trace to {raw} ({err})") from err
+
+
+def _write_then_rename(dest: Path, data: bytes, rename: bool = True) -> None:
+    """``data`` written to a temporary name beside ``dest``, synced, then renamed to it; a
+    failed write names ``dest`` and leaves neither file."""
+    tmp = _temporary(dest, "tmp") if rename else dest
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if rename:
+            os.replace(tmp, dest)
+    except OSError as err:
+        raise named(OSError(err.errno, err.strerror), dest) from err
+    finally:
+        if rename:
+            tmp.unlink(missing_ok=True)
 
 
 def at_detail(trace: dict[str, Any], detail: str) -> dict[str, Any]:
@@ -104,23 +164,28 @@ def at_detail(trace: dict[str, Any], detail: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _without_kineto_marks() -> Iterator[None]:
+def _without_kineto_marks(drop_on_error: bool = False) -> Iterator[None]:
     """Holds back what this process writes to stderr (fd 2) during a profiler start or stop,
-    then writes it all out but kineto's two marker lines."""
+    then writes it all out but kineto's two marker lines (none of it when the block raised
+    and ``drop_on_error``)."""
     sys.stderr.flush()
     saved = os.dup(2)
+    failed = False
     try:
         with tempfile.TemporaryFile() as caught:
             os.dup2(caught.fileno(), 2)
             try:
                 yield
+            except BaseException:
+                failed = True
+                raise
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
                 caught.seek(0)
                 rest = [line for line in caught.read().splitlines(keepends=True)
                         if not _KINETO_MARK.match(line)]
-                if rest:
+                if rest and not (failed and drop_on_error):
                     os.write(2, b"".join(rest))
     finally:
         os.close(saved)
