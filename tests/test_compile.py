@@ -3,14 +3,21 @@ tensor and pipeline parallelism: the compiled runs' losses equal the eager runs'
 layout (|delta loss| <= 1e-4 over 20 fp32 steps), and the first step's compile time is logged apart
 from the step times.
 
+Equal losses do not show that compiled code ran: a block that fell back to eager trains the
+same. So each run's ``summary.json`` ``compile`` (``parallel/compiled_graphs.py``) is read per
+rank: every rank's blocks ran compiled graphs, no frame failed, and no frame held more graphs
+than the layout needs; torch's recompile limit is not raised, and a frame past it raises.
+
 Cost: inductor's C++ backend compiles on CPU, tens of seconds per new graph on a loaded 2-core
 machine. The layouts share one inductor cache (TORCHINDUCTOR_CACHE_DIR, module-scoped), so the
 block graph the data-parallel run compiles is reused by the pipeline run (one block per stage,
-the same graph); tensor parallelism's sharded block compiles its own. Evaluation runs eagerly
-(compile.py), so no forward-only graph is compiled."""
+the same graph); tensor parallelism's sharded block compiles its own. A shared cache could hide
+nothing the per-rank counts would not show: a cached graph still runs as compiled code, counted
+by each rank. Evaluation runs eagerly (compile.py), so no forward-only graph is compiled."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,3 +76,33 @@ def test_compiled_losses_equal_eager(layout: str, inductor_cache: Path, tmp_path
     assert all("compile_s" not in r for r in records[1:])
     assert any(inductor_cache.iterdir())
     assert torch.isfinite(torch.tensor([r["loss"] for r in records])).all()
+    # Compiled code ran on every rank, every step: no eager fallback in any layout.
+    compiled = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile"]
+    assert len(compiled["ranks"]) == 2 and compiled["ranks_without_compiled_calls"] == []
+    for rank, c in enumerate(compiled["ranks"]):
+        assert c["blocks"] >= 1 and c["graphs"] >= 1, (layout, rank, c)
+        assert c["graph_calls"] >= STEPS, (layout, rank, c)  # a graph per micro-batch at least
+        assert c["frames_failed"] == 0, (layout, rank, c)
+        assert c["most_per_frame"] <= 2, (layout, rank, c)
+    eager_summary = json.loads((tmp_path / "eager" / "summary.json").read_text())
+    assert "compile" not in eager_summary
+
+
+def test_the_counts_tell_compiled_code_from_an_eager_fallback() -> None:
+    """The same blocks run compiled count a call of compiled code per block; run eagerly (what
+    a silent fallback does) they leave graph_calls still."""
+    from mcpar.parallel import compiled_graphs
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
+    spec = get_model_spec("gpt")
+    model = whole_model(spec.build(cfg, 0), spec.pieces)
+    compile_blocks([model])
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    before = compiled_graphs.counts()
+    model(tokens).float().sum().backward()
+    ran = compiled_graphs.counts()
+    assert ran.graph_calls > before.graph_calls and ran.graphs > before.graphs
+    assert ran.blocks >= 2 and ran.frames_failed == 0  # counted when compiled
+    with torch.compiler.set_stance("force_eager"):  # an eager fallback, forced
+        model(tokens).float().sum().backward()
+    assert compiled_graphs.counts().graph_calls == ran.graph_calls

@@ -187,13 +187,3 @@ def compile_seconds() -> float:
     return float(sum(sum(compilation_time_metrics.get(key, ()))
                      for key in ("_compile.compile_inner", "backward._backward_impl")))
 
-
-def allow_recompiles(limit: int) -> None:
-    """Let one compiled function keep ``limit`` graphs (named ``recompile_limit``, formerly
-    ``cache_size_limit``), never lowering torch's default."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(limit, getattr(config, name)))

@@ -58,6 +58,7 @@ from mcpar.metrics import RunLogger, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
+from mcpar.parallel.compiled_graphs import per_rank as compiled_per_rank
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
@@ -533,6 +534,9 @@ class Trainer:
                             "seconds": self.consistency.seconds,
                             "checksum_seconds": self.consistency.checksum_seconds},
         }
+        if cfg.training.compile:  # what torch.compile did on every rank (a collective)
+            summary["compile"] = compiled_per_rank(
+                lambda t: self.comm.all_gather(t, axis="world"))
         if self.plan.auto is not None:  # the planner's prediction beside the measurement
             summary["prediction"] = predicted_against_measured(
                 self.plan.auto.to_json()["chosen"], step_times, summary["memory"], exposed_comm)

@@ -16,7 +16,9 @@ Graphs are static (``dynamic=False``): a micro-batch's shape is fixed by the pla
 (no gradients) runs the blocks eagerly: a few batches per evaluation interval would not repay
 compiling a forward-only graph of every shape they come in. The first step's compile
 time is logged apart from the step times (``compile_s`` in metrics.jsonl, step 1), measured by
-``device.compile_seconds``.
+``device.compile_seconds``. What compile really did on each rank (graphs, compiled calls,
+recompiles, failed frames) is counted by ``compiled_graphs`` into ``summary.json``'s
+``compile``; a fallback to eager raises rather than passing silently.
 
 Collectives run eagerly (``torch.compiler.disable`` on the Communicator's collective methods,
 and on the expert-parallel shard's forward, whose all-to-all sizes are read on the host): traced,
@@ -37,7 +39,8 @@ from torch import nn
 
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
-from mcpar.device import allow_recompiles, compile_seconds
+from mcpar.device import compile_seconds
+from mcpar.parallel.compiled_graphs import counting_backend, make_fallbacks_loud, track
 from mcpar.parallel.expert import ShardedExperts
 
 __all__ = ["compile_blocks", "compile_modules", "compile_seconds", "finish_blocks"]
@@ -64,9 +67,9 @@ def compile_blocks(chunks: list[nn.Module]) -> int:
 def compile_modules(blocks: list[nn.Module]) -> int:
     """Compile each module's ``forward`` in place (also the benchmarks' DDP peer's blocks, so
     that both sides compile the same way); how many."""
-    # Each block may guard on its own instance: room for a graph per block, so that no block
-    # falls back to eager silently.
-    allow_recompiles(len(blocks) + 8)
+    # torch's recompile limit stays: the blocks share their graphs (at most 2 per frame in the
+    # layouts tested, tests/test_compile.py), and a frame past it raises (compiled_graphs.py).
+    make_fallbacks_loud()
     _collectives_run_eagerly()
     for block in blocks:
         for module in block.modules():
@@ -77,7 +80,8 @@ def compile_modules(blocks: list[nn.Module]) -> int:
 
 
 def _compiled_when_training(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    compiled = torch.compile(forward, dynamic=False)
+    compiled = torch.compile(forward, dynamic=False, backend=counting_backend)
+    track(forward)
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         return compiled(*args) if torch.is_grad_enabled() else forward(*args)
