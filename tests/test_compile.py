@@ -80,7 +80,7 @@ def test_compiled_losses_equal_eager(layout: str, inductor_cache: Path, tmp_path
     compiled = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile"]
     assert len(compiled["ranks"]) == 2 and compiled["ranks_without_compiled_calls"] == []
     for rank, c in enumerate(compiled["ranks"]):
-        assert c["blocks"] >= 1 and c["graphs"] >= 1, (layout, rank, c)
+        assert c["modules"] >= 1 and c["graphs"] >= 1, (layout, rank, c)
         assert c["graph_calls"] >= STEPS, (layout, rank, c)  # a graph per micro-batch at least
         assert c["frames_failed"] == 0, (layout, rank, c)
         assert c["most_per_frame"] <= 2, (layout, rank, c)
@@ -102,7 +102,7 @@ def test_the_counts_tell_compiled_code_from_an_eager_fallback() -> None:
     model(tokens).float().sum().backward()
     ran = compiled_graphs.counts()
     assert ran.graph_calls > before.graph_calls and ran.graphs > before.graphs
-    assert ran.blocks >= 2 and ran.frames_failed == 0  # counted when compiled
+    assert ran.modules >= 2 and ran.frames_failed == 0  # counted when compiled
     with torch.compiler.set_stance("force_eager"):  # an eager fallback, forced
         model(tokens).float().sum().backward()
     assert compiled_graphs.counts().graph_calls == ran.graph_calls

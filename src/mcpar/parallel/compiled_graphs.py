@@ -31,7 +31,7 @@ import torch
 class CompiledGraphs:
     """This rank's counts (see the module docstring)."""
 
-    blocks: int = 0
+    modules: int = 0
     graphs: int = 0
     graph_calls: int = 0
     frames_failed: int = 0
@@ -78,12 +78,12 @@ def make_fallbacks_loud() -> None:
         config.fail_on_recompile_limit_hit = True
 
 
-def track(forward: Callable[..., Any], blocks: int = 1) -> None:
-    """Count ``blocks`` compiled blocks whose forward is ``forward`` (its code object is where
+def track(forward: Callable[..., Any], modules: int = 1) -> None:
+    """Count ``modules`` compiled modules whose forward is ``forward`` (its code object is where
     their graphs are cached)."""
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     with _lock:
-        _counts.blocks += blocks
+        _counts.modules += modules
         if code is not None:
             _codes[id(code)] = code
 
@@ -104,7 +104,7 @@ def counts() -> CompiledGraphs:
     frames = counters["frames"]
     with _lock:
         return CompiledGraphs(
-            blocks=_counts.blocks, graphs=_counts.graphs, graph_calls=_counts.graph_calls,
+            modules=_counts.modules, graphs=_counts.graphs, graph_calls=_counts.graph_calls,
             frames_failed=max(0, int(frames.get("total", 0)) - int(frames.get("ok", 0))),
             most_per_frame=max(per_frame, default=0),
             recompiles=sum(max(0, n - 1) for n in per_frame))
@@ -119,4 +119,4 @@ def per_rank(gather: Callable[[torch.Tensor], list[torch.Tensor]]) -> dict[str, 
     ranks = [{n: int(v) for n, v in zip(names, row.tolist(), strict=True)} for row in rows]
     return {"ranks": ranks,
             "ranks_without_compiled_calls": [r for r, c in enumerate(ranks)
-                                             if c["blocks"] and not c["graph_calls"]]}
+                                             if c["modules"] and not c["graph_calls"]]}
