@@ -136,7 +136,7 @@ def expert_problems(cfg: JobConfig) -> list[str]:
 def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
                          topology: str = "flat",
                          allocation: str = "default", weight_gather: str = "none",
-                         scheduler: str = "static") -> list[str]:
+                         scheduler: str = "static", splits_backward: bool = False) -> list[str]:
     """The ZeRO and parameter-store combinations ``mcpar train`` cannot run, one problem per key.
 
     One rule set, the stage's registry entry (``mcpar.registry.zero``), for ``mcpar check`` and
@@ -144,7 +144,8 @@ def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
     (``mcpar.sim.planner``), so that a layout the planner ranks is one that trains. Arguments
     are plain values: the planner has layouts, not job configs."""
     facts = ZeroFacts(dp, pp=pp, vp=vp, topology=topology, allocation=allocation,
-                      weight_gather=weight_gather, scheduler=scheduler)
+                      weight_gather=weight_gather, scheduler=scheduler,
+                      splits_backward=splits_backward)
     # The stage's own rules (its registry entry).
     return [problem(LAYOUT_KEYS[field], text) for field, text in
             zero_stage_entry(zero_stage).problems(facts)]

@@ -226,6 +226,10 @@ class Trainer:
             self.run_dir, has_experts=self.spec.expert_parallel is not None,
             is_main=self.rank == 0)
         self.executor, self.compute, self.moe = runtime.executor, runtime.controller, runtime.moe
+        deferred = sum(len(params) for params in self.compute.chunk_deferred)
+        if deferred:
+            self._log(f"schedule {plan.compute.schedule} splits the backward: {deferred} "
+                      "parameters of this rank's linear layers get their gradients in W tasks")
 
     def _build_recovery(self, env: DistEnv | None, resume: bool) -> None:
         """Fault recovery: when resuming, the newest valid checkpoint is restored (parameters,

@@ -28,6 +28,7 @@ from torch import nn
 
 from mcpar.comm.communicator import CommHandle, Communicator
 from mcpar.parallel.tasks import STAGE_TASKS, Task, TaskKind
+from mcpar.parallel.weight_grad import WeightGradStore
 
 
 def global_stage(chunk: int, pp_rank: int, pp: int) -> int:
@@ -53,6 +54,9 @@ class PipelineExecutor:
     ``activation_shape`` (dtype ``activation_dtype``) from the previous global stage; the last
     stage's output goes to ``loss_fn(output, targets)``, a scalar mean loss.
     ``forward_context()`` wraps each forward (the trainer passes bf16 autocast).
+    ``weight_grads``: under a schedule that splits the backward, the store the chunks' linear
+    layers defer their weight gradients to (``split_weight_grads``): a BACKWARD task is then B,
+    and a WEIGHT_GRAD task the W of the same (chunk, micro-batch).
 
     A step is ``begin(inputs, targets)``, ``run_task(task)`` for each of its stage tasks in the
     order the ComputeController gives, then ``end()``; ``run(inputs, targets, tasks)`` does all
@@ -64,8 +68,10 @@ class PipelineExecutor:
                  activation_shape: tuple[int, ...],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device, activation_dtype: torch.dtype = torch.float32,
-                 forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+                 forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                 weight_grads: WeightGradStore | None = None):
         self.chunks = chunks
+        self.weight_grads = weight_grads
         self.pp_rank = pp_rank
         self.pp = pp
         self.virtual_stages = len(chunks)
@@ -187,6 +193,8 @@ class PipelineExecutor:
                 self._timed("B", chunk, micro, self._backward)
             elif kind is TaskKind.SEND_GRAD:
                 self._send_grad(chunk, micro)
+            elif kind is TaskKind.WEIGHT_GRAD:
+                self._timed("W", chunk, micro, self._weight_grad)
             elif kind is TaskKind.WAIT_SENDS:
                 # A send's buffer must outlive it, and the peer has received everything of
                 # this step once these complete.
@@ -216,6 +224,8 @@ class PipelineExecutor:
         self._received, self._outputs, self._grads, self._saved = {}, {}, {}, {}
         self._sends, self._losses = [], {}
         self._inputs = self._targets = None
+        if self.weight_grads is not None:
+            self.weight_grads.clear()
 
     def _now(self) -> float:
         return time.perf_counter() - self._start
@@ -280,11 +290,26 @@ class PipelineExecutor:
         grad = self._grads.pop((chunk, micro), None)
         grad_out = grad.to(out.dtype) if grad is not None else None
         begin = self._now()
-        torch.autograd.backward(out, grad_out)
+        if self.weight_grads is not None:
+            # B: the linear layers keep their weight-gradient work under this key for W.
+            self.weight_grads.capturing = (chunk, micro)
+        try:
+            torch.autograd.backward(out, grad_out)
+        finally:
+            if self.weight_grads is not None:
+                self.weight_grads.capturing = None
         end = self._now()
         if received is None:
             del self._saved[(chunk, micro)]
         return begin, end
+
+    def _weight_grad(self, chunk: int, micro: int) -> tuple[float, float]:
+        if self.weight_grads is None:
+            raise ValueError(f"a weight-gradient task (chunk {chunk}, micro-batch {micro}) "
+                             "under a schedule that does not split the backward")
+        begin = self._now()
+        self.weight_grads.run((chunk, micro))
+        return begin, self._now()
 
     def _send_grad(self, chunk: int, micro: int) -> None:
         stage = self.stage_of(chunk)

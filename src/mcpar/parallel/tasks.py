@@ -19,19 +19,23 @@ class TaskKind(str, Enum):
     FORWARD = "forward"  # forward of a chunk (and the loss on the last stage)
     SEND_ACTIVATION = "send_activation"  # non-blocking send to the next stage
     RECV_GRAD = "recv_grad"  # blocking receive of the output's gradient from the next stage
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward, or under a split schedule its input part (B)
     SEND_GRAD = "send_grad"  # non-blocking send of the input's gradient to the previous stage
+    WEIGHT_GRAD = "weight_grad"  # a split schedule's W: the weight gradients its B deferred
     WAIT_SENDS = "wait_sends"  # every send of the step has completed
     # Step tasks (run by the ComputeController).
     SYNC_GRADS = "sync_grads"  # arm the chunk's gradient buckets: each starts its data-parallel
-    # reduction as soon as its gradients are complete, during the backward that follows
+    # reduction as soon as its gradients are complete, during the backward that follows (under
+    # a split schedule: the parameters whose gradients B computes)
+    SYNC_WEIGHT_GRADS = "sync_weight_grads"  # a split schedule: arm the chunk's deferred
+    # parameters (the linear weights) before its last W
     WAIT_GRADS = "wait_grads"  # launch what is left and wait for every reduction
     OPTIMIZER_STEP = "optimizer_step"
 
 
 STAGE_TASKS = frozenset({TaskKind.RECV_ACTIVATION, TaskKind.FORWARD, TaskKind.SEND_ACTIVATION,
                          TaskKind.RECV_GRAD, TaskKind.BACKWARD, TaskKind.SEND_GRAD,
-                         TaskKind.WAIT_SENDS})
+                         TaskKind.WEIGHT_GRAD, TaskKind.WAIT_SENDS})
 
 
 @dataclass(frozen=True)

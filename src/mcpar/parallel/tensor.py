@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcpar.comm.communicator import Communicator
+from mcpar.parallel.weight_grad import WeightGradStore, split_linear
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 TP_SHARDED_ATTR = "_mcpar_tp_sharded"
@@ -159,6 +160,10 @@ def leave_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y[..., local outputs] = f(x) @ W_local^T + b_local: this rank's slice of the outputs."""
 
+    # Set by ``split_weight_grads`` under a schedule that splits the backward.
+    weight_grad_store: WeightGradStore | None = None
+    defers_bias = True  # the bias' gradient is W's too
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
                  comm: Communicator, sequence_parallel: bool):
         super().__init__()
@@ -169,7 +174,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter_parallel_region(x, self.comm, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return split_linear(self, x)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
@@ -180,6 +185,10 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = g(x_local @ W_local^T) + b: partial products summed over tp, then the whole bias."""
 
+    weight_grad_store: WeightGradStore | None = None
+    # The bias is added after the reduction, outside the split product: B computes its gradient.
+    defers_bias = False
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
                  comm: Communicator, sequence_parallel: bool):
         super().__init__()
@@ -189,7 +198,8 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _leave_parallel_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        y = _leave_parallel_region(split_linear(self, x, bias=False), self.comm,
+                                   self.sequence_parallel)
         # Added after the reduction, or every rank's copy would be counted tp times.
         return y if self.bias is None else y + self.bias
 

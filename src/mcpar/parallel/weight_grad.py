@@ -39,19 +39,21 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.capturing: Key | None = None  # the B task running, if any
-        self._pending: dict[Key, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {}
+        # (layer, its input, its output's gradient, whether W computes the bias' gradient too)
+        self._pending: dict[Key, list[tuple[nn.Module, torch.Tensor, torch.Tensor, bool]]] = {}
 
-    def keep(self, layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+    def keep(self, layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor,
+             with_bias: bool) -> None:
         if self.capturing is None:
             raise RuntimeError("a split linear layer ran its backward outside a B task: under "
                                "a zero-bubble schedule every backward is the executor's")
-        self._pending.setdefault(self.capturing, []).append((layer, x, grad_out))
+        self._pending.setdefault(self.capturing, []).append((layer, x, grad_out, with_bias))
 
     def run(self, key: Key) -> None:
         """The W task of ``key``: every weight gradient its B kept, accumulated into .grad."""
-        for layer, x, grad_out in self._pending.pop(key, []):
+        for layer, x, grad_out, with_bias in self._pending.pop(key, []):
             weight: torch.Tensor = layer.weight  # type: ignore[assignment]
-            bias: torch.Tensor | None = layer.bias  # type: ignore[assignment]
+            bias: torch.Tensor | None = layer.bias if with_bias else None  # type: ignore[assignment]
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
             tensors = [weight]
@@ -74,16 +76,16 @@ class _KeepForWeightGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, layer: nn.Module,
-                store: WeightGradStore) -> torch.Tensor:
+                store: WeightGradStore, with_bias: bool) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.layer, ctx.store = layer, store
+        ctx.layer, ctx.store, ctx.with_bias = layer, store, with_bias
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        ctx.store.keep(ctx.layer, x, grad_out)
-        return grad_out, None, None, None
+        ctx.store.keep(ctx.layer, x, grad_out, ctx.with_bias)
+        return grad_out, None, None, None, None
 
 
 def split_linear(layer: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
@@ -95,7 +97,7 @@ def split_linear(layer: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight, b)
     out = F.linear(x, weight.detach(), None if b is None else b.detach())
-    return _KeepForWeightGrad.apply(out, x, layer, store)
+    return _KeepForWeightGrad.apply(out, x, layer, store, b is not None)
 
 
 def _split_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,9 @@ def split_weight_grads(chunk: nn.Module, store: WeightGradStore) -> list[nn.Para
     whose gradients now come from W tasks (the others still come from B).
 
     ``nn.Linear`` layers get this forward; a layer of mcpar's own that calls ``split_linear``
-    (the tensor-parallel linears) opts in by having a ``weight_grad_store`` attribute."""
+    (the tensor-parallel linears) opts in by having a ``weight_grad_store`` attribute, and says
+    with ``defers_bias`` whether its bias goes through the split product (a row-parallel layer
+    adds it after its reduce, so B computes that gradient)."""
     deferred: list[nn.Parameter] = []
     for module in chunk.modules():
         if isinstance(module, nn.Linear):
@@ -115,6 +119,7 @@ def split_weight_grads(chunk: nn.Module, store: WeightGradStore) -> list[nn.Para
         elif not hasattr(module, "weight_grad_store"):
             continue
         module.weight_grad_store = store
-        deferred += [p for p in (module.weight, module.bias)
-                     if isinstance(p, nn.Parameter) and p.requires_grad]
+        owned = (module.weight, module.bias) if getattr(module, "defers_bias", True) \
+            else (module.weight,)
+        deferred += [p for p in owned if isinstance(p, nn.Parameter) and p.requires_grad]
     return deferred

@@ -2,31 +2,41 @@
 pipeline_schedules.py``).
 
 A schedule is a generator of each pipeline rank's ordered actions (forward "F" / backward "B" of
-a local chunk for a micro-batch), its rule for the degrees it runs with, and its cost and memory
-terms. The terms have defaults derived from the actions themselves, so a new schedule is priced
-by the cost model and held to its in-flight activations by the memory estimate with no formula
-of its own: ``span`` replays the actions (``replay``), ``in_flight`` counts the forwards whose
-backward has not run yet. The built-ins override them with their closed forms.
+a local chunk for a micro-batch, and, for a schedule that splits the backward, "W": the weight
+gradients that chunk's B deferred), its rule for the degrees it runs with, and its cost and
+memory terms. The terms have defaults derived from the actions themselves, so a new schedule is
+priced by the cost model and held to its in-flight activations by the memory estimate with no
+formula of its own: ``span`` replays the actions (``replay``), ``in_flight`` counts the forwards
+whose backward (under a split: whose W) has not run yet. The built-ins override them with their
+closed forms where one exists.
 
 Layout: with ``pp`` ranks and ``v`` chunks per rank the model is cut into ``pp * v`` global
-stages; rank ``r`` holds stages ``r, r + pp, ...`` (its local chunks 0..v-1).
+stages; by default rank ``r`` holds stages ``r, r + pp, ...`` (its local chunks 0..v-1); a
+schedule may place them otherwise (``stage_of``).
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from mcpar.registry import Registry
 
 EPS = 1e-12
+# The weight gradients' share of a backward, where the replay prices a split schedule: a linear
+# layer's weight gradient costs the FLOPs of its input gradient, and a transformer block's
+# backward is its linear layers' to first order (attention's own backward, which has no weight
+# part, goes to B; the figure is the even split the zero-bubble schedules are designed for).
+WEIGHT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class Action:
-    """One task of a rank's schedule: the forward ("F") or backward ("B") of a chunk."""
+    """One task of a rank's schedule: the forward ("F"), the backward ("B") of a chunk, or the
+    weight gradients ("W") its backward deferred (a schedule that splits the backward)."""
 
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     chunk: int  # local chunk index on this rank, 0..virtual_stages-1
     micro: int  # micro-batch index
 
@@ -36,6 +46,9 @@ class PipelineSchedule(ABC):
 
     name: str = ""
     multi_chunk: bool = False  # runs several chunks per rank (virtual_stages >= 2)
+    # B computes only the input's gradient (and the parameters outside linear layers'); the
+    # linear layers' weight gradients wait for the chunk's W action.
+    splits_backward: bool = False
     summary: str = ""  # one line for `mcpar check` and the docs
 
     def problem(self, pp: int, num_microbatches: int,
@@ -62,6 +75,10 @@ class PipelineSchedule(ABC):
             return "pp", f"schedule {self.name} needs a pipeline of at least 2 ranks; use 1f1b"
         return None
 
+    def stage_of(self, chunk: int, pp_rank: int, pp: int, virtual_stages: int) -> int:
+        """The global stage that local chunk ``chunk`` of pipeline rank ``pp_rank`` holds."""
+        return chunk * pp + pp_rank
+
     @abstractmethod
     def actions(self, pp_rank: int, pp: int, num_microbatches: int,
                 virtual_stages: int) -> list[Action]:
@@ -87,11 +104,21 @@ class PipelineSchedule(ABC):
     def in_flight(self, pp: int, pp_rank: int, num_microbatches: int,
                   virtual_stages: int) -> float:
         """Micro-batches of the rank's layers whose activations are held at its peak."""
-        held = peak = 0
-        for a in self.actions(pp_rank, pp, num_microbatches, virtual_stages):
-            held += 1 if a.kind == "F" else -1
-            peak = max(peak, held)
-        return peak / virtual_stages
+        return _peak_in_flight(self, pp, pp_rank, num_microbatches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_in_flight(schedule: PipelineSchedule, pp: int, pp_rank: int, m: int, v: int) -> float:
+    """The default ``in_flight``, counted from the actions (the planner asks it for thousands
+    of layouts with the same few degrees)."""
+    # Under a split, W's inputs (the linear layers' inputs and output gradients) are held
+    # until W: the activations are counted as held until then.
+    freed_by = "W" if schedule.splits_backward else "B"
+    held = peak = 0
+    for a in schedule.actions(pp_rank, pp, m, v):
+        held += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
+        peak = max(peak, held)
+    return peak / v
 
 
 SCHEDULES: Registry[PipelineSchedule] = Registry("pipeline schedule", "parallelism.schedule")
@@ -104,8 +131,51 @@ def default_schedule(virtual_stages: int) -> str:
     return DEFAULT_MULTI_CHUNK_SCHEDULE if virtual_stages > 1 else DEFAULT_SCHEDULE
 
 
+def splits_backward(schedule: str | None, pp: int) -> bool:
+    """Whether the job's schedule defers weight gradients to W tasks (no pipeline: never)."""
+    return pp > 1 and schedule in SCHEDULES and SCHEDULES.get(schedule).splits_backward
+
+
+@functools.lru_cache(maxsize=512)
+def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
+                v: int) -> tuple[tuple[int, str, int, int], ...]:
+    """Every action of one step as (rank, kind, index of the rank's previous action, index of
+    the action whose output it waits for), in an order where both come first; -1: none.
+    Fixed by the schedule, whatever the costs: priced once, replayed many times."""
+    orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
+    last = pp * v - 1
+    index: dict[tuple[str, int, int], int] = {}
+    graph: list[tuple[int, str, int, int]] = []
+    position, previous = [0] * pp, [-1] * pp
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp):
+            order = orders[r]
+            while position[r] < len(order):
+                a = order[position[r]]
+                s = schedule.stage_of(a.chunk, r, pp, v)
+                if a.kind == "F":
+                    dep = ("F", s - 1, a.micro) if s > 0 else None
+                elif a.kind == "W":
+                    dep = ("B", s, a.micro)
+                else:
+                    dep = ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
+                if dep is not None and dep not in index:
+                    break  # waits for another rank
+                index[(a.kind, s, a.micro)] = len(graph)
+                graph.append((r, a.kind, previous[r], -1 if dep is None else index[dep]))
+                previous[r] = len(graph) - 1
+                position[r] += 1
+                moved = True
+    if any(position[r] < len(orders[r]) for r in range(pp)):
+        raise RuntimeError(f"pipeline schedule {schedule.name} deadlocks")
+    return tuple(graph)
+
+
 def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
-           fwd_share: float, cores: float = float("inf"), threads_per_rank: float = 1.0) -> float:
+           fwd_share: float, cores: float = float("inf"), threads_per_rank: float = 1.0,
+           weight_grad_share: float = WEIGHT_GRAD_SHARE) -> float:
     """Makespan of one step of `schedule` as each rank orders its actions, a task starting when
     its input has arrived (the previous stage's forward, the next stage's backward).
 
@@ -114,14 +184,35 @@ def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
     ignores the bubble freeing cores) nor "total work / cores" (that ignores the idle fill and
     drain). The replay is a fluid: the runnable ranks share `cores` equally, each at
     min(1, cores / demand) of full speed, demand counting `threads_per_rank` per runnable rank
-    (``cores=inf``: every rank at full speed)."""
+    (``cores=inf``: every rank at full speed). A split schedule's W takes ``weight_grad_share``
+    of each backward."""
     pp = len(rank_work)
-    orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
-    last = pp * v - 1
+    shares = {"F": fwd_share, "B": 1.0 - fwd_share}
+    if schedule.splits_backward:
+        shares = {"F": fwd_share, "B": (1.0 - fwd_share) * (1.0 - weight_grad_share),
+                  "W": (1.0 - fwd_share) * weight_grad_share}
+
+    def stage(r: int, a: Action) -> int:
+        return schedule.stage_of(a.chunk, r, pp, v)
 
     def cost(r: int, a: Action) -> float:
-        share = fwd_share if a.kind == "F" else 1.0 - fwd_share
-        return rank_work[r] * share / v
+        return rank_work[r] * shares[a.kind] / v
+
+    if cores == float("inf"):
+        # No rank ever waits for a core: each action starts when its rank is free and its
+        # input has arrived, a longest path through the step's task graph.
+        table = [{kind: work * share / v for kind, share in shares.items()}
+                 for work in rank_work]
+        finish: list[float] = []
+        for r, kind, previous, dep in _task_graph(schedule, pp, m, v):
+            start = finish[previous] if previous >= 0 else 0.0
+            if dep >= 0 and finish[dep] > start:
+                start = finish[dep]
+            finish.append(start + table[r][kind])
+        return max(finish) if finish else 0.0
+
+    orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
+    last = pp * v - 1
 
     done: set[tuple[str, int, int]] = set()  # (kind, global stage, micro)
     position = [0] * pp
@@ -131,11 +222,12 @@ def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
         if position[r] >= len(orders[r]):
             return False
         a = orders[r][position[r]]
-        stage = a.chunk * pp + r
+        s = stage(r, a)
         if a.kind == "F":
-            return stage == 0 or ("F", stage - 1, a.micro) in done
-        return ("F", stage, a.micro) in done and (
-            stage == last or ("B", stage + 1, a.micro) in done)
+            return s == 0 or ("F", s - 1, a.micro) in done
+        if a.kind == "W":
+            return ("B", s, a.micro) in done
+        return ("F", s, a.micro) in done and (s == last or ("B", s + 1, a.micro) in done)
 
     now = 0.0
     while any(position[r] < len(orders[r]) for r in range(pp)):
@@ -149,7 +241,7 @@ def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
             remaining[r] -= step * speed
             if remaining[r] <= EPS:
                 a = orders[r][position[r]]
-                done.add((a.kind, a.chunk * pp + r, a.micro))
+                done.add((a.kind, stage(r, a), a.micro))
                 position[r] += 1
                 remaining[r] = (cost(r, orders[r][position[r]])
                                 if position[r] < len(orders[r]) else 0.0)

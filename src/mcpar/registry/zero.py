@@ -25,6 +25,7 @@ class ZeroFacts:
     allocation: str = "default"  # 'topology_aware': the hierarchical parameter store
     weight_gather: str = "none"  # 'int8': quantized parameter gathers
     scheduler: str = "static"  # the expert balancer (it migrates optimizer state)
+    splits_backward: bool = False  # the pipeline schedule defers weight gradients to W tasks
 
 
 class ZeroStage:

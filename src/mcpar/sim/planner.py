@@ -20,7 +20,7 @@ from mcpar.capabilities import zero_layout_problems
 from mcpar.errors import UserError, problem
 from mcpar.registry.codec import CODECS, LAYOUT_KEYS, codec_problems
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
-from mcpar.registry.schedule import SCHEDULES, default_schedule
+from mcpar.registry.schedule import SCHEDULES, default_schedule, splits_backward
 from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import PipelineCore, Prediction, finish, pipeline_core
 from mcpar.sim.hardware import GIB, Cluster, Efficiency
@@ -157,7 +157,8 @@ def train_problems(lay: Layout) -> list[str]:
     is priced, but ZeRO over dp = 1 is refused as train would refuse it)."""
     problems = zero_layout_problems(
         lay.zero_stage, lay.dp, pp=lay.pp, vp=lay.vp, topology=CONFIG_TOPOLOGY[lay.topology],
-        allocation=lay.allocation, weight_gather=lay.weight_gather)
+        allocation=lay.allocation, weight_gather=lay.weight_gather,
+        splits_backward=splits_backward(lay.schedule, lay.pp))
     if lay.ep > 1 and lay.compression != "none":
         # capabilities.expert_problems: expert weights are reduced uncompressed.
         problems.append(problem("controllers.communication.compression",

@@ -5,8 +5,10 @@ the order its schedule generator gives (``schedules.step_tasks``): receive, forw
 each (stage chunk, micro-batch); receive, backward and send of its gradient; the arming of each
 chunk's gradient buckets right before that chunk's last backward, so that their data-parallel
 reduction starts as soon as each bucket is full and overlaps the rest of the schedule; waiting
-for the sends and the reductions; the optimizer step. Without a pipeline the step is the same
-list with one stage. This is the seed's ``submit_task`` / ``schedule_tasks``.
+for the sends and the reductions; the optimizer step. Under a schedule that splits the backward
+(the zero-bubble schedules), a chunk's B and W tasks each arm the parameters whose gradients
+they produce, before the chunk's last of each. Without a pipeline the step is the same list
+with one stage. This is the seed's ``submit_task`` / ``schedule_tasks``.
 
 Each task's start and end are kept in :attr:`ComputeController.task_log` (and the start of each
 bucket's reduction, which the backward triggers), so a step's timeline can be read afterwards:
@@ -64,13 +66,17 @@ class ComputeController:
 
     def __init__(self, tasks: list[Task], executor: PipelineExecutor,
                  chunk_params: list[list[torch.nn.Parameter]], grad_sync: GradientSync,
-                 optimizer_step: Callable[[int, list[float]], object]):
+                 optimizer_step: Callable[[int, list[float]], object],
+                 chunk_deferred: list[list[torch.nn.Parameter]] | None = None):
         """``tasks``: one step's tasks (the same every step); ``chunk_params[c]``: the
-        parameters of local chunk c; ``optimizer_step(step, losses)``: the update, run as the
-        step's OPTIMIZER_STEP task; its result is what :meth:`run_step` returns."""
+        parameters of local chunk c whose gradients its backward (B) computes,
+        ``chunk_deferred[c]`` those its W tasks compute (a schedule that splits the backward);
+        ``optimizer_step(step, losses)``: the update, run as the step's OPTIMIZER_STEP task; its
+        result is what :meth:`run_step` returns."""
         self.tasks = tasks
         self.executor = executor
         self.chunk_params = chunk_params
+        self.chunk_deferred = chunk_deferred or [[] for _ in chunk_params]
         self.grad_sync = grad_sync
         self.optimizer_step = optimizer_step
         self.num_microbatches = executor.num_microbatches
@@ -102,6 +108,8 @@ class ComputeController:
             self.executor.run_task(task)
         elif task.kind is TaskKind.SYNC_GRADS:
             self.grad_sync.arm(self.chunk_params[task.chunk])
+        elif task.kind is TaskKind.SYNC_WEIGHT_GRADS:
+            self.grad_sync.arm(self.chunk_deferred[task.chunk])
         elif task.kind is TaskKind.WAIT_GRADS:
             # The step's losses are read back here, once its compute is done.
             self._losses = self.executor.end()

@@ -8,6 +8,9 @@
   bubble shrinks to ``(pp-1)/(v m + pp-1)``, paid for with ``v`` times the point-to-point
   traffic. Micro-batches go through the chunks in groups of ``pp``, so ``m`` must be a multiple
   of ``pp``.
+- ``zb_h1``, ``zb_h2``: zero-bubble schedules (``zero_bubble.py``): the backward split into B
+  (the input's gradient) and W (the weight gradients), the W's placed into what would be 1F1B's
+  bubble.
 
 Deadlock freedom of every schedule: see ``schedules.py``; the tests replay every rank's list.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 from mcpar.registry.schedule import SCHEDULES, Action, PipelineSchedule
 
 
-def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+def one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
     """`warmup` forwards, then forward / backward pairs, then the remaining backwards."""
     actions = fwd[:warmup]
     steady = len(fwd) - warmup
@@ -52,8 +55,9 @@ class OneFOneB(_FillDrain):
     summary = "one forward, one backward; at most pp - rank micro-batches in flight"
 
     def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
-        return _one_f_one_b([Action("F", 0, k) for k in range(m)],
-                            [Action("B", 0, k) for k in range(m)], min(pp - pp_rank - 1, m))
+        return one_f_one_b([Action("F", 0, k) for k in range(m)],
+                            [Action("B", 0, k) for k in range(m)],
+                            one_f_one_b_warmup(pp_rank, pp, m))
 
     def in_flight(self, pp: int, pp_rank: int, m: int, v: int) -> float:
         return min(pp - pp_rank, m)
@@ -87,12 +91,17 @@ class Interleaved1F1B(_FillDrain):
         # Megatron-LM's warm-up: enough forwards that the rank's first backward has arrived by
         # the time it is needed (2 per downstream rank, plus one sweep of the other chunks).
         warmup = min((pp - pp_rank - 1) * 2 + (v - 1) * pp, total)
-        return _one_f_one_b([action("F", k) for k in range(total)],
+        return one_f_one_b([action("F", k) for k in range(total)],
                             [action("B", k) for k in range(total)], warmup)
 
     def in_flight(self, pp: int, pp_rank: int, m: int, v: int) -> float:
         # The first rank's figure (Narayanan et al. 2021), taken for every rank.
         return min(pp * (1 + (pp - 1) / (pp * v)), m)
+
+
+def one_f_one_b_warmup(pp_rank: int, pp: int, m: int) -> int:
+    """1F1B's warm-up forwards on ``pp_rank``: one per downstream rank (capped at ``m``)."""
+    return min(pp - pp_rank - 1, m)
 
 
 for _schedule in (GPipe(), OneFOneB(), Interleaved1F1B()):

@@ -53,6 +53,11 @@ class ComputePlan:
     batch_splitting: str  # how the micro-batch count is chosen: 'fixed' or 'dynamic'
     balance: BalancePlan
 
+    @property
+    def splits_backward(self) -> bool:
+        """The schedule computes weight gradients in W tasks apart from the backward."""
+        return self.schedule is not None and SCHEDULES.get(self.schedule).splits_backward
+
     def with_split(self, micro_batch_size: int, num_microbatches: int) -> ComputePlan:
         return dataclasses.replace(self, micro_batch_size=micro_batch_size,
                                    num_microbatches=num_microbatches)
@@ -76,14 +81,23 @@ class ComputePlan:
         from mcpar.controllers.compute.controller import ComputeController
         from mcpar.controllers.compute.expert_balance import MoERoutingController
         from mcpar.parallel.pipeline import PipelineExecutor
+        from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
 
         pp_rank = dims.axis_rank("pp")
+        store = WeightGradStore() if self.splits_backward else None
+        # Under a split schedule the linear layers' weight gradients are W's (the deferred
+        # parameters); every other parameter's gradient is still its chunk's backward's.
+        deferred = [split_weight_grads(chunk, store) if store is not None else []
+                    for chunk in chunks]
+        from_backward = [[p for p in chunk.parameters() if all(p is not q for q in late)]
+                         for chunk, late in zip(chunks, deferred, strict=True)]
         executor = PipelineExecutor(
             chunks, pp_rank, self.pp, comm, self.num_microbatches, activation_shape, loss_fn,
-            device, forward_context=forward_context, activation_dtype=activation_dtype)
+            device, forward_context=forward_context, activation_dtype=activation_dtype,
+            weight_grads=store)
         controller = ComputeController(
-            self.step_tasks(pp_rank, reduce_every_backward), executor,
-            [list(chunk.parameters()) for chunk in chunks], grad_sync, update)
+            self.step_tasks(pp_rank, reduce_every_backward), executor, from_backward,
+            grad_sync, update, chunk_deferred=deferred)
         moe = None
         if has_experts:
             moe = MoERoutingController(cfg, self.balance, self.num_microbatches, dims, comm,
@@ -117,8 +131,13 @@ def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
             return [problem("parallelism.virtual_stages",
                             f"{par.virtual_stages} virtual stages need parallelism.pipeline > 1")]
         return []
-    found = SCHEDULES.get(par.schedule).problem(par.pipeline, num_microbatches,
-                                                par.virtual_stages)
+    entry = SCHEDULES.get(par.schedule)
+    if entry.splits_backward and cfg.training.compile:
+        # A compiled block's backward is traced once; W's store is filled from inside it.
+        return [problem("training.compile", f"schedule {entry.name} splits the backward, which "
+                        "the compiled blocks' traced backward cannot do; set training.compile "
+                        "false or use schedule 1f1b / interleaved_1f1b")]
+    found = entry.problem(par.pipeline, num_microbatches, par.virtual_stages)
     if found is None:
         return []
     field, text = found

@@ -9,7 +9,10 @@ forward/backward of each micro-batch in turn.
 receive, compute and send of each action, the arming of each chunk's gradient buckets right
 before that chunk's last backward (so its data-parallel reduction starts while the backward
 runs, and overlaps the rest of the schedule), then waiting for the sends and the reductions, and
-the optimizer step.
+the optimizer step. Under a schedule that splits the backward (``splits_backward``), a "W"
+action is the chunk's WEIGHT_GRAD task: the buckets' parameters whose gradients B computes are
+armed before the chunk's last B, the deferred ones (the linear layers' weights) before its last
+W, so each bucket reduces as soon as both parts have landed.
 
 Deadlock freedom: a task waits only for the task it depends on (the forward of the previous
 global stage, or the backward of the next), sends never block, and every message has a tag unique
@@ -22,7 +25,6 @@ order they are sent, so a backend that matches point-to-point messages by order 
 
 from __future__ import annotations
 
-from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.tasks import Task, TaskKind
 from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action
 
@@ -58,14 +60,24 @@ def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: in
     """
     if pp == 1 or schedule is None:
         schedule = DEFAULT_SCHEDULE
+    entry = SCHEDULES.get(schedule) if schedule in SCHEDULES else None
+    if entry is not None and entry.splits_backward and reduce_every_backward:
+        # ZeRO stage 2 frees each gradient after every backward; a deferred W would land after.
+        raise ValueError(f"schedule {schedule} splits the backward, which ZeRO stage 2's "
+                         "reduction after every backward cannot follow")
     actions = build_schedule(schedule, pp_rank, pp, num_microbatches, virtual_stages)
+    assert entry is not None  # build_schedule refused an unknown name
     last_stage = pp * virtual_stages - 1
-    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    last_of = {(a.kind, a.chunk): i for i, a in enumerate(actions)}
     tasks: list[Task] = []
     for index, action in enumerate(actions):
         chunk, micro = action.chunk, action.micro
-        stage = global_stage(chunk, pp_rank, pp)
-        if action.kind == "F":
+        stage = entry.stage_of(chunk, pp_rank, pp, virtual_stages)
+        if action.kind == "W":
+            if last_of[("W", chunk)] == index:
+                tasks.append(Task(TaskKind.SYNC_WEIGHT_GRADS, chunk, micro))
+            tasks.append(Task(TaskKind.WEIGHT_GRAD, chunk, micro))
+        elif action.kind == "F":
             if stage > 0:
                 tasks.append(Task(TaskKind.RECV_ACTIVATION, chunk, micro))
             tasks.append(Task(TaskKind.FORWARD, chunk, micro))
@@ -74,7 +86,7 @@ def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: in
         else:
             if stage < last_stage:
                 tasks.append(Task(TaskKind.RECV_GRAD, chunk, micro))
-            if last_backward[chunk] == index or reduce_every_backward:
+            if last_of[("B", chunk)] == index or reduce_every_backward:
                 # The chunk's gradients are complete once this backward has run: arm its
                 # buckets so each starts reducing as soon as it is full.
                 tasks.append(Task(TaskKind.SYNC_GRADS, chunk, micro))

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from mcpar.capabilities import zero_layout_problems
 from mcpar.config import JobConfig
+from mcpar.registry.schedule import splits_backward
 
 
 @dataclass(frozen=True)
@@ -90,4 +91,5 @@ def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
         ctl.memory.zero_stage, dp, pp=par.pipeline, vp=par.virtual_stages,
         topology=ctl.communication.topology,
         allocation=ctl.memory.allocation, weight_gather=ctl.communication.weight_gather,
-        scheduler=ctl.compute.scheduler)
+        scheduler=ctl.compute.scheduler,
+        splits_backward=splits_backward(par.schedule, par.pipeline))

@@ -47,6 +47,13 @@ class ShardedGradients(ShardedOptimizer):
             out.append(("vp", f"{facts.vp} chunks per rank with zero_stage {self.stage} (which "
                         "reduces after every backward) is not supported; use virtual_stages 1 "
                         "or zero_stage 1"))
+        if facts.splits_backward:
+            # Each backward's gradients are reduce-scattered and freed as it ends, but a split
+            # schedule's weight gradients land later, in W.
+            out.append(("zero_stage", f"{self.stage} reduces the gradients after every "
+                        "backward, and the schedule splits the backward (its weight gradients "
+                        "come later, in W tasks); use zero_stage 1 or a schedule that does not "
+                        "split the backward (1f1b, interleaved_1f1b)"))
         return out
 
 

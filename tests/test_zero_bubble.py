@@ -1,0 +1,207 @@
+"""Zero-bubble schedules: the backward split into B and W, the schedules' orders and costs, and
+loss parity of every split schedule with 1F1B on real worker processes (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_mcpar, sets, train_metrics
+from torch import nn
+
+import mcpar.controllers.registered  # noqa: F401  (registers the schedules)
+from mcpar.controllers.compute.schedules import step_tasks
+from mcpar.metrics import read_metrics
+from mcpar.parallel.tasks import TaskKind
+from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
+from mcpar.registry.schedule import SCHEDULES, replay
+
+SPLIT = [s.name for s in SCHEDULES if s.splits_backward]
+
+
+def test_the_split_schedules_are_registered() -> None:
+    assert {"zb_h1", "zb_h2"} <= set(SPLIT)
+
+
+# --- the orders --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["zb_h1", "zb_h2"])
+@pytest.mark.parametrize(("pp", "m"), [(2, 1), (2, 4), (4, 2), (4, 8), (8, 16)])
+def test_every_rank_runs_each_task_once_with_w_after_its_b(name: str, pp: int, m: int) -> None:
+    schedule = SCHEDULES.get(name)
+    for rank in range(pp):
+        actions = schedule.actions(rank, pp, m, 1)
+        for kind in "FBW":
+            assert sorted(a.micro for a in actions if a.kind == kind) == list(range(m))
+        order = {(a.kind, a.micro): i for i, a in enumerate(actions)}
+        for k in range(m):
+            assert order[("F", k)] < order[("B", k)] < order[("W", k)]
+    # The replay of every rank together completes (it raises on a deadlock).
+    assert replay(schedule, [3.0] * pp, m, 1, 1 / 3) > 0
+
+
+def test_zb_h1_reaches_its_theory_and_keeps_1f1b_first_rank_memory() -> None:
+    """F = B = W (1 each): ZB-H1's step is 3m + p - 1, a bubble of (p-1)/(3m+p-1), against
+    1F1B's (m + p - 1) * 3; its peak in flight on every rank is 1F1B's first rank's."""
+    h1, one = SCHEDULES.get("zb_h1"), SCHEDULES.get("1f1b")
+    for pp, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
+        assert replay(h1, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * m + pp - 1)
+        assert replay(one, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * (m + pp - 1))
+        assert max(h1.in_flight(pp, r, m, 1) for r in range(pp)) == \
+            max(one.in_flight(pp, r, m, 1) for r in range(pp)) == min(pp, m)
+
+
+def test_zb_h2_fills_the_waits_a_costlier_b_opens() -> None:
+    """B = 1.4 F, W = 0.6 F: ZB-H2 stays within 3% of the bound (p-1) F + m (F + B + W), where
+    ZB-H1 loses 8% or more; at F = B = W both are at the bound. H2 holds at most 2p - 1."""
+    h1, h2 = SCHEDULES.get("zb_h1"), SCHEDULES.get("zb_h2")
+    for pp, m in [(4, 8), (8, 16)]:
+        bound = (pp - 1) + 3 * m
+        assert replay(h2, [3.0] * pp, m, 1, 1 / 3, weight_grad_share=0.3) <= 1.03 * bound
+        assert replay(h1, [3.0] * pp, m, 1, 1 / 3, weight_grad_share=0.3) >= 1.08 * bound
+        assert replay(h2, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(bound)
+        assert max(h2.in_flight(pp, r, m, 1) for r in range(pp)) == 2 * pp - 1
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "zb_h2"])
+def test_step_tasks_arm_b_params_before_the_last_b_and_w_params_before_the_last_w(
+        name: str) -> None:
+    tasks = step_tasks(name, 1, 4, 8)
+    kinds = [t.kind for t in tasks]
+    assert kinds.count(TaskKind.WEIGHT_GRAD) == 8
+    assert kinds.count(TaskKind.SYNC_GRADS) == kinds.count(TaskKind.SYNC_WEIGHT_GRADS) == 1
+    sync_b, sync_w = kinds.index(TaskKind.SYNC_GRADS), kinds.index(TaskKind.SYNC_WEIGHT_GRADS)
+    assert kinds[sync_b + 1] is TaskKind.BACKWARD and tasks[sync_b + 1].micro == 7
+    assert kinds[sync_w + 1] is TaskKind.WEIGHT_GRAD
+    assert TaskKind.BACKWARD not in kinds[sync_b + 2:]  # that was the last B
+    assert TaskKind.WEIGHT_GRAD not in kinds[sync_w + 2:]
+    assert kinds[-3:] == [TaskKind.WAIT_SENDS, TaskKind.WAIT_GRADS, TaskKind.OPTIMIZER_STEP]
+    with pytest.raises(ValueError, match="ZeRO stage 2"):
+        step_tasks(name, 1, 4, 8, reduce_every_backward=True)
+
+
+# --- the split backward ------------------------------------------------------------------------
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8),
+                         nn.Linear(8, 4, bias=False))
+
+
+def test_b_defers_exactly_the_linear_weights_and_w_gives_autograd_s_gradients() -> None:
+    x = torch.randn(3, 5, 8)
+    plain = _block()
+    plain(x).square().sum().backward()
+
+    split, store = _block(), WeightGradStore()
+    deferred = split_weight_grads(split, store)
+    linears = [m for m in split.modules() if isinstance(m, nn.Linear)]
+    assert {id(p) for p in deferred} == {id(p) for m in linears for p in m.parameters()}
+    fired: list[str] = []
+    names = {id(p): n for n, p in split.named_parameters()}
+    for p in split.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: fired.append(names[id(q)]))
+    x_in = x.clone().requires_grad_()
+    out = split(x_in)
+    store.capturing = (0, 0)
+    out.square().sum().backward()
+    store.capturing = None
+    # B: the input's and the norm's gradients, no linear weight's.
+    assert sorted(fired) == ["1.bias", "1.weight"]
+    assert all(p.grad is None for p in deferred)
+    assert store.pending() == 3
+    store.run((0, 0))
+    assert store.pending() == 0
+    assert sorted(fired) == sorted(names.values())
+    for (name, a), b in zip(plain.named_parameters(), split.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6), name
+
+
+def test_a_split_layer_backward_outside_a_b_task_is_an_error() -> None:
+    block, store = _block(), WeightGradStore()
+    split_weight_grads(block, store)
+    with pytest.raises(RuntimeError, match="outside a B task"):
+        block(torch.randn(2, 8)).sum().backward()
+
+
+def test_a_split_layer_under_no_grad_is_the_plain_layer() -> None:
+    block, store = _block(), WeightGradStore()
+    split_weight_grads(block, store)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(block(x), _block()(x))
+
+
+# --- parity on real workers --------------------------------------------------------------------
+
+STEPS = 6
+MODEL = [
+    "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.seq_len=32",
+    "training.progress=false", "training.eval_interval=0", "training.eval_batches=1",
+    "optimization.warmup_steps=2", f"training.steps={STEPS}", "optimization.global_batch_size=8",
+]
+MOE = ["model.kind=moe", "model.num_experts=4", "model.top_k=2", "model.num_layers=2"]
+LLAMA = ["model.kind=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=64"]
+# name -> (workers, settings, the split schedules compared with 1F1B)
+LAYOUTS: dict[str, tuple[int, list[str], list[str]]] = {
+    "pipeline2": (2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2"], SPLIT),
+    "pipeline4": (4, ["parallelism.pipeline=4", "optimization.micro_batch_size=1"], SPLIT),
+    "data2_pipeline2": (4, ["parallelism.pipeline=2", "optimization.micro_batch_size=1"],
+                        ["zb_h1"]),
+    "tensor2_pipeline2_sp": (4, ["parallelism.tensor=2", "parallelism.pipeline=2",
+                                 "parallelism.sequence_parallel=true",
+                                 "optimization.micro_batch_size=2"], ["zb_h2"]),
+    "experts2_pipeline2": (4, [*MOE, "parallelism.experts=2", "parallelism.pipeline=2",
+                               "optimization.micro_batch_size=2"], ["zb_h1"]),
+    "llama_pipeline2": (2, [*LLAMA, "parallelism.pipeline=2", "optimization.micro_batch_size=2"],
+                        ["zb_h2"]),
+    "pipeline2_recompute_full": (2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2",
+                                     "controllers.memory.activation_checkpointing=full"],
+                                 ["zb_h1"]),
+    "pipeline2_recompute_selective": (
+        2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2",
+            "controllers.memory.activation_checkpointing=selective"], ["zb_h1"]),
+}
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_split_schedules_train_the_losses_of_1f1b(name: str, tmp_path: Path,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    """Per-step losses equal (==): the input gradients are autograd's own, and each weight
+    gradient the same product by the same kernel, accumulated in the same micro-batch order."""
+    nproc, settings, schedules = LAYOUTS[name]
+    reference = _losses_of(tmp_path / "1f1b", nproc, [*settings, "parallelism.schedule=1f1b"])
+    assert len(reference) == STEPS
+    assert "splits the backward" not in capfd.readouterr().out
+    for schedule in schedules:
+        run = tmp_path / schedule
+        losses = _losses_of(run, nproc, [*settings, f"parallelism.schedule={schedule}"])
+        assert losses == reference, (name, schedule)
+        # The split really ran: the first rank's linear weights waited for W tasks.
+        assert f"schedule {schedule} splits the backward" in capfd.readouterr().out
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["layout"]["world_size"] == nproc
+
+
+def _losses_of(run: Path, nproc: int, settings: list[str]) -> list[float]:
+    train_metrics(run, nproc, [*MODEL, *settings])
+    return _losses(run)
+
+
+def test_zero_stage_2_and_compile_are_refused_under_a_split_schedule(tmp_path: Path) -> None:
+    base = [*MODEL, "parallelism.pipeline=2", "parallelism.data=2",
+            "optimization.micro_batch_size=1", "parallelism.schedule=zb_h1"]
+    for extra, key in ((["controllers.memory.zero_stage=2"], "controllers.memory.zero_stage"),
+                       (["training.compile=true"], "training.compile")):
+        proc = run_mcpar("train", *sets(*base, *extra), "--nproc", "4",
+                         "--run-dir", str(tmp_path / key))
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert key in proc.stderr and "splits the backward" in proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / key / "metrics.jsonl").exists()
