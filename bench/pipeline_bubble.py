@@ -11,17 +11,23 @@ What it measures
     rank repeats with that period, so this is the share of each rank's time lost to the bubble.)
     The figure is the mean over ranks and over ``--repeats`` steps, after ``--warmup`` steps.
 
-    Theory, with backward = 2 x forward and equal stages: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
-    ``(p-1)/(v m + p-1)`` for the interleaved schedule.
+    Theory, with backward = 2 x forward (B = W = forward under a split) and equal stages: the
+    registry's replay of each schedule's orders (``mcpar.registry.schedule.replay``), which is
+    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v m + p-1)`` for the interleaved schedule and
+    ``(p-1)/(3m + p-1)`` for ZB-H1 (m >= p).
 
     1. fixed_cost: every stage's work has a fixed cost, independent of CPU contention: its forward
        sleeps ``--fwd-ms / v`` and its backward (an autograd Function) twice that, so a rank's work
        per micro-batch is the same for any v, and ``--pp`` processes sharing few cores cannot blur
-       the schedule. This is the check of the schedules and of the executor's overheads.
-    2. real_model: the same three schedules on GPT stages (``--layers`` blocks cut evenly into
+       the schedule; under a split schedule B sleeps the forward's time and W (a tiny linear
+       layer's deferred weight gradient, then a sleep) as much. This is the check of the
+       schedules and of the executor's overheads.
+    2. real_model: the same schedules on GPT stages (``--layers`` blocks cut evenly into
        ``pp x v`` stages with ``cut_model``), one thread per process. With more processes than
        cores, ranks' compute slows each other down, so these figures are blurred (the JSON says so);
-       ``step_time_s_median`` of each schedule is the other figure to compare there.
+       ``step_time_s_median`` of each schedule is the other figure to compare there. Each rank's
+       peak activation bytes in the first timed step (the MemoryController's meter: what autograd
+       saves, and under a split what W's store keeps) are reported per schedule.
 
 How to run
     python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--virtual 2] [--fwd-ms 20]
@@ -33,6 +39,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,15 +53,19 @@ import torch.nn.functional as F
 from bench_workers import run_worker
 from torch import nn
 
+import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
+from mcpar.controllers.memory.measure import SavedBytes
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
+from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
+from mcpar.registry.schedule import SCHEDULES, replay
 from mcpar.topology import ParallelDims
 
 FIXED_SHAPE = (4, 16, 8)  # micro-batch, seq, hidden of the fixed-cost stages: tiny on purpose
@@ -97,11 +108,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
-    return [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", args.virtual)]
+    return [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", args.virtual), ("zb_h1", 1),
+            ("zb_h2", 1)]
 
 
-def theory(pp: int, m: int, v: int) -> float:
-    return (pp - 1) / (v * m + pp - 1)
+def theory(schedule: str, pp: int, m: int, v: int) -> float:
+    """Mean idle fraction of equal stages with backward = 2 x forward (B = W = F when split)."""
+    span = replay(SCHEDULES.get(schedule), [3.0] * pp, m, v, 1 / 3)
+    return 1 - 3.0 * m / span
+
+
+def splits(schedule: str) -> bool:
+    return SCHEDULES.get(schedule).splits_backward
+
+
+class SleepingWeightGrads(WeightGradStore):
+    """A fixed-cost stage's W: its linear layer's deferred weight gradient, then a sleep."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def run(self, key: tuple[int, int]) -> None:
+        super().run(key)
+        time.sleep(self.seconds)
 
 
 def log(message: str) -> None:
@@ -126,31 +156,47 @@ class _SleepInBackward(torch.autograd.Function):
 
 
 class FixedCostStage(nn.Module):
-    """A stage whose forward sleeps `fwd_s` and whose backward sleeps twice that."""
+    """A stage whose forward sleeps `fwd_s` and whose backward sleeps twice that (``split``: B
+    sleeps `fwd_s`, and its W, ``SleepingWeightGrads``, as much)."""
 
-    def __init__(self, fwd_s: float, first: bool):
+    def __init__(self, fwd_s: float, first: bool, split: bool = False):
         super().__init__()
         self.fwd_s = fwd_s
+        self.bwd_s = fwd_s if split else 2 * fwd_s
         self.embed = nn.Embedding(FIXED_VOCAB, FIXED_SHAPE[-1]) if first else None
-        self.scale = nn.Parameter(torch.ones(FIXED_SHAPE[-1]))
+        self.mix = nn.Linear(FIXED_SHAPE[-1], FIXED_SHAPE[-1])  # the weight W computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         time.sleep(self.fwd_s)
-        return _SleepInBackward.apply(x * self.scale, 2 * self.fwd_s)
+        return _SleepInBackward.apply(self.mix(x), self.bwd_s)
 
 
 def measure(executor: PipelineExecutor, tasks: list[Task],
             make_batches: Callable[[], tuple[list, list]],
-            warmup: int, repeats: int) -> dict:
-    """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier."""
+            warmup: int, repeats: int, params: list[nn.Parameter] | None = None) -> dict:
+    """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier;
+    with ``params``, every rank's peak activation bytes of the first timed step."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     idle, step_s = [], []
+    activations: list[int] | None = None
     for n in range(warmup + repeats):
         inputs, targets = make_batches()
+        saved = None
+        if params is not None and n == warmup:
+            saved = SavedBytes(lambda: {p.untyped_storage().data_ptr() for p in params})
+        store = executor.weight_grads
+        if saved is not None and store is not None:
+            store.pack, store.unpack = saved.pack, saved.unpack
         dist.barrier()
-        executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None, tasks)
+        with saved.hooks() if saved is not None else contextlib.nullcontext():
+            executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None,
+                         tasks)
+        if saved is not None:
+            peaks = [None] * pp
+            dist.all_gather_object(peaks, saved.peak)
+            activations = [int(p) for p in peaks]  # type: ignore[arg-type]
         stats = executor.last_stats
         step = torch.tensor([stats.total_s], dtype=torch.float64)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
@@ -159,8 +205,12 @@ def measure(executor: PipelineExecutor, tasks: list[Task],
         if n >= warmup:
             idle.append(rank_idle.item() / pp)
             step_s.append(step.item())
-    return {"idle_fraction": statistics.fmean(idle), "idle_fraction_per_step": idle,
-            "step_time_s_median": statistics.median(step_s)}
+    out = {"idle_fraction": statistics.fmean(idle), "idle_fraction_per_step": idle,
+           "step_time_s_median": statistics.median(step_s),
+           "step_time_s_min": min(step_s), "step_time_s_max": max(step_s)}
+    if activations is not None:
+        out["peak_activation_bytes_per_rank"] = activations
+    return out
 
 
 def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> dict:
@@ -173,14 +223,18 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
 
     out = {}
     for schedule, v in schedules(args):
+        fwd_s = args.fwd_ms / 1000 / v
         chunks: list[nn.Module] = [
-            FixedCostStage(args.fwd_ms / 1000 / v, first=global_stage(c, rank, pp) == 0)
+            FixedCostStage(fwd_s, first=global_stage(c, rank, pp) == 0, split=splits(schedule))
             for c in range(v)]
+        store = SleepingWeightGrads(fwd_s) if splits(schedule) else None
+        for chunk in chunks if store is not None else []:
+            split_weight_grads(chunk, store)
         executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
-                                    F.mse_loss, torch.device("cpu"))
+                                    F.mse_loss, torch.device("cpu"), weight_grads=store)
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
                          args.repeats)
-        expected = theory(pp, m, v)
+        expected = theory(schedule, pp, m, v)
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,
                          "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
         log(f"fixed cost {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
@@ -206,14 +260,18 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
     for schedule, v in schedules(args):
         per_stage = args.layers // (pp * v)
         ranges = [(s * per_stage, (s + 1) * per_stage) for s in range(pp * v)]
-        chunks: list[nn.Module] = [cut_model(model, ranges, global_stage(c, rank, pp))
-                                   for c in range(v)]
-        executor = PipelineExecutor(chunks, rank, pp, comm, m,
-                                    (*shape, args.hidden), loss_fn, torch.device("cpu"))
+        chunks = [cut_model(model, ranges, global_stage(c, rank, pp)) for c in range(v)]
+        store = WeightGradStore() if splits(schedule) else None
+        for chunk in chunks if store is not None else []:
+            # As the ComputeController's plan splits it: the head keeps its whole backward.
+            split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
+        executor = PipelineExecutor(list(chunks), rank, pp, comm, m, (*shape, args.hidden),
+                                    loss_fn, torch.device("cpu"), weight_grads=store)
+        params = [p for chunk in chunks for p in chunk.parameters()]
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats)
+                         args.repeats, params)
         model.zero_grad(set_to_none=True)
-        expected = theory(pp, m, v)
+        expected = theory(schedule, pp, m, v)
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,
                          "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
         log(f"real model {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
@@ -257,11 +315,21 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
             "1f1b_within_5_points_of_theory": one_f["abs_diff_points"] <= 5.0,
             "interleaved_idle_lower_than_1f1b":
                 fixed["interleaved_1f1b"]["idle_fraction"] < one_f["idle_fraction"],
+            "zb_h1_within_2_points_of_theory": fixed["zb_h1"]["abs_diff_points"] <= 2.0,
+            "zb_h1_idle_lower_than_interleaved":
+                fixed["zb_h1"]["idle_fraction"] < fixed["interleaved_1f1b"]["idle_fraction"],
         },
+        # Same ranks, same work per micro-batch: step time of each schedule over 1F1B's.
+        "speedup_over_1f1b": {name: one_f["step_time_s_median"] / r["step_time_s_median"]
+                              for name, r in fixed.items()},
         # The peer comparison: same ranks, same work, only the schedule differs.
         "interleaved_over_1f1b_idle_ratio":
             fixed["interleaved_1f1b"]["idle_fraction"] / one_f["idle_fraction"],
         "real_model": real,
+        "real_model_peak_activations_over_1f1b": None if real is None else {
+            name: max(r["peak_activation_bytes_per_rank"])
+            / max(real["schedules"]["1f1b"]["peak_activation_bytes_per_rank"])
+            for name, r in real["schedules"].items()},
         "torch_version": torch.__version__,
     }
     print(json.dumps(result), flush=True)

@@ -205,3 +205,15 @@ def test_zero_stage_2_and_compile_are_refused_under_a_split_schedule(tmp_path: P
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert key in proc.stderr and "splits the backward" in proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp_path / key / "metrics.jsonl").exists()
+
+
+def test_the_profiler_counts_w_as_compute_and_prices_the_split_bubble() -> None:
+    from mcpar.profiler.timeline import split_schedule_bubble, split_step
+
+    assert split_schedule_bubble("zb_h1", 4, 8, 1) == pytest.approx(3 / 27)
+    tasks = [{"name": "forward", "start": 0.0, "end": 1.0},
+             {"name": "backward", "start": 1.0, "end": 2.0},
+             {"name": "sync_weight_grads", "start": 2.0, "end": 2.5},
+             {"name": "weight_grad", "start": 2.5, "end": 3.5}]
+    out = split_step(tasks, [], 0.0, 3.5)
+    assert out["compute"] == pytest.approx(3.0) and out["exposed_comm"] == pytest.approx(0.5)

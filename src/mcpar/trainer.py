@@ -226,6 +226,7 @@ class Trainer:
             self.run_dir, has_experts=self.spec.expert_parallel is not None,
             is_main=self.rank == 0)
         self.executor, self.compute, self.moe = runtime.executor, runtime.controller, runtime.moe
+        self.meter.weight_grads = self.executor.weight_grads
         deferred = sum(len(params) for params in self.compute.chunk_deferred)
         if deferred:
             self._log(f"schedule {plan.compute.schedule} splits the backward: {deferred} "

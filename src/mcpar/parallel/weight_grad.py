@@ -25,6 +25,7 @@ within 1e-6), and exactly where the two products take the same kernel.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,19 +40,27 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.capturing: Key | None = None  # the B task running, if any
-        # (layer, its input, its output's gradient, whether W computes the bias' gradient too)
-        self._pending: dict[Key, list[tuple[nn.Module, torch.Tensor, torch.Tensor, bool]]] = {}
+        # (layer, its input, its output's gradient, whether W computes the bias' gradient too);
+        # the tensors as ``pack`` returned them.
+        self._pending: dict[Key, list[tuple[nn.Module, Any, Any, bool]]] = {}
+        # What the store keeps is activation memory between a B and its W: a memory meter sets
+        # these to its saved-tensor pack / unpack so that it counts them
+        # (``controllers/memory/measure.py``).
+        self.pack: Callable[[torch.Tensor], Any] = _identity
+        self.unpack: Callable[[Any], torch.Tensor] = _identity
 
     def keep(self, layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor,
              with_bias: bool) -> None:
         if self.capturing is None:
             raise RuntimeError("a split linear layer ran its backward outside a B task: under "
                                "a zero-bubble schedule every backward is the executor's")
-        self._pending.setdefault(self.capturing, []).append((layer, x, grad_out, with_bias))
+        self._pending.setdefault(self.capturing, []).append(
+            (layer, self.pack(x), self.pack(grad_out), with_bias))
 
     def run(self, key: Key) -> None:
         """The W task of ``key``: every weight gradient its B kept, accumulated into .grad."""
-        for layer, x, grad_out, with_bias in self._pending.pop(key, []):
+        for layer, packed_x, packed_grad, with_bias in self._pending.pop(key, []):
+            x, grad_out = self.unpack(packed_x), self.unpack(packed_grad)
             weight: torch.Tensor = layer.weight  # type: ignore[assignment]
             bias: torch.Tensor | None = layer.bias if with_bias else None  # type: ignore[assignment]
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -62,6 +71,7 @@ class WeightGradStore:
                 tensors.append(bias)
                 grads.append(g2.sum(0).to(bias.dtype))
             torch.autograd.backward(tensors, grads)
+            del x, grad_out, packed_x, packed_grad  # released now, not at the next layer
 
     def pending(self) -> int:
         return sum(len(v) for v in self._pending.values())
@@ -69,6 +79,10 @@ class WeightGradStore:
     def clear(self) -> None:
         self._pending.clear()
         self.capturing = None
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 class _KeepForWeightGrad(torch.autograd.Function):
@@ -96,6 +110,10 @@ def split_linear(layer: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.
     store: WeightGradStore | None = getattr(layer, "weight_grad_store", None)
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight, b)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # The input autocast would cast (and autograd save): W keeps that copy, not a second.
+        x = x.to(torch.get_autocast_dtype(device))
     out = F.linear(x, weight.detach(), None if b is None else b.detach())
     return _KeepForWeightGrad.apply(out, x, layer, store, b is not None)
 
@@ -104,16 +122,24 @@ def _split_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return split_linear(self, x)
 
 
-def split_weight_grads(chunk: nn.Module, store: WeightGradStore) -> list[nn.Parameter]:
+def split_weight_grads(chunk: nn.Module, store: WeightGradStore,
+                       keep_whole: nn.Module | None = None) -> list[nn.Parameter]:
     """Defer the weight gradients of ``chunk``'s linear layers to ``store``; the parameters
-    whose gradients now come from W tasks (the others still come from B).
+    whose gradients now come from W tasks (the others still come from B). The layers inside
+    ``keep_whole`` keep their whole backward in B: the trainer passes the output head, whose
+    output gradient ([tokens, vocab], the step's largest tensor) would otherwise be held from
+    each B to its W, which on the last stage costs more memory than the bubble it fills (a
+    measured 1.44x 1F1B's peak activations at pipeline 4, 0.99x without it).
 
     ``nn.Linear`` layers get this forward; a layer of mcpar's own that calls ``split_linear``
     (the tensor-parallel linears) opts in by having a ``weight_grad_store`` attribute, and says
     with ``defers_bias`` whether its bias goes through the split product (a row-parallel layer
     adds it after its reduce, so B computes that gradient)."""
     deferred: list[nn.Parameter] = []
+    whole = {id(m) for m in keep_whole.modules()} if keep_whole is not None else set()
     for module in chunk.modules():
+        if id(module) in whole:
+            continue
         if isinstance(module, nn.Linear):
             module.forward = types.MethodType(_split_linear_forward, module)  # type: ignore[method-assign]
         elif not hasattr(module, "weight_grad_store"):

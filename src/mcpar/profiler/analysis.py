@@ -12,7 +12,14 @@ from collections import defaultdict
 from typing import Any
 
 from mcpar.profiler.bandwidth import from_sent
-from mcpar.profiler.timeline import CATEGORIES, pipeline_bubble, split_step, theoretical_bubble
+from mcpar.profiler.timeline import (
+    CATEGORIES,
+    pipeline_bubble,
+    split_schedule_bubble,
+    split_step,
+    theoretical_bubble,
+)
+from mcpar.registry.schedule import splits_backward
 
 
 def _mean(values: list[float]) -> float:
@@ -69,15 +76,18 @@ def collectives(ranks: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-def bubble(ranks: list[dict], pp: int, microbatches: int, virtual: int) -> dict[str, Any]:
-    """The measured pipeline bubble (mean over the window's steps) against theory."""
+def bubble(ranks: list[dict], pp: int, microbatches: int, virtual: int,
+           schedule: str | None = None) -> dict[str, Any]:
+    """The measured pipeline bubble (mean over the window's steps) against theory (a schedule
+    that splits the backward: its registry entry's replay with equal stages, B = W = F)."""
     if pp <= 1:
         return {"pipeline": False}
     steps = min(len(r["steps"]) for r in ranks)
     measured = [pipeline_bubble([r["steps"][i]["tasks"] for r in ranks]) for i in range(steps)]
     return {"pipeline": True, "stages": pp, "microbatches": microbatches, "virtual": virtual,
             "measured": _mean(measured),
-            "theory": theoretical_bubble(pp, microbatches * virtual)}
+            "theory": split_schedule_bubble(schedule, pp, microbatches, virtual)
+            if splits_backward(schedule, pp) else theoretical_bubble(pp, microbatches * virtual)}
 
 
 def stragglers(split: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,7 +130,8 @@ def analyse(ranks: list[dict], summary: dict[str, Any], ctx: dict[str, Any]) -> 
                    "over_step": {r["rank"]: r.get("memory_over_step", []) for r in ranks}},
         "throughput": {"tokens_per_s": tokens_per_s, "step_s": step_s,
                        "mfu": _mean([s["mfu"] for s in window]), **summary.get("mfu", {})},
-        "bubble": bubble(ranks, ctx["pp"], ctx["microbatches"], ctx["virtual"]),
+        "bubble": bubble(ranks, ctx["pp"], ctx["microbatches"], ctx["virtual"],
+                         ctx.get("schedule")),
         "moe": moe_load(ranks),
         "stragglers": stragglers(split),
         "timeline": {"step": window[-1]["step"] if window else None,

@@ -213,8 +213,8 @@ def context_of(trainer: ReportedRun) -> dict[str, Any]:
     return {"layout": t.dims.describe(), "world_size": t.dims.world_size,
             "device": t.device_reason, "dtype": t.cfg.training.dtype, "pp": t.dims.pp,
             "microbatches": plan.num_microbatches, "virtual": plan.virtual_stages,
-            "capacity_bytes": _capacity(t.device), "prediction": pred,
-            "prediction_source": source}
+            "schedule": plan.compute.schedule, "capacity_bytes": _capacity(t.device),
+            "prediction": pred, "prediction_source": source}
 
 
 def _capacity(device: torch.device) -> float:

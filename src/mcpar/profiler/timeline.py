@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from mcpar.registry.schedule import SCHEDULES, replay
+
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "data", "idle")
-_COMPUTE = {"forward", "backward"}
+_COMPUTE = {"forward", "backward", "weight_grad"}
 _BUBBLE = {"recv_activation", "recv_grad", "wait_sends"}
-_COMM = {"send_activation", "send_grad", "sync_grads", "wait_grads"}
+_COMM = {"send_activation", "send_grad", "sync_grads", "sync_weight_grads", "wait_grads"}
 
 
 def _overlap(start: float, end: float, waits: Iterable[tuple[float, float]]) -> float:
@@ -63,6 +65,14 @@ def pipeline_bubble(ranks: Sequence[Sequence[dict]]) -> float:
     busy = [sum(t["end"] - t["start"] for t in tasks if t["name"] in _COMPUTE)
             for tasks in ranks]
     return 1.0 - sum(busy) / len(busy) / span
+
+
+def split_schedule_bubble(schedule: str | None, stages: int, microbatches: int,
+                          virtual: int) -> float:
+    """A split schedule's bubble with equal stages and B = W = F: its replay's idle share."""
+    entry = SCHEDULES.get(str(schedule))
+    span = replay(entry, [3.0] * stages, microbatches, virtual, 1 / 3)
+    return 1 - 3.0 * microbatches / span
 
 
 def theoretical_bubble(stages: int, microbatches: int) -> float:

@@ -27,12 +27,12 @@ from mcpar.topology import ParallelDims
 # The plan is made without torch (`mcpar check`); its methods that build the runtime import it.
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from mcpar.comm.communicator import Communicator
     from mcpar.controllers.compute.controller import ComputeController, GradientSync
     from mcpar.controllers.compute.expert_balance import MoERoutingController
     from mcpar.parallel.pipeline import PipelineExecutor
+    from mcpar.parallel.stage import StageModule
     from mcpar.parallel.tasks import Task
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
@@ -70,7 +70,7 @@ class ComputePlan:
                           self.virtual_stages, reduce_every_backward=reduce_every_backward)
 
     def build(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
-              chunks: list[nn.Module], device: torch.device, loss_fn: LossFn,
+              chunks: list[StageModule], device: torch.device, loss_fn: LossFn,
               activation_shape: tuple[int, int, int], activation_dtype: torch.dtype,
               forward_context: Callable[[], AbstractContextManager[object]],
               grad_sync: GradientSync, update: Callable[[int, list[float]], object],
@@ -87,8 +87,9 @@ class ComputePlan:
         store = WeightGradStore() if self.splits_backward else None
         # Under a split schedule the linear layers' weight gradients are W's (the deferred
         # parameters); every other parameter's gradient is still its chunk's backward's.
-        deferred = [split_weight_grads(chunk, store) if store is not None else []
-                    for chunk in chunks]
+        # The output head keeps its whole backward (``split_weight_grads`` says why).
+        deferred = [split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
+                    if store is not None else [] for chunk in chunks]
         from_backward = [[p for p in chunk.parameters() if all(p is not q for q in late)]
                          for chunk, late in zip(chunks, deferred, strict=True)]
         executor = PipelineExecutor(

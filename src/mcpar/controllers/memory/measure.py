@@ -48,9 +48,14 @@ if TYPE_CHECKING:
     from mcpar.controllers.memory.param_store import ParameterStore
     from mcpar.controllers.memory.plan import MemoryPlan
     from mcpar.parallel.parallelize import ParallelModel
+    from mcpar.parallel.weight_grad import WeightGradStore
 
 ROWS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers",
         "gathered working set")
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 class _Saved:
@@ -122,6 +127,9 @@ class MemoryMeter:
         self.gathered = 0
         self.device_peak = 0
         self._probed = False
+        # A split schedule's store of what W tasks need (set by the trainer): held between a B
+        # and its W, so counted with the activations.
+        self.weight_grads: WeightGradStore | None = None
 
     def _param_storages(self) -> set[int]:
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
@@ -139,11 +147,16 @@ class MemoryMeter:
         self.gathered = 0
         reset_peak_memory(self.device)
         recompute.set_reforward_probe(self._probe)
+        store = self.weight_grads
+        if store is not None:
+            store.pack, store.unpack = self.active.pack, self.active.unpack
         try:
             with self.active.hooks():
                 yield
         finally:
             recompute.set_reforward_probe(None)
+            if store is not None:
+                store.pack = store.unpack = _identity
             self.activations = self.active.peak + self.working
             self.device_peak = peak_memory_since_reset(self.device)
             self.active = None
