@@ -3,7 +3,7 @@ real ``mcpar`` command line), and its detectors of reads outside the input folde
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -21,13 +21,15 @@ SUBSET = ["index_dotdot", "manifest_dotdot", "check_nproc_0", "train_nproc_1000"
 
 
 @pytest.fixture(scope="module")
-def probes(monkeypatch_module: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("redteam_probes", BENCH / "redteam_probes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch_module.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def runner(monkeypatch_module: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    # The bench's helpers are the package bench/redteam, imported with bench/ on sys.path as the
+    # bench scripts import their siblings; gone from sys.modules again after this file's tests.
+    monkeypatch_module.syspath_prepend(str(BENCH))
+    before = set(sys.modules)
+    yield importlib.import_module("redteam.runner")
+    for name in set(sys.modules) - before:
+        if name == "redteam" or name.startswith("redteam."):
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +54,22 @@ def test_a_subset_of_the_probes_finds_no_miss_here(tmp_path: Path) -> None:
     assert body["families"]["all"]["probes"] == len(SUBSET)
 
 
-def test_a_read_in_the_sandbox_is_seen(probes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_read_in_the_sandbox_is_seen(runner, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     sandbox = tmp_path / "outside"
     sandbox.mkdir()
     for name in ("a.bin", "b.bin"):
         (sandbox / name).write_bytes(b"x" * 64)
-    probes._age_sandbox(sandbox)
-    assert probes._read_in_sandbox(sandbox) == []
+    runner._age_sandbox(sandbox)
+    assert runner._read_in_sandbox(sandbox) == []
     (sandbox / "b.bin").read_bytes()
-    assert probes._read_in_sandbox(sandbox) == ["b.bin"]
+    assert runner._read_in_sandbox(sandbox) == ["b.bin"]
 
 
-def test_a_fifo_opened_for_reading_is_seen(probes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_fifo_opened_for_reading_is_seen(runner, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     stop, opened, held = threading.Event(), [], []
-    watcher = threading.Thread(target=probes._watch_fifos, args=([fifo], stop, opened, held))
+    watcher = threading.Thread(target=runner._watch_fifos, args=([fifo], stop, opened, held))
     watcher.start()
     try:
         fd = os.open(fifo, os.O_RDONLY)  # blocks until the watcher opens the writing end
