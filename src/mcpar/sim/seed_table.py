@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from mcpar.registry.schedule import SCHEDULES
 from mcpar.sim.calibration import summary
 from mcpar.sim.costmodel import Prediction, simulate
 from mcpar.sim.hardware import GIB, Cluster, cluster_preset, load_accelerators
@@ -77,6 +78,9 @@ class Mechanism:
 FLAT, BOTH = ("flat",), ("flat", "hierarchical")
 STORE, NO_STORE, ANY_STORE = ("topology_aware",), ("default",), ("default", "topology_aware")
 NONE, INT8, ANY_GATHER = ("none",), ("int8",), ("none", "int8")
+SPLIT_SCHEDULES = tuple(s.name for s in SCHEDULES if s.splits_backward)
+WHOLE_SCHEDULES = tuple(s.name for s in SCHEDULES if not s.splits_backward)
+PIPELINES = (2, 4, 8, 16, 32, 64)  # both sides of the schedules' row have a pipeline
 MECHANISMS = (
     Mechanism("hierarchical all-reduce", "ZeRO 0, flat rings",
               SearchSpace(zero_stages=(0,), compression=NONE, topology=("hierarchical",)),
@@ -104,11 +108,15 @@ MECHANISMS = (
                           allocation=ANY_STORE, weight_gather=NONE),
               lambda lay: lay.weight_gather == "int8"),
     Mechanism("bf16 inter-node reduce-scatter", "the store, uncompressed",
-              SearchSpace(zero_stages=(3,), compression=("16bit",), topology=FLAT,
+              SearchSpace(zero_stages=(3,), compression=("bf16",), topology=FLAT,
                           allocation=STORE, weight_gather=ANY_GATHER),
               SearchSpace(zero_stages=(3,), compression=NONE, topology=FLAT, allocation=STORE,
                           weight_gather=ANY_GATHER),
               lambda lay: lay.allocation == "topology_aware" and lay.compression == "bf16"),
+    Mechanism("zero-bubble schedules (ZB-H1, ZB-H2)", "pipelines with an unsplit backward",
+              SearchSpace(pp=PIPELINES, schedules=SPLIT_SCHEDULES),
+              SearchSpace(pp=PIPELINES, schedules=WHOLE_SCHEDULES),
+              lambda lay: lay.pp > 1 and SCHEDULES.get(lay.schedule).splits_backward),
     Mechanism("int8 inter-node reduce-scatter (qgZ)", "the store, uncompressed",
               SearchSpace(zero_stages=(3,), compression=("int8",), topology=FLAT,
                           allocation=STORE, weight_gather=ANY_GATHER),
