@@ -22,9 +22,11 @@ from conftest import spawn_workers
 
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.compute.plan import ComputePlan
 from mcpar.controllers.compute.schedules import (
     Action,
     build_schedule,
+    message_orders,
     schedule_problem,
     step_tasks,
 )
@@ -38,7 +40,16 @@ from mcpar.topology import ParallelDims
 
 # (schedule, virtual stages) pairs that build_schedule accepts
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
-         ("zb_h1", 1), ("zb_h2", 1)]
+         ("zb_h1", 1), ("zb_h2", 1), ("zbv", 2)]
+
+
+def stage_of(schedule: str, chunk: int, rank: int, pp: int, v: int) -> int:
+    return SCHEDULES.get(schedule).stage_of(chunk, rank, pp, v)
+
+
+def rank_of(schedule: str, stage: int, pp: int, v: int) -> int:
+    return next(r for r in range(pp) for c in range(v)
+                if stage_of(schedule, c, r, pp, v) == stage)
 
 
 def runnable(pp: int, max_micro: int = 8) -> list[tuple[str, int, int]]:
@@ -66,7 +77,7 @@ def simulate(schedule: str, pp: int, m: int, v: int, fwd: float = 1.0,
         for r in range(pp):
             while pos[r] < len(lists[r]):
                 a = lists[r][pos[r]]
-                s = global_stage(a.chunk, r, pp)
+                s = stage_of(schedule, a.chunk, r, pp, v)
                 if a.kind == "F":
                     dep = ("F", s - 1, a.micro) if s > 0 else None
                 elif a.kind == "W":
@@ -165,14 +176,32 @@ def test_messages_between_two_ranks_arrive_in_the_order_sent(pp: int) -> None:
             for a in build_schedule(schedule, r, pp, m, v):
                 if a.kind == "W":
                     continue  # a weight-gradient task sends nothing
-                s = global_stage(a.chunk, r, pp)
+                s = stage_of(schedule, a.chunk, r, pp, v)
                 step = 1 if a.kind == "F" else -1
                 if (a.kind == "F" and s > 0) or (a.kind == "B" and s < last):
                     src = s - step  # the message this task waits for, from that stage
-                    received.setdefault((src % pp, r), []).append((a.kind, src, a.micro))
+                    if rank_of(schedule, src, pp, v) != r:  # a V's turn stays on the rank
+                        received.setdefault((rank_of(schedule, src, pp, v), r), []).append(
+                            (a.kind, src, a.micro))
                 if (a.kind == "F" and s < last) or (a.kind == "B" and s > 0):
-                    sent.setdefault((r, (s + step) % pp), []).append((a.kind, s, a.micro))
-        assert sent == received, (schedule, pp, m, v)
+                    to = rank_of(schedule, s + step, pp, v)
+                    if to != r:
+                        sent.setdefault((r, to), []).append((a.kind, s, a.micro))
+        assert (sent, received) == message_orders(schedule, pp, m, v)
+        if sent == received:
+            continue
+        # Read in another order (zbv): each rank posts its receives in the sender's order,
+        # which the plan hands the executor.
+        assert schedule == "zbv", (schedule, pp, m, v)
+        plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
+                           micro_batch_size=1, num_microbatches=m, global_batch_size=m,
+                           stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
+        for r in range(pp):
+            order = plan.send_order(r)
+            assert order is not None
+            assert {src: msgs for (src, dst), msgs in sent.items() if dst == r} == order
+            for src, msgs in order.items():
+                assert sorted(msgs) == sorted(received[(src, r)])
 
 
 def test_1f1b_and_gpipe_accept_fewer_micro_batches_than_stages() -> None:

@@ -19,10 +19,12 @@ from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
 from mcpar.registry.schedule import SCHEDULES, replay
 
 SPLIT = [s.name for s in SCHEDULES if s.splits_backward]
+# What a schedule needs beside its name (the reference, 1F1B, runs one stage per rank).
+NEEDS = {"zbv": ["parallelism.virtual_stages=2"]}
 
 
 def test_the_split_schedules_are_registered() -> None:
-    assert {"zb_h1", "zb_h2"} <= set(SPLIT)
+    assert {"zb_h1", "zb_h2", "zbv"} <= set(SPLIT)
 
 
 # --- the orders --------------------------------------------------------------------------------
@@ -142,28 +144,36 @@ MODEL = [
     "training.progress=false", "training.eval_interval=0", "training.eval_batches=1",
     "optimization.warmup_steps=2", f"training.steps={STEPS}", "optimization.global_batch_size=8",
 ]
-MOE = ["model.kind=moe", "model.num_experts=4", "model.top_k=2", "model.num_layers=2"]
+MOE = ["model.kind=moe", "model.num_experts=4", "model.top_k=2"]
 LLAMA = ["model.kind=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=64"]
 # name -> (workers, settings, the split schedules compared with 1F1B)
 LAYOUTS: dict[str, tuple[int, list[str], list[str]]] = {
     "pipeline2": (2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2"], SPLIT),
-    "pipeline4": (4, ["parallelism.pipeline=4", "optimization.micro_batch_size=1"], SPLIT),
+    "pipeline4": (4, ["model.num_layers=8", "parallelism.pipeline=4",
+                      "optimization.micro_batch_size=1"], SPLIT),
     "data2_pipeline2": (4, ["parallelism.pipeline=2", "optimization.micro_batch_size=1"],
-                        ["zb_h1"]),
+                        ["zb_h1", "zbv"]),
     "tensor2_pipeline2_sp": (4, ["parallelism.tensor=2", "parallelism.pipeline=2",
                                  "parallelism.sequence_parallel=true",
-                                 "optimization.micro_batch_size=2"], ["zb_h2"]),
+                                 "optimization.micro_batch_size=2"], ["zb_h2", "zbv"]),
     "experts2_pipeline2": (4, [*MOE, "parallelism.experts=2", "parallelism.pipeline=2",
-                               "optimization.micro_batch_size=2"], ["zb_h1"]),
+                               "optimization.micro_batch_size=2"], ["zb_h1", "zbv"]),
     "llama_pipeline2": (2, [*LLAMA, "parallelism.pipeline=2", "optimization.micro_batch_size=2"],
-                        ["zb_h2"]),
+                        ["zb_h2", "zbv"]),
     "pipeline2_recompute_full": (2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2",
                                      "controllers.memory.activation_checkpointing=full"],
-                                 ["zb_h1"]),
+                                 ["zb_h1", "zbv"]),
     "pipeline2_recompute_selective": (
         2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2",
-            "controllers.memory.activation_checkpointing=selective"], ["zb_h1"]),
+            "controllers.memory.activation_checkpointing=selective"], ["zb_h1", "zbv"]),
+    # Without gradient clipping the V's losses are 1F1B's bit for bit (see below).
+    "pipeline2_no_clip": (2, ["parallelism.pipeline=2", "optimization.micro_batch_size=2",
+                              "optimization.grad_clip=0"], ["zbv"]),
 }
+# The V places other stages together on a rank than 1F1B does, so the gradient norm's fp32
+# per-rank partial sums group the parameters otherwise and the clipping factor rounds apart:
+# losses within 1e-6 (measured: 1e-7), equal without clipping (the no-clip layout).
+TOLERANCE = {"zbv": 1e-6}
 
 
 def _losses(run: Path) -> list[float]:
@@ -175,15 +185,20 @@ def _losses(run: Path) -> list[float]:
 def test_split_schedules_train_the_losses_of_1f1b(name: str, tmp_path: Path,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
     """Per-step losses equal (==): the input gradients are autograd's own, and each weight
-    gradient the same product by the same kernel, accumulated in the same micro-batch order."""
+    gradient the same product by the same kernel, accumulated in the same micro-batch order
+    (ZBV: within ``TOLERANCE``, for the reason given there)."""
     nproc, settings, schedules = LAYOUTS[name]
     reference = _losses_of(tmp_path / "1f1b", nproc, [*settings, "parallelism.schedule=1f1b"])
     assert len(reference) == STEPS
     assert "splits the backward" not in capfd.readouterr().out
     for schedule in schedules:
         run = tmp_path / schedule
-        losses = _losses_of(run, nproc, [*settings, f"parallelism.schedule={schedule}"])
-        assert losses == reference, (name, schedule)
+        losses = _losses_of(run, nproc, [*settings, f"parallelism.schedule={schedule}",
+                                         *NEEDS.get(schedule, [])])
+        bound = 0.0 if "grad_clip=0" in " ".join(settings) else TOLERANCE.get(schedule, 0.0)
+        assert len(losses) == STEPS and all(
+            abs(a - b) <= bound for a, b in zip(losses, reference, strict=True)), \
+            (name, schedule, losses, reference)
         # The split really ran: the first rank's linear weights waited for W tasks.
         assert f"schedule {schedule} splits the backward" in capfd.readouterr().out
         summary = json.loads((run / "summary.json").read_text())

@@ -173,9 +173,10 @@ class Trainer:
         MemoryController's recompute and, last, torch.compile."""
         cfg = self.cfg
         self.spec = get_model_spec(cfg.model.kind)
-        self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(self.plan.stage_cut))
+        self.pm = parallelize(cfg, self.dims, self.comm, self.device, list(self.plan.stage_cut),
+                              self.plan.compute.stages_of(self.dims.axis_rank("pp")))
         if cfg.model.init_from:  # a Hugging Face model's weights (a resume then loads over them)
-            init_shards(cfg, self.pm.chunks, self.dims)
+            init_shards(cfg, self.pm.chunks, self.dims, self.plan.compute.placement)
         # The MemoryController's activation policy, last of the parallelize order (PP -> TP/SP
         # -> EP -> memory): the blocks (or attention cores) that rebuild in the backward pass.
         apply_layer_recompute(self.pm.chunks, self.pm.layer_ranges, self.dims.axis_rank("pp"),

@@ -142,10 +142,13 @@ def config_hash(cfg: JobConfig) -> str:
 
 
 def layout_of(plan: JobPlan) -> dict[str, int]:
-    """The layout a checkpoint records (and a resume compares)."""
+    """The layout a checkpoint records (and a resume compares); a schedule that places its
+    stages otherwise than round robin (the V of zbv) records where."""
+    placement = plan.compute.placement
     return {"data": plan.dp, "tensor": plan.tp, "pipeline": plan.pp, "experts": plan.ep,
             "virtual_stages": plan.virtual_stages, "world_size": plan.world_size,
-            "zero_stage": plan.memory.zero_stage}
+            "zero_stage": plan.memory.zero_stage,
+            **({"placement": placement} if placement != "round_robin" else {})}
 
 
 def saved_layout(meta: dict[str, Any]) -> dict[str, int]:

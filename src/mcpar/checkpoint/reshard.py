@@ -49,25 +49,33 @@ def _index_model(model_cfg: ModelConfig, kind: str) -> tuple[nn.Module, list[str
 
 
 def shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int, tp: int,
-               tp_rank: int) -> dict[str, torch.Tensor]:
+               tp_rank: int, placement: str = "round_robin") -> dict[str, torch.Tensor]:
     """For one (pipeline rank, tensor rank) coordinate of a layout: local parameter name
-    (``<chunk>.<name>``, as checkpoints store them) -> int64 codes of its elements."""
-    key = (model_cfg.model_dump_json(), kind, pp, virtual, pp_rank, tp, tp_rank)
+    (``<chunk>.<name>``, as checkpoints store them) -> int64 codes of its elements.
+    ``placement``: where the layout's schedule put the chunks' stages (a layout's
+    ``placement`` key; absent: round robin)."""
+    key = (model_cfg.model_dump_json(), kind, pp, virtual, pp_rank, tp, tp_rank, placement)
     if key not in _MAPS_CACHE:
-        _MAPS_CACHE[key] = _shard_maps(model_cfg, kind, pp, virtual, pp_rank, tp, tp_rank)
+        _MAPS_CACHE[key] = _shard_maps(model_cfg, kind, pp, virtual, pp_rank, tp, tp_rank,
+                                       placement)
     return _MAPS_CACHE[key]
+
+
+def placement_of(layout: dict[str, Any]) -> str:
+    """A recorded layout's stage placement (checkpoints before it existed: round robin)."""
+    return str(layout.get("placement", "round_robin"))
 
 
 _MAPS_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 def _shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int, tp: int,
-                tp_rank: int) -> dict[str, torch.Tensor]:
+                tp_rank: int, placement: str) -> dict[str, torch.Tensor]:
     full, _ = _index_model(model_cfg, kind)
     spec = get_model_spec(kind)
     layer_ranges = partition_layers(model_cfg, pp * virtual)
-    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, pp), spec.pieces)
-              for c in range(virtual)]
+    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, pp, placement),
+                        spec.pieces) for c in range(virtual)]
     if tp > 1:
         for chunk in chunks:
             # Sharding only slices tensors; no collective runs, so no controller is needed.
@@ -134,7 +142,8 @@ def reshard(model_cfg: ModelConfig, kind: str, old: dict[str, int],
     ``read_shard(pp_rank, tp_rank)`` returns that old coordinate's tensors by local name."""
     pp, tp, virtual = old["pipeline"], old["tensor"], old["virtual_stages"]
     coords = [(p, t) for p in range(pp) for t in range(tp)]
-    maps = {(p, t): shard_maps(model_cfg, kind, pp, virtual, p, tp, t) for p, t in coords}
+    maps = {(p, t): shard_maps(model_cfg, kind, pp, virtual, p, tp, t, placement_of(old))
+            for p, t in coords}
     full = assemble({c: read_shard(*c) for c in coords}, maps, full_sizes(model_cfg, kind))
     return {name: take(full, codes) for name, codes in new_maps.items()}
 
@@ -175,7 +184,8 @@ def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
                 if key.startswith(start)}
 
     new_maps = shard_maps(cfg.model, cfg.model.kind, dims.pp, manager.layout["virtual_stages"],
-                          dims.axis_rank("pp"), dims.tp, dims.axis_rank("tp"))
+                          dims.axis_rank("pp"), dims.tp, dims.axis_rank("tp"),
+                          placement_of(manager.layout))
     named = manager._named_tensors()
     kind = cfg.model.kind
     params = reshard(cfg.model, kind, old, _only_params(reader(model_saved, "model", ""),
@@ -240,6 +250,6 @@ def _only_params(read: Callable[[int, int], dict[str, torch.Tensor]], old: dict[
     """Keep the parameters of a saved coordinate (persistent buffers are rebuilt, not moved)."""
     def read_params(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
         maps = shard_maps(cfg.model, cfg.model.kind, old["pipeline"], old["virtual_stages"],
-                          pp_rank, old["tensor"], tp_rank)
+                          pp_rank, old["tensor"], tp_rank, placement_of(old))
         return {k: v for k, v in read(pp_rank, tp_rank).items() if k in maps}
     return read_params

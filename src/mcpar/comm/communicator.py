@@ -520,6 +520,16 @@ class Communicator:
             dist.recv(tensor, src=src, tag=tag)
         self._timed(("recv", axis, "none"), 0.0, None, start, False)
 
+    def irecv(self, tensor: torch.Tensor, src_axis_rank: int, axis: str = "pp",
+              tag: int = 0) -> CommHandle:
+        """Non-blocking point-to-point receive into `tensor`; ``wait()`` on the handle."""
+        group = self._group(axis)
+        src = src_axis_rank if group is None else dist.get_global_rank(group, src_axis_rank)
+        start = time.perf_counter()
+        with self._named("recv", axis):
+            work = dist.irecv(tensor, src=src, tag=tag)
+        return self._timed(("recv", axis, "none"), 0.0, work, start, True)
+
     def barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             start = time.perf_counter()

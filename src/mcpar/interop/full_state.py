@@ -22,7 +22,14 @@ import torch
 
 from mcpar.checkpoint.files import find_latest_valid, list_checkpoints, verify_checkpoint
 from mcpar.checkpoint.manager import checkpoint_dir, read_meta, saved_layout
-from mcpar.checkpoint.reshard import ELEMENT_BITS, _index_model, assemble, index_codes, shard_maps
+from mcpar.checkpoint.reshard import (
+    ELEMENT_BITS,
+    _index_model,
+    assemble,
+    index_codes,
+    placement_of,
+    shard_maps,
+)
 from mcpar.config import JobConfig, ModelConfig, load_config
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import UserError, problem
@@ -75,17 +82,18 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[JobConfig, int, Pa
     return job, step, path
 
 
-def layout_maps(cfg: ModelConfig, layout: dict[str, int], coord: Coord
+def layout_maps(cfg: ModelConfig, layout: dict[str, Any], coord: Coord
                 ) -> dict[str, torch.Tensor]:
     """Local parameter name -> element codes, for one (pp, tp, ep) coordinate of ``layout``."""
     pp, tp, ep = layout["pipeline"], layout["tensor"], layout.get("experts", 1)
     virtual = layout["virtual_stages"]
     spec = get_model_spec(cfg.kind)
+    placement = placement_of(layout)
     if spec.expert_parallel is None or (tp == 1 and ep == 1):
-        return shard_maps(cfg, cfg.kind, pp, virtual, coord[0], tp, coord[1])
+        return shard_maps(cfg, cfg.kind, pp, virtual, coord[0], tp, coord[1], placement)
     full, _ = _index_model(cfg, cfg.kind)
     ranges = partition_layers(cfg, pp * virtual)
-    chunks = [cut_model(full, ranges, global_stage(c, coord[0], pp), spec.pieces)
+    chunks = [cut_model(full, ranges, global_stage(c, coord[0], pp, placement), spec.pieces)
               for c in range(virtual)]
     for chunk in chunks:
         # Slicing only: no collective runs while sharding, so no communicator is needed.

@@ -171,7 +171,8 @@ def load_init(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise UserError(problem(KEY, f"{path}: tensor {exc} is missing")) from None
 
 
-def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any) -> None:
+def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any,
+                placement: str = "round_robin") -> None:
     """Load ``model.init_from`` into this rank's chunks (its pipeline stages, tensor slices and
     experts; ``dims``: the run's ParallelDims), before anything else holds the parameters."""
     from mcpar.checkpoint.reshard import take
@@ -184,7 +185,7 @@ def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any) -> None:
         raise UserError(problem(KEY, f"no tensor for mcpar's {missing[0]}"))
     full = [params[n].reshape(-1) for n in names]
     layout = {"pipeline": dims.pp, "tensor": dims.tp, "experts": dims.ep,
-              "virtual_stages": len(chunks)}
+              "virtual_stages": len(chunks), "placement": placement}
     coord = (dims.axis_rank("pp"), dims.axis_rank("tp"), dims.axis_rank("ep"))
     maps = layout_maps(model_cfg, layout, coord)
     local = {f"{i}.{n}": p for i, chunk in enumerate(chunks)

@@ -4,7 +4,7 @@
    every shard below holds exactly the single-process numbers).
 2. Pipeline: the plan's stage cut (the ComputeController's) splits the blocks into pp x
    virtual_stages stages; this rank keeps the chunks of its global stages (rank r holds stages
-   r, r + pp, ...).
+   r, r + pp, ..., or those the schedule places on it: ``stages``).
 3. Tensor (and sequence) parallelism shards each kept chunk in place.
 4. Expert parallelism: each MoE layer keeps this rank's experts (split over the expert axis, their
    width over the tensor axis) and exchanges tokens by all-to-all.
@@ -54,11 +54,11 @@ class ParallelModel:
 
     @property
     def holds_first_stage(self) -> bool:
-        return self.chunks[0].is_first
+        return any(chunk.is_first for chunk in self.chunks)
 
     @property
     def holds_last_stage(self) -> bool:
-        return self.chunks[-1].is_last
+        return any(chunk.is_last for chunk in self.chunks)
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
@@ -66,9 +66,11 @@ class ParallelModel:
 
 
 def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: torch.device,
-                layer_ranges: list[tuple[int, int]]) -> ParallelModel:
+                layer_ranges: list[tuple[int, int]],
+                stages: list[int] | None = None) -> ParallelModel:
     """This rank's part of the model. ``layer_ranges``: every global stage's [start, end) blocks,
-    the ComputeController's stage cut from the job's plan."""
+    the ComputeController's stage cut from the job's plan; ``stages``: the global stages of this
+    rank's chunks, as the plan's schedule places them (default: r, r + pp, ...)."""
     spec = get_model_spec(cfg.model.kind)
     full = spec.build(cfg.model, cfg.training.seed)
 
@@ -77,8 +79,9 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: 
     if not layer_ranges or len(layer_ranges) % dims.pp:
         raise ValueError(f"{len(layer_ranges)} stage ranges for pipeline {dims.pp}")
     pp_rank = dims.axis_rank("pp")
-    chunks = [cut_model(full, layer_ranges, global_stage(c, pp_rank, dims.pp), spec.pieces)
-              for c in range(virtual)]
+    if stages is None:
+        stages = [global_stage(c, pp_rank, dims.pp) for c in range(virtual)]
+    chunks = [cut_model(full, layer_ranges, stage, spec.pieces) for stage in stages]
     del full
 
     # 3. tensor / sequence parallelism

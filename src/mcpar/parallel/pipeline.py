@@ -9,7 +9,10 @@ knows how to run ONE task (``run_task``), with the Communicator's ``send`` (non-
 ``recv`` (blocking); the same executor runs a step without a pipeline (one stage that is both
 first and last).
 
-Layout: rank ``r`` of ``pp`` holds global stages ``r, r + pp, ...`` (its local chunks 0..v-1).
+Layout: by default rank ``r`` of ``pp`` holds global stages ``r, r + pp, ...`` (its local chunks
+0..v-1); a schedule may place them otherwise (the V of ``zbv``), and then the executor is given
+the placement (``stages``: this rank's chunks' global stages; ``stage_ranks``: the rank of every
+global stage).
 
 Timing: ``last_stats`` records host wall-clock time around each compute task. On CPU that is the
 compute; on CUDA the kernels are asynchronous and the figures show only the host side.
@@ -29,11 +32,13 @@ from torch import nn
 from mcpar.comm.communicator import CommHandle, Communicator
 from mcpar.parallel.tasks import STAGE_TASKS, Task, TaskKind
 from mcpar.parallel.weight_grad import WeightGradStore
+from mcpar.registry.schedule import placed_stage
 
 
-def global_stage(chunk: int, pp_rank: int, pp: int) -> int:
-    """The global stage index of local chunk `chunk` on pipeline rank `pp_rank`."""
-    return chunk * pp + pp_rank
+def global_stage(chunk: int, pp_rank: int, pp: int, placement: str = "round_robin") -> int:
+    """The global stage index of local chunk `chunk` on pipeline rank `pp_rank` (the rule:
+    ``mcpar.registry.schedule.placed_stage``)."""
+    return placed_stage(chunk, pp_rank, pp, placement)
 
 
 @dataclass
@@ -69,13 +74,26 @@ class PipelineExecutor:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: torch.device, activation_dtype: torch.dtype = torch.float32,
                  forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 weight_grads: WeightGradStore | None = None):
+                 weight_grads: WeightGradStore | None = None,
+                 stages: list[int] | None = None, stage_ranks: list[int] | None = None,
+                 send_order: dict[int, list[tuple[str, int, int]]] | None = None):
         self.chunks = chunks
         self.weight_grads = weight_grads
         self.pp_rank = pp_rank
         self.pp = pp
         self.virtual_stages = len(chunks)
         self.num_stages = pp * self.virtual_stages
+        self.stages = stages if stages is not None else [
+            global_stage(c, pp_rank, pp) for c in range(self.virtual_stages)]
+        self.stage_ranks = stage_ranks if stage_ranks is not None else [
+            s % pp for s in range(self.num_stages)]
+        # For a schedule whose ranks read a peer's messages in another order than the peer
+        # sends them: peer -> its messages to this rank, (kind, sending stage, micro-batch), in
+        # its send order. Receives are then posted in that order, so that a backend matching
+        # point-to-point messages by order, not tag (NCCL), pairs them right.
+        self.send_order = send_order
+        self._posted: dict[tuple[str, int, int], tuple[CommHandle, torch.Tensor]] = {}
+        self._posted_upto: dict[int, int] = {}
         self.comm = comm
         self.num_microbatches = num_microbatches
         self.activation_shape = tuple(activation_shape)
@@ -106,21 +124,28 @@ class PipelineExecutor:
         pending: list[CommHandle] = []
         loss = None
         shape = (inputs.shape[0], *self.activation_shape[1:])
+        carried: torch.Tensor | None = None  # the previous stage's output, when it is ours
         for stage in range(self.num_stages):
-            if stage % self.pp != self.pp_rank:
+            if stage not in self.stages:
                 continue
             if stage == 0:
                 x = inputs
+            elif self._rank_of_stage(stage - 1) == self.pp_rank:
+                assert carried is not None
+                x = carried
             else:
                 x = torch.empty(shape, dtype=self.activation_dtype, device=self.device)
-                self.comm.recv(x, (stage - 1) % self.pp, axis="pp", tag=tag_base + stage)
+                self.comm.recv(x, self._rank_of_stage(stage - 1), axis="pp",
+                               tag=tag_base + stage)
             with self.forward_context():
-                out = self.chunks[stage // self.pp](x)
+                out = self.chunks[self.stages.index(stage)](x)
             if stage == self.num_stages - 1:
                 loss = loss_fn(out, targets).item()
+            elif self._rank_of_stage(stage + 1) == self.pp_rank:
+                carried = out.to(self.activation_dtype)
             else:
                 out = out.to(self.activation_dtype)
-                pending.append(self.comm.send(out, (stage + 1) % self.pp, axis="pp",
+                pending.append(self.comm.send(out, self._rank_of_stage(stage + 1), axis="pp",
                                               tag=tag_base + stage + 1))
         for handle in pending:
             handle.wait()
@@ -129,18 +154,18 @@ class PipelineExecutor:
     # -- layout helpers -------------------------------------------------------------------------
 
     def stage_of(self, chunk: int) -> int:
-        return global_stage(chunk, self.pp_rank, self.pp)
+        return self.stages[chunk]
 
     @property
     def holds_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return 0 in self.stages
 
     @property
     def holds_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.num_stages - 1 in self.stages
 
     def _rank_of_stage(self, stage: int) -> int:
-        return stage % self.pp
+        return self.stage_ranks[stage]
 
     def _tag(self, kind: str, sending_stage: int, micro: int) -> int:
         # Unique per (kind, sending stage, micro-batch) within a step; every message of a step
@@ -223,6 +248,7 @@ class PipelineExecutor:
         """Drop the step's state (after a failure, or at its end)."""
         self._received, self._outputs, self._grads, self._saved = {}, {}, {}, {}
         self._sends, self._losses = [], {}
+        self._posted, self._posted_upto = {}, {}
         self._inputs = self._targets = None
         if self.weight_grads is not None:
             self.weight_grads.clear()
@@ -238,11 +264,31 @@ class PipelineExecutor:
 
     def _recv_activation(self, chunk: int, micro: int) -> None:
         stage = self.stage_of(chunk)
-        received = torch.empty(self.activation_shape, dtype=self.activation_dtype,
-                               device=self.device)
-        self.comm.recv(received, self._rank_of_stage(stage - 1), axis="pp",
-                       tag=self._tag("F", stage - 1, micro))
-        self._received[(chunk, micro)] = received
+        if self._rank_of_stage(stage - 1) == self.pp_rank:
+            return  # the previous stage is this rank's too (a V's turn): handed over by _send
+        self._received[(chunk, micro)] = self._receive("F", stage - 1, micro)
+
+    def _receive(self, kind: str, from_stage: int, micro: int) -> torch.Tensor:
+        """The message of ``from_stage``'s task ``kind`` for ``micro`` (blocks until it is in)."""
+        src = self._rank_of_stage(from_stage)
+        if self.send_order is None:
+            tensor = torch.empty(self.activation_shape, dtype=self.activation_dtype,
+                                 device=self.device)
+            self.comm.recv(tensor, src, axis="pp", tag=self._tag(kind, from_stage, micro))
+            return tensor
+        key, order = (kind, from_stage, micro), self.send_order[src]
+        position = self._posted_upto.get(src, 0)
+        while key not in self._posted:  # post the peer's earlier messages first, in order
+            posted = order[position]
+            position += 1
+            tensor = torch.empty(self.activation_shape, dtype=self.activation_dtype,
+                                 device=self.device)
+            self._posted[posted] = (self.comm.irecv(tensor, src, axis="pp",
+                                                    tag=self._tag(*posted)), tensor)
+        self._posted_upto[src] = position
+        handle, tensor = self._posted.pop(key)
+        handle.wait()
+        return tensor
 
     def _forward(self, chunk: int, micro: int) -> tuple[float, float]:
         stage = self.stage_of(chunk)
@@ -279,11 +325,9 @@ class PipelineExecutor:
 
     def _recv_grad(self, chunk: int, micro: int) -> None:
         stage = self.stage_of(chunk)
-        grad = torch.empty(self.activation_shape, dtype=self.activation_dtype,
-                           device=self.device)
-        self.comm.recv(grad, self._rank_of_stage(stage + 1), axis="pp",
-                       tag=self._tag("B", stage + 1, micro))
-        self._grads[(chunk, micro)] = grad
+        if self._rank_of_stage(stage + 1) == self.pp_rank:
+            return  # handed over by _send, as for activations
+        self._grads[(chunk, micro)] = self._receive("B", stage + 1, micro)
 
     def _backward(self, chunk: int, micro: int) -> tuple[float, float]:
         received, out = self._saved[(chunk, micro)]
@@ -321,6 +365,13 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, to_stage: int, kind: str, from_stage: int,
               micro: int) -> None:
+        if self._rank_of_stage(to_stage) == self.pp_rank:
+            # Both stages are this rank's: the tensor changes hands without the wire (a copy,
+            # so that the next stage's input is a leaf of its own, as a received one is).
+            local = self.stages.index(to_stage)
+            into = self._received if kind == "F" else self._grads
+            into[(local, micro)] = tensor.detach().clone()
+            return
         handle = self.comm.send(tensor, self._rank_of_stage(to_stage), axis="pp",
                                 tag=self._tag(kind, from_stage, micro))
         self._sends.append((handle, tensor))

@@ -11,8 +11,9 @@ whose backward (under a split: whose W) has not run yet. The built-ins override 
 closed forms where one exists.
 
 Layout: with ``pp`` ranks and ``v`` chunks per rank the model is cut into ``pp * v`` global
-stages; by default rank ``r`` holds stages ``r, r + pp, ...`` (its local chunks 0..v-1); a
-schedule may place them otherwise (``stage_of``).
+stages, placed by the schedule's ``placement`` (``placed_stage``, the one rule for the runtime,
+the checkpoints and the cost model): "round_robin", rank ``r`` holds stages ``r, r + pp, ...``
+(its local chunks 0..v-1); "v" (two chunks), rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ EPS = 1e-12
 # backward is its linear layers' to first order (attention's own backward, which has no weight
 # part, goes to B; the figure is the even split the zero-bubble schedules are designed for).
 WEIGHT_GRAD_SHARE = 0.5
+
+
+PLACEMENTS = ("round_robin", "v")
+
+
+def placed_stage(chunk: int, pp_rank: int, pp: int, placement: str = "round_robin") -> int:
+    """The global stage of local chunk ``chunk`` of pipeline rank ``pp_rank``."""
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"the V placement has 2 chunks per rank, not chunk {chunk}")
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
+    if placement != "round_robin":
+        raise ValueError(f"unknown stage placement {placement!r}; one of {PLACEMENTS}")
+    return chunk * pp + pp_rank
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class PipelineSchedule(ABC):
     # B computes only the input's gradient (and the parameters outside linear layers'); the
     # linear layers' weight gradients wait for the chunk's W action.
     splits_backward: bool = False
+    placement: str = "round_robin"  # where its chunks' stages sit (``placed_stage``)
     summary: str = ""  # one line for `mcpar check` and the docs
 
     def problem(self, pp: int, num_microbatches: int,
@@ -77,7 +93,7 @@ class PipelineSchedule(ABC):
 
     def stage_of(self, chunk: int, pp_rank: int, pp: int, virtual_stages: int) -> int:
         """The global stage that local chunk ``chunk`` of pipeline rank ``pp_rank`` holds."""
-        return chunk * pp + pp_rank
+        return placed_stage(chunk, pp_rank, pp, self.placement)
 
     @abstractmethod
     def actions(self, pp_rank: int, pp: int, num_microbatches: int,

@@ -54,6 +54,41 @@ class ComputePlan:
     balance: BalancePlan
 
     @property
+    def placement(self) -> str:
+        """Where the chunks' stages sit (``mcpar.registry.schedule.placed_stage``)."""
+        return "round_robin" if self.schedule is None else SCHEDULES.get(self.schedule).placement
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The global stages of ``pp_rank``'s local chunks, as the schedule places them."""
+        if self.schedule is None:
+            return [c * self.pp + pp_rank for c in range(self.virtual_stages)]
+        entry = SCHEDULES.get(self.schedule)
+        return [entry.stage_of(c, pp_rank, self.pp, self.virtual_stages)
+                for c in range(self.virtual_stages)]
+
+    def stage_ranks(self) -> list[int]:
+        """The pipeline rank of every global stage."""
+        ranks = [0] * (self.pp * self.virtual_stages)
+        for r in range(self.pp):
+            for stage in self.stages_of(r):
+                ranks[stage] = r
+        return ranks
+
+    def send_order(self, pp_rank: int) -> dict[int, list[tuple[str, int, int]]] | None:
+        """For each peer, the messages it sends ``pp_rank`` in the order it sends them, when
+        some rank reads a peer's messages in another order (the executor then posts its
+        receives in send order); None when every rank reads in send order."""
+        if self.schedule is None:
+            return None
+        from mcpar.controllers.compute.schedules import message_orders
+
+        sent, read = message_orders(self.schedule, self.pp, self.num_microbatches,
+                                    self.virtual_stages)
+        if sent == read:
+            return None
+        return {src: messages for (src, dst), messages in sent.items() if dst == pp_rank}
+
+    @property
     def splits_backward(self) -> bool:
         """The schedule computes weight gradients in W tasks apart from the backward."""
         return self.schedule is not None and SCHEDULES.get(self.schedule).splits_backward
@@ -95,7 +130,8 @@ class ComputePlan:
         executor = PipelineExecutor(
             chunks, pp_rank, self.pp, comm, self.num_microbatches, activation_shape, loss_fn,
             device, forward_context=forward_context, activation_dtype=activation_dtype,
-            weight_grads=store)
+            weight_grads=store, stages=self.stages_of(pp_rank), stage_ranks=self.stage_ranks(),
+            send_order=self.send_order(pp_rank))
         controller = ComputeController(
             self.step_tasks(pp_rank, reduce_every_backward), executor, from_backward,
             grad_sync, update, chunk_deferred=deferred)

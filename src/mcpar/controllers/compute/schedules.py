@@ -49,6 +49,33 @@ def schedule_problem(schedule: str, pp: int, num_microbatches: int,
     return None if found is None else found[1]
 
 
+Message = tuple[str, int, int]  # (kind, sending stage, micro-batch)
+
+
+def message_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages: int
+                   ) -> tuple[dict[tuple[int, int], list[Message]],
+                              dict[tuple[int, int], list[Message]]]:
+    """Per (sending rank, receiving rank): the messages in the order the sender sends them,
+    and in the order the receiver reads them (two stages on one rank exchange nothing)."""
+    entry = SCHEDULES.get(schedule)
+    last = pp * virtual_stages - 1
+    rank_of = {entry.stage_of(c, r, pp, virtual_stages): r
+               for r in range(pp) for c in range(virtual_stages)}
+    sent: dict[tuple[int, int], list[Message]] = {}
+    read: dict[tuple[int, int], list[Message]] = {}
+    for r in range(pp):
+        for a in build_schedule(schedule, r, pp, num_microbatches, virtual_stages):
+            if a.kind == "W":
+                continue
+            s = entry.stage_of(a.chunk, r, pp, virtual_stages)
+            step = 1 if a.kind == "F" else -1  # a forward reads from below, a backward above
+            if 0 <= s - step <= last and rank_of[s - step] != r:
+                read.setdefault((rank_of[s - step], r), []).append((a.kind, s - step, a.micro))
+            if 0 <= s + step <= last and rank_of[s + step] != r:
+                sent.setdefault((r, rank_of[s + step]), []).append((a.kind, s, a.micro))
+    return sent, read
+
+
 def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: int,
                virtual_stages: int = 1, reduce_every_backward: bool = False) -> list[Task]:
     """Every task of one optimizer step on pipeline rank ``pp_rank``, in the order to run them.

@@ -137,11 +137,12 @@ def apply_recompute(blocks: Iterable[nn.Module], mode: str) -> int:
 
 def apply_layer_recompute(chunks: list[nn.Module], layer_ranges: list[tuple[int, int]],
                           pp_rank: int, pp: int, modes: tuple[str, ...]) -> int:
-    """Set each block of this rank's chunks (chunk j is global stage pp_rank + j pp) to its
-    mode; how many modules now recompute."""
+    """Set each block of this rank's chunks to its mode (a chunk's blocks start at its
+    ``first_layer`` in the model, wherever the schedule placed it); how many modules now
+    recompute."""
     count = 0
-    for j, chunk in enumerate(chunks):
-        start = layer_ranges[pp_rank + j * pp][0]
+    for chunk in chunks:
+        start = chunk.first_layer  # type: ignore[attr-defined]
         for i, block in enumerate(chunk.pieces()[1]):  # type: ignore[operator]
             count += apply_recompute([block], modes[start + i])
     return count
