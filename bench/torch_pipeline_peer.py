@@ -21,13 +21,14 @@ What it measures
     only; ``stage_backward_weight``: w.r.t. the parameters) runs exactly one of the two sleeps
     in each part, and a full backward runs both. The first stage's input requires grad so its
     input path costs the same as elsewhere (torch runs the first stage's whole backward in its
-    weight step: ``action_ms`` shows it).
+    weight step: ``rank0_action_ms`` shows it).
 
     busy = the time a rank spent inside the sleeps; step time = the slowest rank's wall time of
     ``step`` after a barrier; a rank's bubble is ``1 - busy / step_time``, the figure is the mean
-    over ranks and repeats, as in ``bench/pipeline_bubble.py``. ``action_ms`` is the mean wall
-    time of each kind of stage call (forward, full backward, input backward, weight backward) on
-    rank 0, the check that the split backward costs what it should.
+    over ranks and repeats, as in ``bench/pipeline_bubble.py``. ``rank0_action_ms`` is the mean
+    wall time, and sleep in each path, of each kind of stage call (forward, full backward,
+    input backward, weight backward) of each of rank 0's stages: the check that the split
+    backward runs the sleep it should.
 
 How to run
     python bench/torch_pipeline_peer.py [--pp 4] [--micro 8] [--fwd-ms 20] [--repeats 5]
@@ -161,29 +162,38 @@ def stage_indices(rank: int, p: int, v: int, style: str) -> list[int]:
 
 @dataclass
 class ActionTimes:
-    """Wall time of each kind of stage call on this rank, seconds, over the timed steps."""
+    """Per stage and kind of stage call on this rank, over the timed steps: each call's wall
+    time and the time it slept in the input path and in the weight path (seconds)."""
 
-    calls: dict[str, list[float]] = field(default_factory=dict)
+    calls: dict[int, dict[str, list[tuple[float, float, float]]]] = field(default_factory=dict)
     recording: bool = False
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, stage: int, kind: str, wall: float, input_grad: float,
+            weight_grad: float) -> None:
         if self.recording:
-            self.calls.setdefault(kind, []).append(seconds)
+            self.calls.setdefault(stage, {}).setdefault(kind, []).append(
+                (wall, input_grad, weight_grad))
 
-    def mean_ms(self) -> dict[str, float]:
-        return {k: 1000 * statistics.fmean(v) for k, v in sorted(self.calls.items())}
+    def mean_ms(self) -> dict[str, dict[str, dict[str, float]]]:
+        def mean(rows: list[tuple[float, float, float]], i: int) -> float:
+            return 1000 * statistics.fmean(r[i] for r in rows)
+        return {f"stage{s}": {k: {"wall_ms": mean(rows, 0), "input_grad_sleep_ms": mean(rows, 1),
+                                  "weight_grad_sleep_ms": mean(rows, 2), "calls": len(rows)}
+                              for k, rows in sorted(kinds.items())}
+                for s, kinds in sorted(self.calls.items())}
 
 
-def time_stage_calls(stage: pipe.PipelineStage, times: ActionTimes) -> None:
+def time_stage_calls(stage: pipe.PipelineStage, times: ActionTimes, busy: Busy) -> None:
     """Record the wall time of the stage's forward, backward and weight-backward calls (the
     schedule calls these public methods of the stage; wrapped on this instance only)."""
     def wrap(name: str, kind: Callable[[dict], str]) -> None:
         inner = getattr(stage, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, before_i, before_w = time.perf_counter(), busy.input_grad, busy.weight_grad
             out = inner(*args, **kwargs)
-            times.add(kind(kwargs), time.perf_counter() - start)
+            times.add(stage.stage_index, kind(kwargs), time.perf_counter() - start,
+                      busy.input_grad - before_i, busy.weight_grad - before_w)
             return out
         setattr(stage, name, timed)
 
@@ -204,7 +214,7 @@ def run_schedule(name: str, p: int, m: int, fwd_ms: float, warmup: int, repeats:
     for index in mine:
         stage = pipe.PipelineStage(FixedCostStage(fwd_ms / 1000 / v, busy), index, num_stages,
                                    torch.device("cpu"))
-        time_stage_calls(stage, times)
+        time_stage_calls(stage, times, busy)
         stages.append(stage)
     cls = getattr(pipe.schedules, name)
     schedule = (cls(stages[0], m, loss_fn=F.mse_loss) if v == 1
