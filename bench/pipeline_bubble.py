@@ -56,12 +56,13 @@ from torch import nn
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
+from mcpar.controllers.compute.plan import ComputePlan
 from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
 from mcpar.controllers.memory.measure import SavedBytes
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
-from mcpar.parallel.pipeline import PipelineExecutor, global_stage
+from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
@@ -109,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
     return [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", args.virtual), ("zb_h1", 1),
-            ("zb_h2", 1)]
+            ("zb_h2", 1), ("zbv", 2)]
 
 
 def theory(schedule: str, pp: int, m: int, v: int) -> float:
@@ -120,6 +121,16 @@ def theory(schedule: str, pp: int, m: int, v: int) -> float:
 
 def splits(schedule: str) -> bool:
     return SCHEDULES.get(schedule).splits_backward
+
+
+def placement(schedule: str, rank: int, pp: int, m: int, v: int) -> dict:
+    """The executor's stage placement and receive order, as the ComputeController's plan
+    gives them."""
+    plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
+                       micro_batch_size=1, num_microbatches=m, global_batch_size=m,
+                       stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
+    return {"stages": plan.stages_of(rank), "stage_ranks": plan.stage_ranks(),
+            "send_order": plan.send_order(rank)}
 
 
 class SleepingWeightGrads(WeightGradStore):
@@ -178,7 +189,7 @@ def measure(executor: PipelineExecutor, tasks: list[Task],
             warmup: int, repeats: int, params: list[nn.Parameter] | None = None) -> dict:
     """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier;
     with ``params``, every rank's peak activation bytes of the first timed step."""
-    rank, pp = dist.get_rank(), dist.get_world_size()
+    pp = dist.get_world_size()
     idle, step_s = [], []
     activations: list[int] | None = None
     for n in range(warmup + repeats):
@@ -191,8 +202,8 @@ def measure(executor: PipelineExecutor, tasks: list[Task],
             store.pack, store.unpack = saved.pack, saved.unpack
         dist.barrier()
         with saved.hooks() if saved is not None else contextlib.nullcontext():
-            executor.run(inputs if rank == 0 else None, targets if rank == pp - 1 else None,
-                         tasks)
+            executor.run(inputs if executor.holds_first_stage else None,
+                         targets if executor.holds_last_stage else None, tasks)
         if saved is not None:
             peaks = [None] * pp
             dist.all_gather_object(peaks, saved.peak)
@@ -224,14 +235,15 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
     out = {}
     for schedule, v in schedules(args):
         fwd_s = args.fwd_ms / 1000 / v
+        stages = [SCHEDULES.get(schedule).stage_of(c, rank, pp, v) for c in range(v)]
         chunks: list[nn.Module] = [
-            FixedCostStage(fwd_s, first=global_stage(c, rank, pp) == 0, split=splits(schedule))
-            for c in range(v)]
+            FixedCostStage(fwd_s, first=stage == 0, split=splits(schedule)) for stage in stages]
         store = SleepingWeightGrads(fwd_s) if splits(schedule) else None
         for chunk in chunks if store is not None else []:
             split_weight_grads(chunk, store)
         executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
-                                    F.mse_loss, torch.device("cpu"), weight_grads=store)
+                                    F.mse_loss, torch.device("cpu"), weight_grads=store,
+                                    **placement(schedule, rank, pp, m, v))
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
                          args.repeats)
         expected = theory(schedule, pp, m, v)
@@ -260,13 +272,15 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
     for schedule, v in schedules(args):
         per_stage = args.layers // (pp * v)
         ranges = [(s * per_stage, (s + 1) * per_stage) for s in range(pp * v)]
-        chunks = [cut_model(model, ranges, global_stage(c, rank, pp)) for c in range(v)]
+        chunks = [cut_model(model, ranges, SCHEDULES.get(schedule).stage_of(c, rank, pp, v))
+                  for c in range(v)]
         store = WeightGradStore() if splits(schedule) else None
         for chunk in chunks if store is not None else []:
             # As the ComputeController's plan splits it: the head keeps its whole backward.
             split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
         executor = PipelineExecutor(list(chunks), rank, pp, comm, m, (*shape, args.hidden),
-                                    loss_fn, torch.device("cpu"), weight_grads=store)
+                                    loss_fn, torch.device("cpu"), weight_grads=store,
+                                    **placement(schedule, rank, pp, m, v))
         params = [p for chunk in chunks for p in chunk.parameters()]
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
                          args.repeats, params)

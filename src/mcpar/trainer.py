@@ -228,10 +228,7 @@ class Trainer:
             is_main=self.rank == 0)
         self.executor, self.compute, self.moe = runtime.executor, runtime.controller, runtime.moe
         self.meter.weight_grads = self.executor.weight_grads
-        deferred = sum(len(params) for params in self.compute.chunk_deferred)
-        if deferred:
-            self._log(f"schedule {plan.compute.schedule} splits the backward: {deferred} "
-                      "parameters of this rank's linear layers get their gradients in W tasks")
+        self._log(*runtime.notes)
 
     def _build_recovery(self, env: DistEnv | None, resume: bool) -> None:
         """Fault recovery: when resuming, the newest valid checkpoint is restored (parameters,

@@ -139,7 +139,10 @@ class ComputePlan:
         if has_experts:
             moe = MoERoutingController(cfg, self.balance, self.num_microbatches, dims, comm,
                                        chunks, optimizer, run_dir, is_main=is_main)
-        return ComputeRuntime(executor, controller, moe)
+        count = sum(len(params) for params in deferred)
+        notes = [f"schedule {self.schedule} splits the backward: {count} parameters of this "
+                 "rank's linear layers get their gradients in W tasks"] if count else []
+        return ComputeRuntime(executor, controller, moe, notes)
 
     def split_allowed(self, num_microbatches: int) -> bool:
         """Whether the schedule runs with this micro-batch count (dynamic splitting asks)."""
@@ -156,6 +159,7 @@ class ComputeRuntime:
     executor: PipelineExecutor
     controller: ComputeController
     moe: MoERoutingController | None  # a model with experts: routing metrics and balancing
+    notes: list[str]  # lines for the run's log
 
 
 def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
