@@ -152,7 +152,9 @@ def splits_backward(schedule: str | None, pp: int) -> bool:
     return pp > 1 and schedule in SCHEDULES and SCHEDULES.get(schedule).splits_backward
 
 
-@functools.lru_cache(maxsize=512)
+# A graph holds 3 m pp v actions: a planner at 1024 GPUs asks for m in the thousands, so only a
+# few are kept (512 of them filled 23 GB).
+@functools.lru_cache(maxsize=16)
 def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
                 v: int) -> tuple[tuple[int, str, int, int], ...]:
     """Every action of one step as (rank, kind, index of the rank's previous action, index of

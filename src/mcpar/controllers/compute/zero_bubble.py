@@ -112,7 +112,7 @@ def v_stage(chunk: int, pp_rank: int, pp: int) -> int:
     return placed_stage(chunk, pp_rank, pp, "v")
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
 def v_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's ZBV order: the greedy list schedule at unit costs (the module's text)."""
     last, cap = 2 * pp - 1, 2 * pp
