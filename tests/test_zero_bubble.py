@@ -232,3 +232,22 @@ def test_the_profiler_counts_w_as_compute_and_prices_the_split_bubble() -> None:
              {"name": "weight_grad", "start": 2.5, "end": 3.5}]
     out = split_step(tasks, [], 0.0, 3.5)
     assert out["compute"] == pytest.approx(3.0) and out["exposed_comm"] == pytest.approx(0.5)
+
+
+def test_many_micro_batches_are_priced_without_listing_them() -> None:
+    """Past ``replayed_microbatches`` the span is extrapolated (within 2% of the full replay
+    on unequal stages) and the peak in flight counted on the first ones (equal)."""
+    import random
+
+    from mcpar.registry.schedule import _peak_in_flight
+
+    rng = random.Random(5)
+    for name, v in (("zb_h1", 1), ("zb_h2", 1), ("zbv", 2)):
+        schedule = SCHEDULES.get(name)
+        for pp, m in ((2, 150), (4, 120), (8, 300)):
+            work = [1 + 0.3 * rng.random() for _ in range(pp)]
+            full = replay(schedule, work, m, v, 1 / 3)
+            assert schedule.span(m, max(work), sum(work), work, v, 1 / 3) == \
+                pytest.approx(full, rel=0.02)
+            assert schedule.in_flight(pp, 0, m, v) == _peak_in_flight(schedule, pp, 0, m, v)
+        assert schedule.span(2**40, 1.0, 4.0, [1.0] * 4, v, 1 / 3) > 2**40
