@@ -32,8 +32,13 @@ What it measures
 How to run
     python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--virtual 2] [--fwd-ms 20]
                                     [--repeats 5] [--warmup 1] [--skip-real-model]
+                                    [--skip-torch-peer] [--out FILE]
 
-    Prints one JSON object on stdout; progress goes to stderr.
+    Prints one JSON object on stdout; progress goes to stderr. Unless ``--skip-torch-peer``,
+    torch's own schedules (``bench/torch_pipeline_peer.py``: ``Schedule1F1B``, interleaved,
+    ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) run
+    right after on the same fixed-cost stages; ``against_torch`` gives each mcpar schedule's
+    bubble minus its torch counterpart's, in points, and its throughput over torch's 1F1B.
 """
 
 from __future__ import annotations
@@ -44,14 +49,17 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_workers import run_worker
+from bench_workers import emit_result, run_worker
 from torch import nn
+from torch_pipeline_peer import run_torch_schedules
 
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
@@ -90,10 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=16,
                    help="real model: sequences per micro-batch")
     p.add_argument("--skip-real-model", action="store_true", help="only the fixed-cost part")
+    p.add_argument("--skip-torch-peer", action="store_true",
+                   help="leave out torch.distributed.pipelining's schedules on the same stages")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of mcpar's schedules then torch's, on fresh processes each; the "
+                        "comparison is over the rounds' medians")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("pp", "micro", "virtual", "repeats", "layers", "hidden", "seq",
-                 "micro_batch_size"):
+                 "micro_batch_size", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0 or args.fwd_ms <= 0:
@@ -346,7 +361,48 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
             for name, r in real["schedules"].items()},
         "torch_version": torch.__version__,
     }
-    print(json.dumps(result), flush=True)
+    Path(args.result_file).write_text(json.dumps(result))
+
+
+def against_torch(rounds: list[tuple[dict, dict]]) -> dict:
+    """mcpar's fixed-cost figures next to torch's own schedules, round by round (each round:
+    mcpar's schedules, then torch's, on fresh processes): each mcpar schedule's bubble minus its
+    torch counterpart's, in points, and every schedule's throughput over torch's 1F1B of the
+    same round; medians over the rounds, and each round's figure for the spread."""
+    counterpart = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                   "zbv": "ScheduleZBVZeroBubble"}
+    points: dict[str, list[float]] = {}
+    ours_over: dict[str, list[float]] = {}
+    theirs_over: dict[str, list[float]] = {}
+    for ours, peer in rounds:
+        theirs = peer["schedules"]
+        one_f = theirs.get("Schedule1F1B", {}).get("step_time_s_median")
+        for name, figures in ours.items():
+            peer_figures = theirs.get(counterpart.get(name, ""), {})
+            if "bubble" in peer_figures:
+                points.setdefault(name, []).append(
+                    100 * (figures["idle_fraction"] - peer_figures["bubble"]))
+            if one_f:
+                ours_over.setdefault(name, []).append(one_f / figures["step_time_s_median"])
+        for name, figures in theirs.items():
+            if one_f and "step_time_s_median" in figures:
+                theirs_over.setdefault(name, []).append(one_f / figures["step_time_s_median"])
+
+    def summary(per_round: dict[str, list[float]]) -> dict:
+        return {name: {"median": statistics.median(v), "min": min(v), "max": max(v),
+                       "per_round": v} for name, v in per_round.items()}
+
+    return {"rounds": len(rounds),
+            "bubble_points_over_torch": summary(points),
+            "throughput_over_torch_1f1b": summary(ours_over),
+            "torch_throughput_over_torch_1f1b": summary(theirs_over),
+            "torch_bubble": summary({name: [peer["schedules"][name]["bubble"]
+                                            for _, peer in rounds
+                                            if "bubble" in peer["schedules"].get(name, {})]
+                                     for name in rounds[0][1]["schedules"]}),
+            "mcpar_bubble": summary({name: [ours[name]["idle_fraction"] for ours, _ in rounds]
+                                     for name in rounds[0][0]})}
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,12 +410,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return run_worker(args, worker)
     argv_out = list(sys.argv[1:] if argv is None else argv)
-    try:
-        launch_local(args.pp, [os.path.abspath(__file__), "--worker", *argv_out],
-                     env=dict(os.environ, OMP_NUM_THREADS="1"))
-    except LaunchFailed as err:
-        print(f"pipeline_bubble: {err}", file=sys.stderr)
-        return 1
+    result: dict | None = None
+    rounds: list[tuple[dict, dict]] = []
+    for n in range(args.rounds):
+        # The real model runs in the first round only; the fixed-cost part in every round.
+        worker_argv = argv_out if n == 0 else [*argv_out, "--skip-real-model"]
+        with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
+            result_file = os.path.join(tmp, "result.json")
+            try:
+                launch_local(args.pp, [os.path.abspath(__file__), "--worker", "--result-file",
+                                       result_file, *worker_argv],
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+            except LaunchFailed as err:
+                print(f"pipeline_bubble: {err}", file=sys.stderr)
+                return 1
+            this_round = json.loads(Path(result_file).read_text())
+        result = result or this_round
+        if not args.skip_torch_peer:
+            # Right after mcpar's, on fresh processes, the same stages and costs.
+            print(f"pipeline_bubble: round {n + 1}: torch's schedules on the same stages",
+                  file=sys.stderr)
+            peer = run_torch_schedules(args.pp, args.micro, args.fwd_ms, args.repeats,
+                                       args.warmup)
+            result.setdefault("torch_peer", peer)
+            rounds.append((this_round["fixed_cost"], peer))
+    assert result is not None
+    if rounds:
+        result["against_torch"] = against_torch(rounds)
+    emit_result(result, args.out)
     return 0
 
 

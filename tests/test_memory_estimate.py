@@ -50,6 +50,11 @@ LAYOUTS = {
         "training.dtype=bfloat16", f"{MEM}activation_checkpointing=selective"],
     # Dropout on CPU: attention falls back to the math kernel (fp32 scores), masks at full width.
     "data2-tensor2-dropout": ["parallelism.tensor=2", "model.dropout=0.1"],
+    # Split backwards: what W's store keeps is counted until W (ZB-H1, and the V of ZBV with
+    # the first and last stages on rank 0).
+    "data2-pipeline2-zb_h1": ["parallelism.pipeline=2", "parallelism.schedule=zb_h1"],
+    "data2-pipeline2-zbv": ["parallelism.pipeline=2", "parallelism.schedule=zbv",
+                            "parallelism.virtual_stages=2"],
     "data2-pipeline2-dropout-selective-bf16": [
         "parallelism.pipeline=2", "model.dropout=0.1", "training.dtype=bfloat16",
         f"{MEM}activation_checkpointing=selective"],

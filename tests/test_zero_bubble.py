@@ -12,6 +12,7 @@ from conftest import run_mcpar, sets, train_metrics
 from torch import nn
 
 import mcpar.controllers.registered  # noqa: F401  (registers the schedules)
+from mcpar.controllers.compute import zero_bubble
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.metrics import read_metrics
 from mcpar.parallel.tasks import TaskKind
@@ -65,6 +66,51 @@ def test_zb_h2_fills_the_waits_a_costlier_b_opens() -> None:
         assert replay(h1, [3.0] * pp, m, 1, 1 / 3, weight_grad_share=0.3) >= 1.08 * bound
         assert replay(h2, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(bound)
         assert max(h2.in_flight(pp, r, m, 1) for r in range(pp)) == 2 * pp - 1
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (5, 17), (8, 16)])
+def test_both_zbv_orders_are_complete_and_the_shorter_under_latency_is_kept(pp: int,
+                                                                          m: int) -> None:
+    """The phased and the greedy V orders: each task once, F and B in micro-batch order, a W
+    after its B, at most 2p chunk activations held (counted until W), no deadlock; the kept
+    one is the shorter at MESSAGE_LATENCY, and no longer than the other without latency
+    where m fills the V (m >= 2p)."""
+    candidates = [zero_bubble.v_phased_orders(pp, m), zero_bubble.v_greedy_orders(pp, m)]
+    for orders in candidates:
+        for rank, order in enumerate(orders):
+            for chunk in (0, 1):
+                for kind in "FBW":
+                    micro = [a.micro for a in order if a.kind == kind and a.chunk == chunk]
+                    assert sorted(micro) == list(range(m)), (rank, chunk, kind)
+                    if kind != "W":
+                        assert micro == list(range(m))
+            at = {(a.kind, a.chunk, a.micro): i for i, a in enumerate(order)}
+            assert all(at[("F", c, k)] < at[("B", c, k)] < at[("W", c, k)]
+                       for c in (0, 1) for k in range(m))
+            held = peak = 0
+            for a in order:
+                held += {"F": 1, "B": 0, "W": -1}[a.kind]
+                peak = max(peak, held)
+            assert peak <= 2 * pp
+    latency = zero_bubble.MESSAGE_LATENCY
+    kept = zero_bubble.v_orders(pp, m)
+    priced = [zero_bubble.v_step_units(o, pp, latency) for o in candidates]
+    assert zero_bubble.v_step_units(kept, pp, latency) == min(priced)
+    if m >= 2 * pp:
+        assert zero_bubble.v_step_units(kept, pp, 0.0) <= min(
+            zero_bubble.v_step_units(o, pp, 0.0) for o in candidates) + 1e-9
+
+
+def test_the_phased_v_leaves_a_message_slack_the_greedy_does_not() -> None:
+    """p = 4, m = 8: without latency both reach the V's bound, 6m + p - 1 = 51 chunk
+    actions; at 0.1 units per message the greedy order loses 2.4 units and the phased one 1.3,
+    so the phased one is kept."""
+    phased, greedy = zero_bubble.v_phased_orders(4, 8), zero_bubble.v_greedy_orders(4, 8)
+    assert zero_bubble.v_step_units(phased, 4, 0.0) == zero_bubble.v_step_units(greedy, 4,
+                                                                                0.0) == 51
+    assert zero_bubble.v_step_units(phased, 4, 0.1) == pytest.approx(52.3)
+    assert zero_bubble.v_step_units(greedy, 4, 0.1) == pytest.approx(53.4)
+    assert zero_bubble.v_orders(4, 8) == phased
 
 
 @pytest.mark.parametrize("name", ["zb_h1", "zb_h2"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mcpar.registry import Registry
@@ -46,6 +47,19 @@ def placed_stage(chunk: int, pp_rank: int, pp: int, placement: str = "round_robi
     return chunk * pp + pp_rank
 
 
+def stage_rank(stage: int, pp: int, placement: str = "round_robin") -> int:
+    """The pipeline rank holding global stage ``stage`` (the inverse of ``placed_stage``)."""
+    if placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    if placement != "round_robin":
+        raise ValueError(f"unknown stage placement {placement!r}; one of {PLACEMENTS}")
+    return stage % pp
+
+
+def schedule_placement(schedule: str | None) -> str:
+    """How ``schedule`` places a rank's stages (round robin where it names none: the default
+    schedules)."""
+    return SCHEDULES.get(schedule).placement if schedule else "round_robin"
 @dataclass(frozen=True)
 class Action:
     """One task of a rank's schedule: the forward ("F"), the backward ("B") of a chunk, or the
@@ -172,14 +186,12 @@ def splits_backward(schedule: str | None, pp: int) -> bool:
 
 # A graph holds 3 m pp v actions: a planner at 1024 GPUs asks for m in the thousands, so only a
 # few are kept (512 of them filled 23 GB).
-@functools.lru_cache(maxsize=16)
-def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
-                v: int) -> tuple[tuple[int, str, int, int], ...]:
-    """Every action of one step as (rank, kind, index of the rank's previous action, index of
-    the action whose output it waits for), in an order where both come first; -1: none.
-    Fixed by the schedule, whatever the costs: priced once, replayed many times."""
-    orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
-    last = pp * v - 1
+def order_graph(orders: list[list[Action]], stage_of: Callable[[int, int], int], pp: int,
+                last: int, name: str) -> tuple[tuple[int, str, int, int], ...]:
+    """Every action of the ranks' ``orders`` as (rank, kind, index of the rank's previous action,
+    index of the action whose output it waits for), in an order where both come first; -1:
+    none. ``stage_of(chunk, rank)`` is the global stage of a rank's chunk, ``last`` the last
+    global stage. Raises if the orders deadlock (some rank waits for a task no order reaches)."""
     index: dict[tuple[str, int, int], int] = {}
     graph: list[tuple[int, str, int, int]] = []
     position, previous = [0] * pp, [-1] * pp
@@ -190,7 +202,7 @@ def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
             order = orders[r]
             while position[r] < len(order):
                 a = order[position[r]]
-                s = schedule.stage_of(a.chunk, r, pp, v)
+                s = stage_of(a.chunk, r)
                 if a.kind == "F":
                     dep = ("F", s - 1, a.micro) if s > 0 else None
                 elif a.kind == "W":
@@ -205,8 +217,36 @@ def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
                 position[r] += 1
                 moved = True
     if any(position[r] < len(orders[r]) for r in range(pp)):
-        raise RuntimeError(f"pipeline schedule {schedule.name} deadlocks")
+        raise RuntimeError(f"pipeline schedule {name} deadlocks")
     return tuple(graph)
+
+
+def critical_path(graph: tuple[tuple[int, str, int, int], ...],
+                  cost: Callable[[int, str], float], latency: float = 0.0) -> float:
+    """Makespan of a task graph (``order_graph``) when no rank waits for a core: each action
+    starts once its rank is free and its input has arrived, ``latency`` after the producing
+    action ends when that ran on another rank (a message's time on the wire and the receiver's
+    wake-up)."""
+    finish: list[float] = []
+    for r, kind, previous, dep in graph:
+        start = finish[previous] if previous >= 0 else 0.0
+        if dep >= 0:
+            arrives = finish[dep] + (latency if graph[dep][0] != r else 0.0)
+            start = max(start, arrives)
+        finish.append(start + cost(r, kind))
+    return max(finish) if finish else 0.0
+
+
+# A graph holds 3 m pp v actions: a planner at 1024 GPUs asks for m in the thousands, so only a
+# few are kept (512 of them filled 23 GB).
+@functools.lru_cache(maxsize=16)
+def _task_graph(schedule: PipelineSchedule, pp: int, m: int,
+                v: int) -> tuple[tuple[int, str, int, int], ...]:
+    """The step's task graph (``order_graph``) of ``schedule``'s orders. Fixed by the
+    schedule, whatever the costs: priced once, replayed many times."""
+    return order_graph([schedule.actions(r, pp, m, v) for r in range(pp)],
+                       lambda chunk, r: schedule.stage_of(chunk, r, pp, v), pp, pp * v - 1,
+                       schedule.name)
 
 
 def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
@@ -239,13 +279,7 @@ def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
         # input has arrived, a longest path through the step's task graph.
         table = [{kind: work * share / v for kind, share in shares.items()}
                  for work in rank_work]
-        finish: list[float] = []
-        for r, kind, previous, dep in _task_graph(schedule, pp, m, v):
-            start = finish[previous] if previous >= 0 else 0.0
-            if dep >= 0 and finish[dep] > start:
-                start = finish[dep]
-            finish.append(start + table[r][kind])
-        return max(finish) if finish else 0.0
+        return critical_path(_task_graph(schedule, pp, m, v), lambda r, kind: table[r][kind])
 
     orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
     last = pp * v - 1

@@ -63,7 +63,7 @@ from mcpar.device_kernels import (
 )
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerActivations
-from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule import SCHEDULES, schedule_placement, stage_rank
 from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import RESERVED_BYTES
@@ -159,8 +159,10 @@ def rank_params(m: ModelShape, lay: Layout) -> list[tuple[float, float]]:
     """(dense, expert) parameters one GPU of each pipeline rank holds, before ZeRO. Stage s sits
     on rank s % pp; the first stage holds the embedding (and position table), the last the final
     norm and the head, which is the embedding itself when tied and one stage holds both (the
-    shape's ``stage_params``, which the families' exact counts are too)."""
+    shape's ``stage_params``, which the families' exact counts are too). A schedule that places
+    stages otherwise (the V of ``zbv``) moves them with it (``registry.schedule.stage_rank``)."""
     t, ep = lay.tp, lay.ep
+    placement = schedule_placement(lay.schedule)
     sizes = stage_blocks(m, lay)
     # One layer, then the ends: the count is linear in the blocks (the planner prices many
     # layouts, each of up to pp x vp stages).
@@ -168,13 +170,14 @@ def rank_params(m: ModelShape, lay: Layout) -> list[tuple[float, float]]:
     dense = [0.0] * lay.pp
     experts = [0.0] * lay.pp
     for stage, n in enumerate(sizes):
-        dense[stage % lay.pp] += n * dense_layer
-        experts[stage % lay.pp] += n * expert_layer
+        dense[stage_rank(stage, lay.pp, placement)] += n * dense_layer
+        experts[stage_rank(stage, lay.pp, placement)] += n * expert_layer
     if len(sizes) == 1:
         dense[0] += m.stage_params(0, True, True, t, ep)[0]
     else:
         dense[0] += m.stage_params(0, True, False, t, ep)[0]
-        dense[(len(sizes) - 1) % lay.pp] += m.stage_params(0, False, True, t, ep)[0]
+        dense[stage_rank(len(sizes) - 1, lay.pp, placement)] += m.stage_params(
+            0, False, True, t, ep)[0]
     return list(zip(dense, experts, strict=True))
 
 
@@ -286,9 +289,11 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
     per_mode = {mode: activation_bytes_per_layer(m, lay.with_(recompute=mode), weights16)
                 for mode in set(modes)}
     rank_modes: list[list[str]] = [[] for _ in range(lay.pp)]
+    placement = schedule_placement(lay.schedule)
+    last_rank = stage_rank(len(sizes) - 1, lay.pp, placement)
     start = 0
     for stage, n in enumerate(sizes):
-        rank_modes[stage % lay.pp] += modes[start:start + n]
+        rank_modes[stage_rank(stage, lay.pp, placement)] += modes[start:start + n]
         start += n
     out = []
     for r, held in enumerate(rank_modes):
@@ -299,7 +304,7 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
         out.append(kept + working
                    + (embedding_activation_bytes(m, lay, weights16) * flight if r == 0 else 0.0)
                    + (head_activation_bytes(m, lay, weights16)
-                      if r == (len(sizes) - 1) % lay.pp else 0.0))
+                      if r == last_rank else 0.0))
     return out
 
 

@@ -19,7 +19,7 @@ from mcpar.registry.codec import ExchangeFacts, codec_problems
 from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import FFN_KINDS, GATED_FFN, ModelShape
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
-from mcpar.registry.schedule import SCHEDULES, default_schedule
+from mcpar.registry.schedule import SCHEDULES, default_schedule, schedule_placement, stage_rank
 from mcpar.registry.zero import ZERO_STAGES
 
 __all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
@@ -141,13 +141,17 @@ def _even_split(layers: int, stages: int) -> tuple[int, ...]:
 
 
 def rank_layers(m: ModelShape, lay: Layout) -> list[float]:
-    """Layers held by each pipeline rank (all its vp stages)."""
-    return list(_per_rank(tuple(stage_blocks(m, lay)), lay.pp))
+    """Layers held by each pipeline rank (all its vp stages, placed as its schedule does)."""
+    return list(_per_rank(tuple(stage_blocks(m, lay)), lay.pp,
+                          schedule_placement(lay.schedule)))
 
 
 @lru_cache(maxsize=4096)
-def _per_rank(counts: tuple[int, ...], pp: int) -> tuple[float, ...]:
-    return tuple(float(sum(counts[r::pp])) for r in range(pp))
+def _per_rank(counts: tuple[int, ...], pp: int, placement: str) -> tuple[float, ...]:
+    out = [0.0] * pp
+    for stage, n in enumerate(counts):
+        out[stage_rank(stage, pp, placement)] += n
+    return tuple(out)
 
 
 def model_problems(m: ModelShape, where: str) -> list[str]:

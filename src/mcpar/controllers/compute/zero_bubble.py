@@ -21,17 +21,30 @@ idle while a gradient travels back runs a pending W instead.
 
 - ``zbv``: two chunks per rank in a V: rank ``i`` holds stages ``i`` and ``2p - 1 - i``, so the
   first and last stages share rank 0, a micro-batch's forward goes down the ranks and back up,
-  and its backward the same way in reverse. Each rank's order is a greedy list schedule at
-  unit costs (``v_orders``): at each tick a free rank runs a forward whose input has arrived
-  (its second chunk's first) while it holds fewer than ``2p`` chunk activations (``p``
-  micro-batches of the whole rank: 1F1B's first-rank memory), else a ready B (second chunk
-  first), else its oldest pending W. A rank may read a peer's messages in another order than
-  the peer sends them (a V's two chunks talk to the same neighbour); the executor then posts
-  its receives in the sender's order (``ComputePlan.send_order``), which a backend that
-  matches messages by order, not tag (NCCL), needs. Replayed at F = B = W it reaches the
-  bound of a V before a synchronized optimizer step, ``3m + (p-1)/2`` unit costs (the last
-  rank's fill is half a forward per rank: the chunks are half the work): a bubble of 5.9% at
-  p = 4, m = 8.
+  and its backward the same way in reverse. Two orders are built for every rank and the one
+  whose step replays shorter is kept (``v_orders``):
+  * the phased order (``v_phased_orders``): ``2(p - i) - 1`` forwards of the first chunk, then
+    ``i`` pairs (second chunk's forward, first chunk's), ``p - i`` triples of the second chunk
+    (F, B, W), a steady state of (F, B, W) of the first chunk then of the second, and a drain
+    of B's then the W's left. Each B is followed by its own W in the steady state, so a
+    message has a W's time to arrive before the rank needs it.
+  * the greedy order (``v_greedy_orders``): a list schedule at unit costs; at each tick a free
+    rank runs a forward whose input has arrived (its second chunk's first) while it holds
+    fewer than ``2p`` chunk activations, else a ready B (second chunk first), else its oldest
+    pending W. It packs F's and B's back to back, which wins at few micro-batches (p = 4,
+    m = 2: 19 unit costs against 21) but leaves no slack for a message's latency.
+  Both hold at most ``2p`` chunk activations on a rank (``p`` micro-batches of the whole rank:
+  1F1B's first-rank memory). The replay that chooses prices each action at one unit and each
+  message between ranks at ``MESSAGE_LATENCY`` units: a step of the bench's fixed-cost stages
+  (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1 ms per message,
+  and there the greedy order replays 2.3% longer than the phased one (53.4 against 52.3 units
+  at 0.1 units per message; both 51 at none). At F = B = W both reach the bound of a V before a
+  synchronized optimizer step, ``3m + (p-1)/2`` unit costs (the last rank's fill is half a
+  forward per rank: the chunks are half the work): a bubble of 5.9% at p = 4, m = 8. A rank
+  may read a peer's messages in another order than the peer sends them (a V's two chunks talk
+  to the same neighbour); the executor then posts its receives in the sender's order
+  (``ComputePlan.send_order``), which a backend that matches messages by order, not tag
+  (NCCL), needs.
 
 Deadlock freedom: as for every schedule (``schedules.py``), a task waits only for the task it
 depends on; the orders keep each rank's forwards and backwards in micro-batch order, a W after
@@ -46,7 +59,14 @@ import functools
 from collections import deque
 
 from mcpar.controllers.compute.pipeline_schedules import one_f_one_b, one_f_one_b_warmup
-from mcpar.registry.schedule import SCHEDULES, Action, PipelineSchedule, placed_stage
+from mcpar.registry.schedule import (
+    SCHEDULES,
+    Action,
+    PipelineSchedule,
+    critical_path,
+    order_graph,
+    placed_stage,
+)
 
 
 def with_weight_grads(order: list[Action], lag: int) -> list[Action]:
@@ -112,9 +132,72 @@ def v_stage(chunk: int, pp_rank: int, pp: int) -> int:
     return placed_stage(chunk, pp_rank, pp, "v")
 
 
+# A message between ranks, in units of one chunk's forward: what the bench's fixed-cost step
+# measured (1 ms per message next to a 10 ms chunk forward, p = 4, m = 8, 2 cores).
+MESSAGE_LATENCY = 0.1
+
+
 @functools.lru_cache(maxsize=8)
 def v_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's ZBV order: the greedy list schedule at unit costs (the module's text)."""
+    """Every rank's ZBV order: of the phased and the greedy orders, the one whose step replays
+    shorter at unit costs with ``MESSAGE_LATENCY`` per message (the phased one on a tie)."""
+    candidates = [v_phased_orders(pp, m), v_greedy_orders(pp, m)]
+    return min(candidates, key=lambda orders: v_step_units(orders, pp, MESSAGE_LATENCY))
+
+
+def v_step_units(orders: tuple[tuple[Action, ...], ...], pp: int, latency: float) -> float:
+    """Replayed step of ZBV ``orders`` with every action one unit and ``latency`` per message."""
+    graph = order_graph([list(o) for o in orders], lambda chunk, r: v_stage(chunk, r, pp), pp,
+                        2 * pp - 1, "zbv")
+    return critical_path(graph, lambda r, kind: 1.0, latency)
+
+
+def v_phased_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's phased ZBV order (the module's text). Each phase's actions are skipped
+    where they do not exist at this m (a forward past the last micro-batch, a B before its F,
+    a W before its B); the drain runs whatever is left, B's first."""
+    return tuple(tuple(_v_phased_order(pp, m, r)) for r in range(pp))
+
+
+def _v_phased_order(pp: int, m: int, rank: int) -> list[Action]:
+    order: list[Action] = []
+    done = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}  # per kind and chunk: how many so far
+    before = {"F": None, "B": "F", "W": "B"}  # a B needs its F, a W its B
+
+    def run(kind: str, chunk: int) -> None:
+        k, limit = done[kind][chunk], m if before[kind] is None else done[before[kind]][chunk]
+        if k < limit:
+            order.append(Action(kind, chunk, k))
+            done[kind][chunk] += 1
+
+    for _ in range(2 * (pp - rank) - 1):  # fill: the first chunk's forwards
+        run("F", 0)
+    for _ in range(rank):  # the second chunk's forwards come back up the V
+        run("F", 1)
+        run("F", 0)
+    for _ in range(pp - rank):  # the second chunk's first backwards
+        for kind in ("F", "B", "W"):
+            run(kind, 1)
+    while done["F"][0] < m or done["F"][1] < done["F"][0]:  # steady state
+        for chunk in (0, 1):
+            for kind in ("F", "B", "W"):
+                run(kind, chunk)
+    for _ in range(rank):  # drain: B's the next rank down waits for, W's after
+        run("B", 0)
+        run("B", 1)
+    for _ in range(pp - rank):
+        run("B", 0)
+        run("W", 0)
+    for kind in ("B", "W"):
+        for chunk in (1, 0):
+            while done[kind][chunk] < m:
+                run(kind, chunk)
+    return order
+
+
+@functools.lru_cache(maxsize=8)
+def v_greedy_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's greedy ZBV order: the list schedule at unit costs (the module's text)."""
     last, cap = 2 * pp - 1, 2 * pp
     ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> tick it ended
     orders: list[list[Action]] = [[] for _ in range(pp)]
