@@ -39,6 +39,10 @@ How to run
     ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) run
     right after on the same fixed-cost stages; ``against_torch`` gives each mcpar schedule's
     bubble minus its torch counterpart's, in points, and its throughput over torch's 1F1B.
+    With the real model, torch's schedules also run on the same GPT stages
+    (``bench/torch_pipeline_real.py``), and ``real_model_against_torch`` gives each schedule's
+    throughput over mcpar's 1F1B and torch's. ``--rounds`` repeats all of it on fresh
+    processes; the comparisons give each round's figure and the median.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import torch.nn.functional as F
 from bench_workers import emit_result, run_worker
 from torch import nn
 from torch_pipeline_peer import run_torch_schedules
+from torch_pipeline_real import run_torch_real_model
 
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
@@ -364,6 +369,37 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
     Path(args.result_file).write_text(json.dumps(result))
 
 
+def _spread(per_round: dict[str, list[float]]) -> dict:
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v),
+                   "per_round": v} for name, v in per_round.items()}
+
+
+def real_model_ratios(rounds: list[tuple[dict, dict]]) -> dict:
+    """The real model's throughput, round by round: each mcpar schedule over mcpar's 1F1B and
+    over torch's ``Schedule1F1B``, each torch schedule over torch's ``Schedule1F1B`` (medians,
+    min and max over the rounds)."""
+    over_ours: dict[str, list[float]] = {}
+    over_torch: dict[str, list[float]] = {}
+    torch_over_torch: dict[str, list[float]] = {}
+    for ours, peer in rounds:
+        theirs = peer["schedules"]
+        one_f = ours["1f1b"]["step_time_s_median"]
+        torch_one_f = theirs.get("Schedule1F1B", {}).get("step_time_s_median")
+        for name, figures in ours.items():
+            over_ours.setdefault(name, []).append(one_f / figures["step_time_s_median"])
+            if torch_one_f:
+                over_torch.setdefault(name, []).append(
+                    torch_one_f / figures["step_time_s_median"])
+        for name, figures in theirs.items():
+            if torch_one_f and "step_time_s_median" in figures:
+                torch_over_torch.setdefault(name, []).append(
+                    torch_one_f / figures["step_time_s_median"])
+    return {"rounds": len(rounds),
+            "throughput_over_mcpar_1f1b": _spread(over_ours),
+            "throughput_over_torch_1f1b": _spread(over_torch),
+            "torch_throughput_over_torch_1f1b": _spread(torch_over_torch)}
+
+
 def against_torch(rounds: list[tuple[dict, dict]]) -> dict:
     """mcpar's fixed-cost figures next to torch's own schedules, round by round (each round:
     mcpar's schedules, then torch's, on fresh processes): each mcpar schedule's bubble minus its
@@ -388,10 +424,7 @@ def against_torch(rounds: list[tuple[dict, dict]]) -> dict:
             if one_f and "step_time_s_median" in figures:
                 theirs_over.setdefault(name, []).append(one_f / figures["step_time_s_median"])
 
-    def summary(per_round: dict[str, list[float]]) -> dict:
-        return {name: {"median": statistics.median(v), "min": min(v), "max": max(v),
-                       "per_round": v} for name, v in per_round.items()}
-
+    summary = _spread
     return {"rounds": len(rounds),
             "bubble_points_over_torch": summary(points),
             "throughput_over_torch_1f1b": summary(ours_over),
@@ -412,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     argv_out = list(sys.argv[1:] if argv is None else argv)
     result: dict | None = None
     rounds: list[tuple[dict, dict]] = []
+    real_rounds: list[tuple[dict, dict]] = []
     for n in range(args.rounds):
-        # The real model runs in the first round only; the fixed-cost part in every round.
-        worker_argv = argv_out if n == 0 else [*argv_out, "--skip-real-model"]
+        worker_argv = argv_out
         with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
             result_file = os.path.join(tmp, "result.json")
             try:
@@ -434,9 +467,17 @@ def main(argv: list[str] | None = None) -> int:
                                        args.warmup)
             result.setdefault("torch_peer", peer)
             rounds.append((this_round["fixed_cost"], peer))
+            if this_round["real_model"] is not None:
+                peer_real = run_torch_real_model(
+                    args.pp, args.micro, args.layers, args.hidden, args.seq,
+                    args.micro_batch_size, args.repeats, args.warmup)
+                result.setdefault("torch_real_model", peer_real)
+                real_rounds.append((this_round["real_model"]["schedules"], peer_real))
     assert result is not None
     if rounds:
         result["against_torch"] = against_torch(rounds)
+    if real_rounds:
+        result["real_model_against_torch"] = real_model_ratios(real_rounds)
     emit_result(result, args.out)
     return 0
 
