@@ -14,7 +14,9 @@ from conftest import REPO, expect_exit, run_mcpar
 from conftest import read_csv_rows as rows
 from conftest import write_csv_rows as write_rows
 
-from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
+from mcpar.sim.runs import OPTIONAL_COLUMNS, PREDICTION_COLUMNS, RUN_COLUMNS
+
+STACK_COLUMNS = tuple(OPTIONAL_COLUMNS)  # the packaged table carries them all
 
 RUNS_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "published_runs.csv"
 
@@ -34,11 +36,11 @@ def test_runs_round_trip_keeps_rows_and_adds_exact_columns(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     header_in, rows_in = rows(RUNS_CSV)
     header_out, rows_out = rows(out)
-    assert tuple(header_in) == RUN_COLUMNS
-    assert tuple(header_out) == RUN_COLUMNS + PREDICTION_COLUMNS
+    assert tuple(header_in) == RUN_COLUMNS + STACK_COLUMNS
+    assert tuple(header_out) == RUN_COLUMNS + STACK_COLUMNS + PREDICTION_COLUMNS
     assert len(rows_out) == len(rows_in)
     for before, after in zip(rows_in, rows_out, strict=True):
-        assert {k: after[k] for k in RUN_COLUMNS} == before
+        assert {k: after[k] for k in RUN_COLUMNS + STACK_COLUMNS} == before
         step = float(after["predicted_step_s"])
         assert abs(step / float(before["measured_step_s"]) - 1) < 0.15
         # Same formula as the row: TFLOP/s scale inversely with the step time.
@@ -127,7 +129,7 @@ def test_mcpar_mounts_simulate_and_plan(tmp_path: Path) -> None:
     out = tmp_path / "out.csv"
     proc = run_mcpar("simulate", "--runs", str(RUNS_CSV), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert tuple(rows(out)[0]) == RUN_COLUMNS + PREDICTION_COLUMNS
+    assert tuple(rows(out)[0]) == RUN_COLUMNS + STACK_COLUMNS + PREDICTION_COLUMNS
     proc = run_mcpar("plan", "--model", "gpt3-13b", "--cluster", "a100x64", "--top", "2")
     assert proc.returncode == 0, proc.stderr
     assert "layouts considered" in proc.stdout

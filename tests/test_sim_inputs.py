@@ -15,7 +15,7 @@ from conftest import REPO, expect_exit, run_cli_in_process
 from conftest import read_csv_rows as read_rows
 from conftest import write_csv_rows as write_rows
 
-from mcpar.sim.runs import PREDICTION_COLUMNS, RUN_COLUMNS
+from mcpar.sim.runs import OPTIONAL_COLUMNS, PREDICTION_COLUMNS, RUN_COLUMNS
 
 RUNS_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "published_runs.csv"
 HARDWARE_CSV = REPO / "src" / "mcpar" / "sim" / "data" / "hardware.csv"
@@ -63,7 +63,7 @@ def test_a_bad_row_is_named_and_the_others_are_predicted(
     named = "num_gpus" if column == "dp" else column
     partly_predicted(proc, f"{bad_id}.{named}: ", says, "1 row(s) refused")
     header_out, rows_out = read_rows(out)
-    assert tuple(header_out) == RUN_COLUMNS + PREDICTION_COLUMNS
+    assert tuple(header_out) == RUN_COLUMNS + tuple(OPTIONAL_COLUMNS) + PREDICTION_COLUMNS
     assert [r["id"] for r in rows_out] == [data[i]["id"] for i in (0, 2, 3)]
     assert all(float(r["predicted_step_s"]) > 0 for r in rows_out)
 

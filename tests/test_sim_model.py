@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import pytest
 
+from mcpar.errors import UserError
 from mcpar.sim import ablation
 from mcpar.sim.calibration import (
     accuracy_table,
     fit,
+    group_summaries,
     leave_one_out,
     naive_constant,
     ratios,
@@ -28,16 +30,29 @@ from mcpar.sim.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from mcpar.sim.compute import pipelined_exposed, roofline
 from mcpar.sim.costmodel import model_flops_per_token, simulate
 from mcpar.sim.hardware import GIB, cluster_preset, load_accelerators, make_cluster
 from mcpar.sim.memory import memory_per_gpu
 from mcpar.sim.params import GPU_EFFICIENCY
-from mcpar.sim.runs import formula_flops, packaged_runs, predict_run
+from mcpar.sim.runs import (
+    RUN_COLUMNS,
+    formula_flops,
+    packaged_runs,
+    predict_run,
+    read_runs_text,
+)
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelShape
 
 ACC = load_accelerators()
 RUNS = packaged_runs(ACC)
 GPT3 = MODEL_PRESETS["gpt3-175b"].shape
+
+
+def resources_text(name: str) -> str:
+    from importlib import resources
+
+    return resources.files("mcpar.sim").joinpath(f"data/{name}").read_text()
 
 
 def a100(n: int, gbps: float = 200) -> object:
@@ -104,20 +119,26 @@ def test_shipped_parameters_are_the_documented_fit() -> None:
 
 def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     """Published runs the parameters were never fitted on (FSDP-only, GQA/SwiGLU, deep
-    interleaved pipelines with cp, MoE, fp8; docs/cost_model.md): the model's median error
-    stays near its documented 5.4% and below half the one-constant baseline's 17%."""
+    interleaved pipelines with cp, MoE, fp8, Megatron-Core's H100 weak-scaling table;
+    docs/cost_model.md): the model's median error stays near its documented 7.0%, below half
+    the one-constant baseline's 14.5%, and each source of Megatron/NeMo runs within its
+    documented figure (before tensor-parallel overlap, the H100 attention share and BLOOM's
+    unfused attention were priced: weak scaling 11.3%, BLOOM 15.6%)."""
     holdout = packaged_runs(ACC, "holdout_runs.csv")
-    assert len(holdout) >= 25
+    assert len(holdout) >= 36
     assert not {r.id for r in holdout} & {r.id for r in RUNS}
     table = accuracy_table(holdout, GPU_EFFICIENCY, naive_constant(RUNS))
     model = summary([row["ratio"] for row in table])
     naive = summary([row["naive_ratio"] for row in table])
-    assert model["median_abs_error"] <= 0.06, table
+    assert model["median_abs_error"] <= 0.072, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
+    groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
+    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.115}
+    for group, bound in bounds.items():
+        assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
 
 
-@pytest.mark.parametrize("term", ["attention", "elementwise", "recompute", "tp_comm",
-                                  "ep_comm"])
+@pytest.mark.parametrize("term", ["attention", "recompute", "ep_comm", "dp_comm", "bubble"])
 def test_dropping_a_term_and_refitting_worsens_the_heldout_rows_it_touches(term: str) -> None:
     """The terms docs/cost_model.md says earn their place: without one, parameters refitted on
     the calibration rows predict the held-out rows where it matters worse than the model."""
@@ -131,9 +152,15 @@ def test_dropping_a_term_and_refitting_worsens_the_heldout_rows_it_touches(term:
 
 
 @pytest.mark.slow
-def test_leave_one_out_stays_within_the_worst_row_bound() -> None:
+def test_leave_one_out_stays_within_the_issue_bounds() -> None:
+    """Each calibration row predicted with the parameters refitted without it: median <= 4%,
+    every source's median <= 10% (documented: 1.9%; sc21 1.5%, the dgxc row 5.2%)."""
     loo = leave_one_out(RUNS, restarts=1)
-    assert summary([r for _, r in loo])["worst_abs_error"] <= 0.15, loo
+    rs = [r for _, r in loo]
+    assert summary(rs)["worst_abs_error"] <= 0.15, loo
+    assert summary(rs)["median_abs_error"] <= 0.04, loo
+    for group, stats in group_summaries(RUNS, rs).items():
+        assert stats["median_abs_error"] <= 0.10, (group, stats)
 
 
 def test_named_formulas_reproduce_the_published_tflops() -> None:
@@ -297,3 +324,55 @@ def test_dropout_masks_cost_their_draw_where_it_is_a_kernel_of_its_own() -> None
     gpu = make_cluster(load_accelerators()["a100-80gb"], 1, 1, 200)
     bf16 = replace(lay, precision="bf16")
     assert step(on, bf16, gpu) == step(off, bf16, gpu)
+
+
+# --- mechanisms of the published stacks ----------------------------------------------------------
+
+def test_pipelined_collective_exposes_the_longer_side_and_one_chunk() -> None:
+    assert pipelined_exposed(3.0, 5.0, 4) == pytest.approx(0.75)  # hidden but the first chunk
+    assert pipelined_exposed(5.0, 3.0, 4) == pytest.approx(2.75)  # the wire is the long side
+
+
+def test_tensor_parallel_overlap_hides_collectives_behind_their_gemms() -> None:
+    """Megatron-Core's --tp-comm-overlap: the layer's exposed tensor-parallel time shrinks to
+    the chunks that cannot overlap plus the SMs the pipelined reduce-scatters keep from their
+    GEMMs; on a GPU with no SM count known nothing is kept, so less is exposed."""
+    h100 = make_cluster(ACC["h100-80gb"], 384, 8, 400)
+    m = ModelShape(layers=48, hidden=7168, heads=56, kv_heads=56, ffn=28672, ffn_kind="gelu",
+                   vocab=131072, seq_len=4096)
+    lay = Layout(tp=8, dp=48, seq_parallel=True, global_batch=192, micro_batch=1, zero_stage=1)
+    plain = simulate(m, lay, h100).breakdown["tp_comm"]
+    overlapped = simulate(m, lay.with_(tp_comm_overlap=True), h100).breakdown["tp_comm"]
+    free_sms = replace(h100, accel=replace(h100.accel, sms=0))
+    no_margin = simulate(m, lay.with_(tp_comm_overlap=True), free_sms).breakdown["tp_comm"]
+    assert 0 < no_margin < overlapped < plain / 2, (no_margin, overlapped, plain)
+
+
+def test_h100_attention_runs_at_flash_attention_2s_share_of_its_peak() -> None:
+    lay = Layout()
+    eff = GPU_EFFICIENCY
+    h100 = roofline(make_cluster(ACC["h100-80gb"], 8, 8, 400), lay, eff)
+    a100_cluster = make_cluster(ACC["a100-80gb"], 8, 8, 200)
+    a100 = roofline(a100_cluster, lay, eff)
+    assert a100.attn_flops == pytest.approx(a100_cluster.accel.peak("bf16") * eff.attention)
+    assert h100.attn_flops == pytest.approx(989e12 * 0.35 / 0.615 * eff.attention)
+    assert h100.gemm_flops == pytest.approx(989e12 * eff.gemm)  # GEMMs keep the whole peak
+
+
+def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:
+    header = ",".join(RUN_COLUMNS)
+    text = RUN_CSV_TEXT = resources_text("published_runs.csv")
+    assert text.splitlines()[0] == header + ",tp_comm_overlap,attention"
+    bloom = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("bloom"))
+    assert bloom.layout.attention_kind == "unfused"
+    weak = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id == "mcore-weak-32b")
+    assert weak.layout.tp_comm_overlap
+    # The required columns alone still read (the stack's columns are optional).
+    plain = "\n".join(line.rsplit(",", 2)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
+    assert not read_runs_text(plain, "t.csv", ACC)[0].layout.tp_comm_overlap
+    row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 2)[0]
+    for tail, column in ((",maybe,auto", "tp_comm_overlap"), (",true,auto", "tp_comm_overlap"),
+                         (",false,ring", "attention")):
+        with pytest.raises(UserError) as err:
+            read_runs_text(text.splitlines()[0] + "\n" + row + tail, "t.csv", ACC)
+        assert f"sc21-1.7B.{column}" in str(err.value), err.value

@@ -139,6 +139,15 @@ def summary(rs: Sequence[float]) -> dict[str, float]:
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
 
 
+def group_summaries(runs: Sequence[Run], rs: Sequence[float]) -> dict[str, dict[str, float]]:
+    """``summary`` of each source (the ``group`` column) on its own: a family of rows the model
+    misses together hides inside a median over all rows."""
+    groups: dict[str, list[float]] = {}
+    for run, r in zip(runs, rs, strict=True):
+        groups.setdefault(run.row["group"], []).append(r)
+    return {g: summary(v) for g, v in groups.items()}
+
+
 def leave_one_out(runs: Sequence[Run], restarts: int = 3) -> list[tuple[str, float]]:
     """(row id, predicted/measured) with parameters fitted on every other row."""
     out = []
@@ -214,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {
         "parameters": asdict(eff), "rows": table,
         **summary([row["ratio"] for row in table]),  # type: ignore[misc]
+        "groups": group_summaries(runs, [row["ratio"] for row in table]),  # type: ignore[misc]
         "naive_median_abs_error": naive["median_abs_error"],
         "naive_worst_abs_error": naive["worst_abs_error"],
     }
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         loo = leave_one_out(runs)
         result["leave_one_out"] = [{"id": i, "ratio": round(r, 4)} for i, r in loo]
         result["leave_one_out_summary"] = summary([r for _, r in loo])
+        result["leave_one_out_groups"] = group_summaries(runs, [r for _, r in loo])
     print(json.dumps(result, indent=1))
     if args.fit:
         print(params_block(eff), file=sys.stderr)

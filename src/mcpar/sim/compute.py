@@ -36,6 +36,13 @@ FLASH_BWD_FACTOR = 2.5
 # Busiest expert-parallel rank's tokens over the mean: routers balanced by an auxiliary loss
 # still leave a max/mean load around 1.1 (MaxVio of about 0.1 in Wang et al. 2024).
 MOE_LOAD_IMBALANCE = 1.1
+# Tensor-parallel overlap (Transformer Engine's userbuffers, as NeMo's H100 configurations set
+# it, e.g. ub_cfg_h100_175b_tp4_mbs1_seqlen2k): the reduce-scatters after the out-projection and
+# the MLP-out GEMMs run as chunked kernels on 24 and 20 SMs kept from those GEMMs; the gathers
+# go by ring exchange of copies (no SM); the backward's are bulk transfers on 2-8 SMs beside
+# the other GEMM of the pair (their SMs are not kept from it, and not priced).
+UB_SCATTER_SMS = (24, 20)
+UB_SPLITS = 4  # chunks of the pipelined reduce-scatter
 # Cross-entropy over the vocabulary in fp32: logits read/written twice forward and backward.
 CE_PASSES = 4
 
@@ -66,7 +73,8 @@ class Roofline:
 def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0) -> Roofline:
     """Rates for one rank; `share` < 1 when ranks share cores (CPU oversubscription)."""
     peak = cluster.accel.peak(lay.precision)
-    attn_peak = cluster.accel.peak("bf16" if lay.precision == "fp8" else lay.precision)
+    attn_peak = (cluster.accel.peak("bf16" if lay.precision == "fp8" else lay.precision)
+                 * cluster.accel.attention_share)
     return Roofline(peak * eff.gemm * share, attn_peak * eff.attention * share,
                     cluster.accel.hbm_bw * eff.memory * share, ACT_BYTES[lay.precision],
                     cluster.accel.mask_rate * share)
@@ -91,6 +99,42 @@ class PassTimes:
     @property
     def total(self) -> float:
         return sum(self.parts.values())
+
+
+def pipelined_exposed(comm: float, gemm: float, chunks: int) -> float:
+    """What a collective split into ``chunks`` and pipelined with a GEMM (each chunk's transfer
+    beside the previous chunk's GEMM) adds to the GEMM: the longer of the two runs whole, and
+    one chunk of the shorter cannot overlap (the pipeline's fill)."""
+    return max(comm, gemm) + min(comm, gemm) / chunks - gemm
+
+
+def tp_overlap_exposed(m: ModelShape, lay: Layout, cluster: Cluster, rl: Roofline,
+                       gather: float, scatter: float) -> float:
+    """Seconds tensor-parallel overlap (``Layout.tp_comm_overlap``) leaves on a layer's critical
+    path, every pass: forward, the gathers ring-exchanged beside the QKV and MLP-in GEMMs (tp
+    chunks) and the reduce-scatters pipelined beside the out-projection and MLP-out GEMMs, which
+    run on the SMs the scatter leaves them (``UB_SCATTER_SMS``); backward, the gathers of the
+    out-projection's and MLP-out's output gradients ring-exchanged beside their input-gradient
+    GEMMs, and for QKV and MLP-in the input's gather beside the input-gradient GEMM and the
+    input gradient's reduce-scatter beside the weight-gradient GEMM (bulk: whichever is longer).
+    The forward runs again under full recompute."""
+    t = lay.tp
+    tok = tokens_per_gpu(m, lay)
+    h, f = float(m.hidden), float(m.ffn)
+    kv_local = max(m.kv_heads / t, 1.0) * m.head_dim
+    qkv = rl.gemm(tok, h / t + 2 * kv_local, h)
+    mlp_in = rl.gemm(tok, f / t, h) * (m.mlp_matrices - 1)
+    outs = (rl.gemm(tok, h, h / t), rl.gemm(tok, h, f / t))  # out-projection, MLP-out
+    sms = cluster.accel.sms
+    fwd = pipelined_exposed(gather, qkv, t) + pipelined_exposed(gather, mlp_in, t)
+    for gemm, kept in zip(outs, UB_SCATTER_SMS, strict=True):
+        slow = gemm * (sms / (sms - kept) if sms > kept else 1.0)
+        fwd += pipelined_exposed(scatter, slow, UB_SPLITS) + slow - gemm
+    bwd = sum(pipelined_exposed(gather, g, t) for g in outs)
+    bwd += sum(max(0.0, c - g) for c, g in ((gather, qkv), (scatter, qkv),
+                                             (gather, mlp_in), (scatter, mlp_in)))
+    passes = RECOMPUTE_POLICIES.get(lay.recompute).tp_passes
+    return (passes - 1) * fwd + bwd
 
 
 def tokens_per_gpu(m: ModelShape, lay: Layout) -> float:
@@ -171,11 +215,15 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     # parallelism two reduce-scatter + all-gather pairs (the same bytes on a ring).
     msg = tok * h * rl.act_bytes
     if lay.seq_parallel:
-        pair = (reduce_scatter(msg, tp_group(lay), cluster, eff.network, "flat")
-                + all_gather(msg, tp_group(lay), cluster, eff.network, "flat"))
+        gather = all_gather(msg, tp_group(lay), cluster, eff.network, "flat")
+        scatter = reduce_scatter(msg, tp_group(lay), cluster, eff.network, "flat")
+        if lay.tp_comm_overlap and t > 1:
+            out.add("tp_comm", tp_overlap_exposed(m, lay, cluster, rl, gather, scatter))
+        else:
+            out.add("tp_comm", passes * 2 * (gather + scatter))
     else:
-        pair = all_reduce(msg, tp_group(lay), cluster, eff.network, "flat")
-    out.add("tp_comm", passes * 2 * pair)
+        out.add("tp_comm", passes * 2 * all_reduce(msg, tp_group(lay), cluster, eff.network,
+                                                   "flat"))
 
     # Context parallelism: a ring that passes each rank's K/V block around (cp - 1 steps),
     # overlapped with the attention blocks it feeds; backward passes K/V and their gradients.

@@ -44,6 +44,15 @@ OFFLOAD_BANDWIDTH = {"cpu": 25e9, "nvme": 3.5e9}
 
 # Dense FP8 tensor-core peaks (TFLOP/s) from the datasheets; hardware.csv has no fp8 column.
 FP8_PEAK_TFLOPS = {"H100-80GB": 1979.0, "H200-141GB": 1979.0}
+# Share of the dense peak the flash-attention kernels of the calibrated generation can draw on,
+# against an A100 (1.0; the fitted ``attention`` efficiency is an A100-era kernel's share of
+# peak). FlashAttention-2 reaches 50-73% of peak on an A100 (Dao 2023, abstract) but 35% on an
+# H100 (Shah et al. 2024, FlashAttention-3, abstract): its Ampere-style tensor-core instructions
+# leave Hopper's faster ones idle. 0.35 / 0.615 (the A100 range's middle) = 0.569.
+ATTENTION_PEAK_SHARE = {"H100-80GB": 0.35 / 0.615, "H200-141GB": 0.35 / 0.615}
+# Streaming multiprocessors (datasheets): a kernel that holds some of them slows the GEMMs that
+# run beside it (``compute.UB_SCATTER_SMS``).
+SM_COUNT = {"A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H200-141GB": 132}
 
 HARDWARE_COLUMNS = (
     "gpu", "peak_tflops_bf16", "peak_tflops_fp16", "hbm_gb", "hbm_gbs",
@@ -78,6 +87,8 @@ class Accelerator:
     is_cpu: bool = False
     mem_bw_total: float = 0.0  # CPU only: what all cores stream together (hbm_bw: one thread)
     mask_rate: float = 0.0  # CPU only: dropout-mask elements/s per rank; 0: fused (GPUs)
+    attention_share: float = 1.0  # ATTENTION_PEAK_SHARE: of the peak, what attention can use
+    sms: int = 0  # SM_COUNT; 0: unknown (no SM is reserved for communication)
 
     def peak(self, precision: str, key: str = "precision") -> float:
         if precision not in self.peak_flops:
@@ -163,6 +174,8 @@ def load_accelerators(path: str | Path | None = None) -> dict[str, Accelerator]:
             hbm_bw=_num(row, "hbm_gbs", at, problems) * 1e9,
             intra_bw=_num(row, "nvlink_gbs_per_gpu_bidirectional", at, problems) * 1e9 / 2,
             typical_inter_gbps=_num(row, "typical_inter_node_gbps_per_gpu", at, problems),
+            attention_share=ATTENTION_PEAK_SHARE.get(name, 1.0),
+            sms=SM_COUNT.get(name, 0),
         )
     if problems:
         raise UserError(problems)

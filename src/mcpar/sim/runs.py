@@ -32,6 +32,12 @@ RUN_COLUMNS = (
     "micro_batch", "recompute", "precision", "measured_step_s", "measured_tflops_per_gpu",
     "tflops_formula", "source",
 )
+# Columns a table may add after ``source``, each with the value a row without it means: what the
+# run's software did where stacks differ in a way the model prices (docs/cost_model.md).
+OPTIONAL_COLUMNS = {
+    "tp_comm_overlap": "false",  # tensor-parallel collectives pipelined with their GEMMs
+    "attention": "auto",  # the attention kernel: flash, unfused, or auto (see Layout)
+}
 PREDICTION_COLUMNS = (
     "predicted_step_s", "predicted_tflops_per_gpu", "predicted_mfu",
     "predicted_memory_gb_per_gpu", "predicted_comm_fraction", "predicted_bubble_fraction",
@@ -152,6 +158,17 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     if recompute is None:
         problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
                                                     " use none, selective or full"))
+    tp_overlap = _parse_bool(row.get("tp_comm_overlap") or OPTIONAL_COLUMNS["tp_comm_overlap"])
+    if tp_overlap is None:
+        problems.append(problem(f"{rid}.tp_comm_overlap",
+                                f"expected true or false, got {row.get('tp_comm_overlap')!r}"))
+    elif tp_overlap and not (sp and ints["tp"] > 1):
+        problems.append(problem(f"{rid}.tp_comm_overlap", "overlapping tensor-parallel "
+                                "collectives needs tp > 1 and seq_parallel; set it false"))
+    attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
+    if attention not in ("auto", "flash", "unfused"):
+        problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
+                                                    "use auto, flash or unfused"))
     if ints["pp"] * max(1, ints["vp"]) > MAX_STAGES:
         problems.append(problem(f"{rid}.pp", f"pp {ints['pp']} x vp {max(1, ints['vp'])} is "
                                              f"more than {MAX_STAGES} pipeline stages; give "
@@ -176,7 +193,8 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         tp=ints["tp"], pp=ints["pp"], vp=max(1, ints["vp"]), cp=max(1, ints["cp"]), dp=dp,
         ep=max(1, ints["ep"]), zero_stage=ints["zero_stage"], seq_parallel=bool(sp),
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
-        recompute=recompute, precision=precision,
+        recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
+        attention=attention,
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column
@@ -190,9 +208,12 @@ def parse_runs_text(text: str, where: str, accelerators: dict[str, Accelerator],
     read against it."""
     reader = csv.DictReader(io.StringIO(text))
     header = tuple(reader.fieldnames or ())
+    if header[:len(RUN_COLUMNS)] == RUN_COLUMNS and set(header[len(RUN_COLUMNS):]) <= set(
+            OPTIONAL_COLUMNS) and len(set(header)) == len(header):
+        header = RUN_COLUMNS  # the optional columns, after the required ones
     if header != RUN_COLUMNS:
         missing = [c for c in RUN_COLUMNS if c not in header]
-        extra = [c for c in header if c not in RUN_COLUMNS]
+        extra = [c for c in header if c not in RUN_COLUMNS and c not in OPTIONAL_COLUMNS]
         detail = []
         if missing:
             detail.append(f"missing {missing}")
@@ -326,8 +347,9 @@ def write_predictions(runs: list[Run], preds: list[Prediction], out: str | Path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=[*RUN_COLUMNS, *PREDICTION_COLUMNS],
-                                    lineterminator="\n")
+            optional = [c for c in OPTIONAL_COLUMNS if any(c in run.row for run in runs)]
+            writer = csv.DictWriter(fh, fieldnames=[*RUN_COLUMNS, *optional,
+                                                    *PREDICTION_COLUMNS], lineterminator="\n")
             writer.writeheader()
             for run, pred in zip(runs, preds, strict=True):
                 writer.writerow({**run.row, **prediction_columns(run, pred)})

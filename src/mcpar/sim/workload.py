@@ -71,6 +71,10 @@ class Layout:
     # Pipeline sends carry 1/tp of the activation, all-gathered over NVLink at the receiver
     # (Megatron's scatter-gather); False: the whole activation crosses.
     p2p_split: bool = True
+    # Tensor-parallel collectives split into chunks and pipelined with the GEMMs they feed or
+    # drain (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap; needs sequence
+    # parallelism). mcpar's runtime does not do it: only published rows that ran it set it.
+    tp_comm_overlap: bool = False
     # Mixed precision by autocast (PyTorch AMP, mcpar's bfloat16): fp32 weights, gradients and
     # residual stream, 16-bit matmul inputs and outputs. False: 16-bit weight copies beside fp32
     # master weights (Megatron, DeepSpeed), the residual stream in 16 bits.
