@@ -26,8 +26,10 @@ What it measures
        ``pp x v`` stages with ``cut_model``), one thread per process. With more processes than
        cores, ranks' compute slows each other down, so these figures are blurred (the JSON says so);
        ``step_time_s_median`` of each schedule is the other figure to compare there. Each rank's
-       peak activation bytes in the first timed step (the MemoryController's meter: what autograd
-       saves, and under a split what W's store keeps) are reported per schedule.
+       peak activation bytes in the first timed step (the MemoryController's meter, as a training
+       run measures them: what autograd saves, under a split what W's store keeps, and the
+       loss's transients) are reported per schedule, next to the memory estimate's bytes for
+       the same rank (``mcpar.sim.memory.rank_activations``) and their ratio.
 
 How to run
     python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--virtual 2] [--fwd-ms 20]
@@ -68,10 +70,11 @@ from torch_pipeline_real import run_torch_real_model
 
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
+from mcpar.config.loading import parse_config
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.plan import ComputePlan
 from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
-from mcpar.controllers.memory.measure import SavedBytes
+from mcpar.controllers.memory.measure import MemoryMeter
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
@@ -80,6 +83,8 @@ from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
 from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.memory import rank_activations
 from mcpar.topology import ParallelDims
 
 FIXED_SHAPE = (4, 16, 8)  # micro-batch, seq, hidden of the fixed-cost stages: tiny on purpose
@@ -206,27 +211,24 @@ class FixedCostStage(nn.Module):
 
 def measure(executor: PipelineExecutor, tasks: list[Task],
             make_batches: Callable[[], tuple[list, list]],
-            warmup: int, repeats: int, params: list[nn.Parameter] | None = None) -> dict:
+            warmup: int, repeats: int, meter: MemoryMeter | None = None) -> dict:
     """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier;
-    with ``params``, every rank's peak activation bytes of the first timed step."""
+    with ``meter``, every rank's peak activation bytes of the first timed step (the
+    MemoryController's meter, as a training run measures them: what autograd saves, what W's
+    store keeps, and the loss's transients)."""
     pp = dist.get_world_size()
     idle, step_s = [], []
     activations: list[int] | None = None
     for n in range(warmup + repeats):
         inputs, targets = make_batches()
-        saved = None
-        if params is not None and n == warmup:
-            saved = SavedBytes(lambda: {p.untyped_storage().data_ptr() for p in params})
-        store = executor.weight_grads
-        if saved is not None and store is not None:
-            store.pack, store.unpack = saved.pack, saved.unpack
+        measured = meter is not None and n == warmup
         dist.barrier()
-        with saved.hooks() if saved is not None else contextlib.nullcontext():
+        with meter.step() if measured else contextlib.nullcontext():  # type: ignore[union-attr]
             executor.run(inputs if executor.holds_first_stage else None,
                          targets if executor.holds_last_stage else None, tasks)
-        if saved is not None:
+        if measured:
             peaks = [None] * pp
-            dist.all_gather_object(peaks, saved.peak)
+            dist.all_gather_object(peaks, meter.activations)  # type: ignore[union-attr]
             activations = [int(p) for p in peaks]  # type: ignore[arg-type]
         stats = executor.last_stats
         step = torch.tensor([stats.total_s], dtype=torch.float64)
@@ -298,16 +300,24 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
         for chunk in chunks if store is not None else []:
             # As the ComputeController's plan splits it: the head keeps its whole backward.
             split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
+        meter = MemoryMeter([p for chunk in chunks for p in chunk.parameters()],
+                            torch.device("cpu"))
+        meter.weight_grads = store
         executor = PipelineExecutor(list(chunks), rank, pp, comm, m, (*shape, args.hidden),
-                                    loss_fn, torch.device("cpu"), weight_grads=store,
-                                    **placement(schedule, rank, pp, m, v))
-        params = [p for chunk in chunks for p in chunk.parameters()]
+                                    meter.wrap_loss(loss_fn), torch.device("cpu"),
+                                    weight_grads=store, **placement(schedule, rank, pp, m, v))
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats, params)
+                         args.repeats, meter)
         model.zero_grad(set_to_none=True)
         expected = theory(schedule, pp, m, v)
+        estimate = estimated_activations(args, schedule, v)
+        measured = result["peak_activation_bytes_per_rank"]
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,
-                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
+                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected),
+                         "estimated_activation_bytes_per_rank": [round(e) for e in estimate],
+                         "estimate_over_measured_per_rank":
+                             [e / x for e, x in zip(estimate, measured, strict=True)],
+                         "estimate_over_measured_peak": max(estimate) / max(measured)}
         log(f"real model {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
     return {
         "model": {"layers": args.layers, "hidden": args.hidden, "seq_len": args.seq,
@@ -318,6 +328,21 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
                  "and output head, so stages are neither equal nor fixed in cost and these "
                  "idle fractions only roughly follow theory"),
     }
+
+
+def estimated_activations(args: argparse.Namespace, schedule: str, v: int) -> list[float]:
+    """The memory estimate's activation bytes of each pipeline rank at its peak
+    (``mcpar.sim.memory.rank_activations``, which ``mcpar check`` and the planner price with),
+    for the real model's config on this layout."""
+    cfg = parse_config({
+        "model": {"kind": "gpt", "num_layers": args.layers, "hidden_size": args.hidden,
+                  "num_heads": max(1, args.hidden // 32), "seq_len": args.seq},
+        "parallelism": {"pipeline": args.pp, "data": 1, "schedule": schedule,
+                        "virtual_stages": v},
+        "optimization": {"micro_batch_size": args.micro_batch_size,
+                         "gradient_accumulation": args.micro},
+        "training": {"device": "cpu", "dtype": "float32"}})
+    return rank_activations(config_model(cfg), config_layout(cfg, args.pp))
 
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
@@ -364,6 +389,10 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
             name: max(r["peak_activation_bytes_per_rank"])
             / max(real["schedules"]["1f1b"]["peak_activation_bytes_per_rank"])
             for name, r in real["schedules"].items()},
+        # The memory estimate (``sim.memory.rank_activations``) over the measured peak, on
+        # the busiest rank of each schedule.
+        "real_model_estimate_over_measured_peak": None if real is None else {
+            name: r["estimate_over_measured_peak"] for name, r in real["schedules"].items()},
         "torch_version": torch.__version__,
     }
     Path(args.result_file).write_text(json.dumps(result))

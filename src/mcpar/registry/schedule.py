@@ -7,8 +7,9 @@ gradients that chunk's B deferred), its rule for the degrees it runs with, and i
 memory terms. The terms have defaults derived from the actions themselves, so a new schedule is
 priced by the cost model and held to its in-flight activations by the memory estimate with no
 formula of its own: ``span`` replays the actions (``replay``), ``in_flight`` counts the forwards
-whose backward (under a split: whose W) has not run yet. The built-ins override them with their
-closed forms where one exists.
+whose backward (under a split: whose W) has not run yet, and ``head_in_flight`` the
+micro-batches whose loss the last stage keeps (from its forward to its B). The built-ins
+override them with their closed forms where one exists.
 
 Layout: with ``pp`` ranks and ``v`` chunks per rank the model is cut into ``pp * v`` global
 stages, placed by the schedule's ``placement`` (``placed_stage``, the one rule for the runtime,
@@ -147,6 +148,26 @@ class PipelineSchedule(ABC):
         # holds (every built-in but GPipe, which has its own): counted there for a large m.
         m = min(num_microbatches, replayed_microbatches(pp, virtual_stages))
         return _peak_in_flight(self, pp, pp_rank, m, virtual_stages)
+
+
+    def head_in_flight(self, pp: int, num_microbatches: int, virtual_stages: int) -> int:
+        """Micro-batches whose loss the rank of the last stage holds at once: from the last
+        stage's forward to its backward (the head keeps its whole backward in B under a split,
+        so W does not hold it). Counted from that rank's actions."""
+        m = min(num_microbatches, replayed_microbatches(pp, virtual_stages))
+        return _peak_head_in_flight(self, pp, m, virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_head_in_flight(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
+    last = pp * v - 1
+    rank = stage_rank(last, pp, schedule.placement)
+    held = peak = 0
+    for a in schedule.actions(rank, pp, m, v):
+        if schedule.stage_of(a.chunk, rank, pp, v) == last and a.kind in "FB":
+            held += 1 if a.kind == "F" else -1
+            peak = max(peak, held)
+    return peak
 
 
 @functools.lru_cache(maxsize=4096)
