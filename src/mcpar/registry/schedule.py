@@ -71,6 +71,25 @@ class Action:
     micro: int  # micro-batch index
 
 
+@dataclass(frozen=True)
+class ActionCosts:
+    """Measured seconds of one chunk's actions on each pipeline rank, ``per_rank[r]`` =
+    (forward, B, W) (an unsplit backward is B + W), and of a message between two ranks (its
+    time on the wire and the receiver's wake-up). A schedule that follows measured costs
+    (``PipelineSchedule.costed_actions``) builds its order from them."""
+
+    per_rank: tuple[tuple[float, float, float], ...]
+    latency: float = 0.0
+
+    @classmethod
+    def uniform(cls, pp: int, forward: float, backward_input: float, weight: float,
+                latency: float = 0.0) -> ActionCosts:
+        return cls(((forward, backward_input, weight),) * pp, latency)
+
+    def of(self, rank: int, kind: str) -> float:
+        return self.per_rank[rank]["FBW".index(kind)]
+
+
 class PipelineSchedule(ABC):
     """A pipeline schedule. Subclasses set ``name``, ``multi_chunk`` and ``actions``."""
 
@@ -115,14 +134,27 @@ class PipelineSchedule(ABC):
                 virtual_stages: int) -> list[Action]:
         """Rank `pp_rank`'s ordered actions for one step (every schedule defines its own)."""
 
+    def costed_actions(self, pp_rank: int, pp: int, num_microbatches: int,
+                       virtual_stages: int, costs: ActionCosts) -> list[Action]:
+        """The rank's actions when each action's measured cost is known (``costs``); a
+        schedule whose order does not depend on them returns ``actions``."""
+        return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
+
     def checked_actions(self, pp_rank: int, pp: int, num_microbatches: int,
-                        virtual_stages: int = 1) -> list[Action]:
-        """``actions``, after the schedule's rule and the rank's range are checked."""
+                        virtual_stages: int = 1,
+                        costs: ActionCosts | None = None) -> list[Action]:
+        """``actions`` (``costed_actions`` with ``costs``), after the schedule's rule and the
+        rank's range are checked."""
         found = self.problem(pp, num_microbatches, virtual_stages)
         if found is not None:
             raise ValueError(found[1])
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank {pp_rank} is outside the pipeline of {pp} ranks")
+        if costs is not None:
+            if len(costs.per_rank) != pp:
+                raise ValueError(f"measured costs of {len(costs.per_rank)} ranks for a "
+                                 f"pipeline of {pp}")
+            return self.costed_actions(pp_rank, pp, num_microbatches, virtual_stages, costs)
         return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
 
     def span(self, num_microbatches: int, w_max: float, w_sum: float, rank_work: list[float],
