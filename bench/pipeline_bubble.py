@@ -73,7 +73,8 @@ from mcpar.config import ModelConfig
 from mcpar.config.loading import parse_config
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.plan import ComputePlan
-from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
+from mcpar.controllers.compute.schedules import build_schedule, schedule_problem, step_tasks
+from mcpar.controllers.compute.zero_bubble import MESSAGE_LATENCY
 from mcpar.controllers.memory.measure import MemoryMeter
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
@@ -82,7 +83,12 @@ from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import (
+    SCHEDULES,
+    ActionCosts,
+    critical_path,
+    order_graph,
+)
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import rank_activations
 from mcpar.topology import ParallelDims
@@ -98,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
     p.add_argument("--fwd-ms", type=float, default=20.0,
                    help="fixed forward cost of one rank's work per micro-batch (ms)")
+    p.add_argument("--b-ratio", type=float, default=1.0,
+                   help="fixed-cost stages: B's cost over the forward's (split schedules; an "
+                        "unsplit backward costs B + W)")
+    p.add_argument("--w-ratio", type=float, default=1.0,
+                   help="fixed-cost stages: W's cost over the forward's")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per schedule")
     p.add_argument("--layers", type=int, default=8, help="real model: transformer blocks")
@@ -121,8 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "micro_batch_size", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0 or args.fwd_ms <= 0:
-        p.error("--warmup must be >= 0 and --fwd-ms > 0")
+    if args.warmup < 0 or args.fwd_ms <= 0 or args.b_ratio <= 0 or args.w_ratio <= 0:
+        p.error("--warmup must be >= 0 and --fwd-ms, --b-ratio, --w-ratio > 0")
+    if (args.b_ratio, args.w_ratio) != (1.0, 1.0) and not args.skip_torch_peer:
+        p.error("torch's fixed-cost stages sleep B = W = F: with --b-ratio or --w-ratio, "
+                "pass --skip-torch-peer")
     for schedule, v in schedules(args):
         reason = schedule_problem(schedule, args.pp, args.micro, v)
         if reason is not None:
@@ -138,22 +152,33 @@ def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
             ("zb_h2", 1), ("zbv", 2)]
 
 
-def theory(schedule: str, pp: int, m: int, v: int) -> float:
-    """Mean idle fraction of equal stages with backward = 2 x forward (B = W = F when split)."""
-    span = replay(SCHEDULES.get(schedule), [3.0] * pp, m, v, 1 / 3)
-    return 1 - 3.0 * m / span
+def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
+           w_ratio: float = 1.0, costs: ActionCosts | None = None) -> float:
+    """Mean idle fraction of equal stages whose forward costs 1, B ``b_ratio`` and W
+    ``w_ratio`` (an unsplit backward both), messages free: the critical path of the
+    schedule's orders (built at ``costs`` when given)."""
+    entry = SCHEDULES.get(schedule)
+    orders = [build_schedule(schedule, r, pp, m, v, costs) for r in range(pp)]
+    graph = order_graph(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
+                        pp * v - 1, schedule)
+    per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
+                "W": w_ratio / v}
+    span = critical_path(graph, lambda r, kind: per_kind[kind])
+    return 1 - m * (1 + b_ratio + w_ratio) / span
 
 
 def splits(schedule: str) -> bool:
     return SCHEDULES.get(schedule).splits_backward
 
 
-def placement(schedule: str, rank: int, pp: int, m: int, v: int) -> dict:
+def placement(schedule: str, rank: int, pp: int, m: int, v: int,
+              costs: ActionCosts | None = None) -> dict:
     """The executor's stage placement and receive order, as the ComputeController's plan
     gives them."""
     plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                        micro_batch_size=1, num_microbatches=m, global_batch_size=m,
-                       stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
+                       stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
+                       action_costs=costs)
     return {"stages": plan.stages_of(rank), "stage_ranks": plan.stage_ranks(),
             "send_order": plan.send_order(rank)}
 
@@ -192,13 +217,15 @@ class _SleepInBackward(torch.autograd.Function):
 
 
 class FixedCostStage(nn.Module):
-    """A stage whose forward sleeps `fwd_s` and whose backward sleeps twice that (``split``: B
-    sleeps `fwd_s`, and its W, ``SleepingWeightGrads``, as much)."""
+    """A stage whose forward sleeps `fwd_s` and whose backward ``b_ratio + w_ratio`` times
+    that (``split``: B sleeps ``b_ratio`` of it, and its W, ``SleepingWeightGrads``,
+    ``w_ratio``)."""
 
-    def __init__(self, fwd_s: float, first: bool, split: bool = False):
+    def __init__(self, fwd_s: float, first: bool, split: bool = False, b_ratio: float = 1.0,
+                 w_ratio: float = 1.0):
         super().__init__()
         self.fwd_s = fwd_s
-        self.bwd_s = fwd_s if split else 2 * fwd_s
+        self.bwd_s = fwd_s * (b_ratio if split else b_ratio + w_ratio)
         self.embed = nn.Embedding(FIXED_VOCAB, FIXED_SHAPE[-1]) if first else None
         self.mix = nn.Linear(FIXED_SHAPE[-1], FIXED_SHAPE[-1])  # the weight W computes
 
@@ -254,25 +281,58 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
         inputs = [torch.randint(0, FIXED_VOCAB, FIXED_SHAPE[:2], generator=gen) for _ in range(m)]
         return inputs, [torch.zeros(FIXED_SHAPE) for _ in range(m)]
 
-    out = {}
-    for schedule, v in schedules(args):
+    def run(schedule: str, v: int, costs: ActionCosts | None = None) -> tuple[dict, list]:
         fwd_s = args.fwd_ms / 1000 / v
         stages = [SCHEDULES.get(schedule).stage_of(c, rank, pp, v) for c in range(v)]
         chunks: list[nn.Module] = [
-            FixedCostStage(fwd_s, first=stage == 0, split=splits(schedule)) for stage in stages]
-        store = SleepingWeightGrads(fwd_s) if splits(schedule) else None
+            FixedCostStage(fwd_s, first=stage == 0, split=splits(schedule),
+                           b_ratio=args.b_ratio, w_ratio=args.w_ratio) for stage in stages]
+        store = SleepingWeightGrads(fwd_s * args.w_ratio) if splits(schedule) else None
         for chunk in chunks if store is not None else []:
             split_weight_grads(chunk, store)
         executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
                                     F.mse_loss, torch.device("cpu"), weight_grads=store,
-                                    **placement(schedule, rank, pp, m, v))
-        result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats)
-        expected = theory(schedule, pp, m, v)
-        out[schedule] = {"virtual_stages": v, **result, "theory": expected,
-                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
-        log(f"fixed cost {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
+                                    **placement(schedule, rank, pp, m, v, costs))
+        result = measure(executor, step_tasks(schedule, rank, pp, m, v, costs=costs), batches,
+                         args.warmup, args.repeats)
+        expected = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs)
+        return ({"virtual_stages": v, **result, "theory": expected,
+                 "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)},
+                executor.last_stats.actions)
+
+    out = {}
+    for schedule, v in schedules(args):
+        out[schedule], actions = run(schedule, v)
+        log(f"fixed cost {schedule}: idle {out[schedule]['idle_fraction']:.3f}, "
+            f"theory {out[schedule]['theory']:.3f}")
+        if schedule in COSTED:
+            # The order built from the costs this run measured: each rank's median F, B and
+            # W of its last step, every rank's gathered.
+            costs = measured_costs(actions, pp)
+            name = f"{schedule}@measured_costs"
+            out[name], _ = run(schedule, v, costs)
+            out[name]["action_costs_s"] = [list(c) for c in costs.per_rank]
+            out[name]["message_latency_s"] = costs.latency
+            log(f"fixed cost {name}: idle {out[name]['idle_fraction']:.3f}, "
+                f"theory {out[name]['theory']:.3f}")
     return out
+
+
+# The split schedules whose order follows measured costs: each runs again with them.
+COSTED = ("zb_h2", "zbv")
+
+
+def measured_costs(actions: list[tuple[str, int, int, float, float]], pp: int) -> ActionCosts:
+    """Every rank's median seconds of a chunk's F, B and W in the step ``actions`` timed
+    (the executor's ``last_stats.actions``: kind, chunk, micro-batch, begin, end), gathered
+    from all ranks; a message priced at ``MESSAGE_LATENCY`` of the slowest median forward
+    (the latency the unit-cost order is built with)."""
+    mine = tuple(statistics.median(end - begin for kind, _c, _k, begin, end in actions
+                                   if kind == part) for part in "FBW")
+    per_rank: list = [None] * pp
+    dist.all_gather_object(per_rank, mine)
+    latency = MESSAGE_LATENCY * max(r[0] for r in per_rank)
+    return ActionCosts(tuple(tuple(r) for r in per_rank), latency)
 
 
 def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> dict:
