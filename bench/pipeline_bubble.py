@@ -535,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict | None = None
     rounds: list[tuple[dict, dict]] = []
     real_rounds: list[tuple[dict, dict]] = []
+    fixed_rounds: list[dict] = []
     for n in range(args.rounds):
         worker_argv = argv_out
         with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             this_round = json.loads(Path(result_file).read_text())
         result = result or this_round
+        fixed_rounds.append(this_round["fixed_cost"])
         if not args.skip_torch_peer:
             # Right after mcpar's, on fresh processes, the same stages and costs.
             print(f"pipeline_bubble: round {n + 1}: torch's schedules on the same stages",
@@ -563,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("torch_real_model", peer_real)
                 real_rounds.append((this_round["real_model"]["schedules"], peer_real))
     assert result is not None
+    # Every schedule's fixed-cost bubble, round by round (median, min, max).
+    result["fixed_cost_bubble_rounds"] = _spread(
+        {name: [r[name]["idle_fraction"] for r in fixed_rounds] for name in fixed_rounds[0]})
+    result["machine"] = (f"{os.cpu_count()} cores, shared with other jobs while it ran: "
+                         "timings are noisy, compare within a round")
     if rounds:
         result["against_torch"] = against_torch(rounds)
     if real_rounds:
