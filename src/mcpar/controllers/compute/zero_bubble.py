@@ -10,7 +10,10 @@ idle while a gradient travels back runs a pending W instead.
   late, and its last ``i`` W's in the drain, where 1F1B idles. With F = B = W the step lasts
   ``3m + p - 1`` unit costs, a bubble of ``(p-1)/(3m+p-1)`` (1F1B's is ``(p-1)/(m+p-1)`` with
   the same units), i.e. a third of 1F1B's at large m. Activations: counted held until W, rank
-  ``i`` holds ``min(p, m)`` micro-batches at its peak, the peak of 1F1B's first rank.
+  ``i`` holds ``min(p, m)`` micro-batches at its peak, the peak of 1F1B's first rank; the last
+  rank holds the head's input and loss beside them (1.06x 1F1B's peak on the bubble bench's
+  GPT at p = 4, m 8). A lag of ``p - 2`` there would hold ``p - 1`` but replays one unit
+  longer (28 against 27 at p = 4, m = 8).
 - ``zb_h2``: more warm-up forwards (``2(p - i) - 2`` on rank ``i``, up to ``2p - 1`` micro-batches
   held on the first rank) and each W ``2i`` backwards late, so a rank has W's in hand to fill
   the waits that a backward costlier than its W opens. With a step that ends at a synchronized
@@ -38,20 +41,25 @@ idle while a gradient travels back runs a pending W instead.
     pending W. It packs F's and B's back to back, which wins at few micro-batches (p = 4,
     m = 2: 19 unit costs against 21) but leaves no slack for a message's latency.
   All hold at most ``2p`` chunk activations on a rank (``p`` micro-batches of the whole rank:
-  1F1B's first-rank memory). Without measured costs (``actions``) the costs are one unit per
-  action and ``MESSAGE_LATENCY`` units per message: a step of the bench's fixed-cost stages
-  (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1 ms per message;
-  there the phased order replays 52.3 units, the greedy 53.4 and the filled one 51.9 (all 51
-  without latency). With measured costs (``costed_actions``: ``ActionCosts``, the seconds of
-  each rank's F, B and W and of a message) the order is built at those: with B = 1.2 F and
-  W = 0.5 F the order built at them replays 1.4% shorter than the unit-cost one at p = 4,
-  m = 8 and 1.0% at p = 8, m = 16 (0.1 F a message; tested). At
-  F = B = W the V's bound before a synchronized optimizer step is ``3m + (p-1)/2`` unit
-  costs (the last rank's fill is half a forward per rank: the chunks are half the work): a
-  bubble of 5.9% at p = 4, m = 8. A rank may read a peer's messages in another order than the
-  peer sends them (a V's two chunks talk to the same neighbour); the executor then posts its
-  receives in the sender's order (``ComputePlan.send_order``), which a backend that matches
-  messages by order, not tag (NCCL), needs.
+  1F1B's first-rank memory); rank 0 reaches it while it also holds the head's input and loss for
+  one micro-batch (the V puts the last stage there), so its peak is 1F1B's plus the head's:
+  1.06x on the bubble bench's GPT at p = 4, m = 8 (71.6 MB against 67.4; its other ranks 67.9).
+  An order that holds ``2p - 1`` on rank 0 (the unit-cost greedy with that cap) measured 63.1 MB
+  there (0.94x) but replays 3.3% longer at unit costs with latency and 17% longer at B = 1.2 F,
+  W = 0.5 F, so it is not among the candidates. Without measured costs (``actions``) the costs
+  are one unit per action and ``MESSAGE_LATENCY`` units per message: a step of the bench's
+  fixed-cost stages (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1
+  ms per message; there the phased order replays 52.3 units, the greedy 53.4 and the filled one
+  51.9 (all 51 without latency). With measured costs (``costed_actions``: ``ActionCosts``, the
+  seconds of each rank's F, B and W and of a message) the order is built at those: with B = 1.2
+  F and W = 0.5 F the order built at them replays 1.4% shorter than the unit-cost one at p = 4,
+  m = 8 and 1.0% at p = 8, m = 16 (0.1 F a message; tested). At F = B = W the V's bound before a
+  synchronized optimizer step is ``3m + (p-1)/2`` unit costs (the last rank's fill is half a
+  forward per rank: the chunks are half the work): a bubble of 5.9% at p = 4, m = 8. A rank may
+  read a peer's messages in another order than the peer sends them (a V's two chunks talk to the
+  same neighbour); the executor then posts its receives in the sender's order
+  (``ComputePlan.send_order``), which a backend that matches messages by order, not tag (NCCL),
+  needs.
 - ZB-H2 with measured costs: its orders and the same fill of its W's at the costs, the
   shorter kept (``costed_orders``).
 
@@ -398,7 +406,7 @@ class ZBV(PipelineSchedule):
     splits_backward = True
     placement = "v"
     summary = ("zero bubble V: two chunks per rank in a V (rank i: stages i and 2p-1-i), the "
-               "backward split; 1F1B's first-rank memory")
+               "backward split; 1F1B's first-rank memory, and the head's on rank 0")
 
     def problem(self, pp: int, m: int, v: int) -> tuple[str, str] | None:
         found = super().problem(pp, m, v)
