@@ -11,17 +11,21 @@ What it measures
     rank repeats with that period, so this is the share of each rank's time lost to the bubble.)
     The figure is the mean over ranks and over ``--repeats`` steps, after ``--warmup`` steps.
 
-    Theory, with backward = 2 x forward (B = W = forward under a split) and equal stages: the
-    registry's replay of each schedule's orders (``mcpar.registry.schedule.replay``), which is
-    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v m + p-1)`` for the interleaved schedule and
-    ``(p-1)/(3m + p-1)`` for ZB-H1 (m >= p).
+    Theory, with B = ``--b-ratio`` and W = ``--w-ratio`` forwards (an unsplit backward both;
+    1 and 1 by default), equal stages and free messages: the critical path of each schedule's
+    orders, which at the defaults is ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+    ``(p-1)/(v m + p-1)`` for the interleaved schedule and ``(p-1)/(3m + p-1)`` for ZB-H1
+    (m >= p).
 
     1. fixed_cost: every stage's work has a fixed cost, independent of CPU contention: its forward
        sleeps ``--fwd-ms / v`` and its backward (an autograd Function) twice that, so a rank's work
        per micro-batch is the same for any v, and ``--pp`` processes sharing few cores cannot blur
        the schedule; under a split schedule B sleeps the forward's time and W (a tiny linear
-       layer's deferred weight gradient, then a sleep) as much. This is the check of the
-       schedules and of the executor's overheads.
+       layer's deferred weight gradient, then a sleep) as much (``--b-ratio`` and
+       ``--w-ratio`` times it). This is the check of the schedules and of the executor's
+       overheads. ZB-H2 and ZBV then run again as ``<name>@measured_costs``, their order built
+       from each rank's median F, B and W of the run just measured (``ActionCosts``; a
+       message priced at ``MESSAGE_LATENCY`` of a forward).
     2. real_model: the same schedules on GPT stages (``--layers`` blocks cut evenly into
        ``pp x v`` stages with ``cut_model``), one thread per process. With more processes than
        cores, ranks' compute slows each other down, so these figures are blurred (the JSON says so);
