@@ -13,8 +13,10 @@ What it measures
       - ``action_overrun``: what they took beyond (the sleep's overshoot, the stage's own ops);
       - ``message_wait``: from the producing action's end to the start of its consumer, on
         another rank (send, receive, the receiver's wake-up);
-      - ``local_gap``: from the previous action's end to the start, where the input was in
-        (the executor's own work between two tasks: posting sends and receives);
+      - ``local_gap``: from the previous action's end to the start, where the action whose
+        output it takes had ended before that: the executor's work between two tasks
+        (posting sends and receives), and the tail of a message its producer sent after its
+        task ended (the trace times tasks, not sends, so the two are not told apart);
       - ``start`` and ``end``: before the first action, and after the last one until the
         slowest rank's step ends (waiting for sends, the end of the step).
     Each figure is the median over the steps, in ms and in units of a forward; the local gaps
