@@ -11,23 +11,29 @@ What it measures
     rank repeats with that period, so this is the share of each rank's time lost to the bubble.)
     The figure is the mean over ranks and over ``--repeats`` steps, after ``--warmup`` steps.
 
-    Theory, with backward = 2 x forward (B = W = forward under a split) and equal stages: the
-    registry's replay of each schedule's orders (``mcpar.registry.schedule.replay``), which is
-    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v m + p-1)`` for the interleaved schedule and
-    ``(p-1)/(3m + p-1)`` for ZB-H1 (m >= p).
+    Theory, with B = ``--b-ratio`` and W = ``--w-ratio`` forwards (an unsplit backward both;
+    1 and 1 by default), equal stages and free messages: the critical path of each schedule's
+    orders, which at the defaults is ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+    ``(p-1)/(v m + p-1)`` for the interleaved schedule and ``(p-1)/(3m + p-1)`` for ZB-H1
+    (m >= p).
 
     1. fixed_cost: every stage's work has a fixed cost, independent of CPU contention: its forward
        sleeps ``--fwd-ms / v`` and its backward (an autograd Function) twice that, so a rank's work
        per micro-batch is the same for any v, and ``--pp`` processes sharing few cores cannot blur
        the schedule; under a split schedule B sleeps the forward's time and W (a tiny linear
-       layer's deferred weight gradient, then a sleep) as much. This is the check of the
-       schedules and of the executor's overheads.
+       layer's deferred weight gradient, then a sleep) as much (``--b-ratio`` and
+       ``--w-ratio`` times it). This is the check of the schedules and of the executor's
+       overheads. ZB-H2 and ZBV then run again as ``<name>@measured_costs``, their order built
+       from each rank's median F, B and W of the run just measured (``ActionCosts``; a
+       message priced at ``MESSAGE_LATENCY`` of a forward).
     2. real_model: the same schedules on GPT stages (``--layers`` blocks cut evenly into
        ``pp x v`` stages with ``cut_model``), one thread per process. With more processes than
        cores, ranks' compute slows each other down, so these figures are blurred (the JSON says so);
        ``step_time_s_median`` of each schedule is the other figure to compare there. Each rank's
-       peak activation bytes in the first timed step (the MemoryController's meter: what autograd
-       saves, and under a split what W's store keeps) are reported per schedule.
+       peak activation bytes in the first timed step (the MemoryController's meter, as a training
+       run measures them: what autograd saves, under a split what W's store keeps, and the
+       loss's transients) are reported per schedule, next to the memory estimate's bytes for
+       the same rank (``mcpar.sim.memory.rank_activations``) and their ratio.
 
 How to run
     python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--virtual 2] [--fwd-ms 20]
@@ -68,10 +74,12 @@ from torch_pipeline_real import run_torch_real_model
 
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
+from mcpar.config.loading import parse_config
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.plan import ComputePlan
-from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
-from mcpar.controllers.memory.measure import SavedBytes
+from mcpar.controllers.compute.schedules import build_schedule, schedule_problem, step_tasks
+from mcpar.controllers.compute.zero_bubble import MESSAGE_LATENCY
+from mcpar.controllers.memory.measure import MemoryMeter
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
@@ -79,7 +87,14 @@ from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import (
+    SCHEDULES,
+    ActionCosts,
+    critical_path,
+    order_graph,
+)
+from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.memory import rank_activations
 from mcpar.topology import ParallelDims
 
 FIXED_SHAPE = (4, 16, 8)  # micro-batch, seq, hidden of the fixed-cost stages: tiny on purpose
@@ -93,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
     p.add_argument("--fwd-ms", type=float, default=20.0,
                    help="fixed forward cost of one rank's work per micro-batch (ms)")
+    p.add_argument("--b-ratio", type=float, default=1.0,
+                   help="fixed-cost stages: B's cost over the forward's (split schedules; an "
+                        "unsplit backward costs B + W)")
+    p.add_argument("--w-ratio", type=float, default=1.0,
+                   help="fixed-cost stages: W's cost over the forward's")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per schedule")
     p.add_argument("--layers", type=int, default=8, help="real model: transformer blocks")
@@ -116,8 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "micro_batch_size", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0 or args.fwd_ms <= 0:
-        p.error("--warmup must be >= 0 and --fwd-ms > 0")
+    if args.warmup < 0 or args.fwd_ms <= 0 or args.b_ratio <= 0 or args.w_ratio <= 0:
+        p.error("--warmup must be >= 0 and --fwd-ms, --b-ratio, --w-ratio > 0")
+    if (args.b_ratio, args.w_ratio) != (1.0, 1.0) and not args.skip_torch_peer:
+        p.error("torch's fixed-cost stages sleep B = W = F: with --b-ratio or --w-ratio, "
+                "pass --skip-torch-peer")
     for schedule, v in schedules(args):
         reason = schedule_problem(schedule, args.pp, args.micro, v)
         if reason is not None:
@@ -133,22 +156,33 @@ def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
             ("zb_h2", 1), ("zbv", 2)]
 
 
-def theory(schedule: str, pp: int, m: int, v: int) -> float:
-    """Mean idle fraction of equal stages with backward = 2 x forward (B = W = F when split)."""
-    span = replay(SCHEDULES.get(schedule), [3.0] * pp, m, v, 1 / 3)
-    return 1 - 3.0 * m / span
+def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
+           w_ratio: float = 1.0, costs: ActionCosts | None = None) -> float:
+    """Mean idle fraction of equal stages whose forward costs 1, B ``b_ratio`` and W
+    ``w_ratio`` (an unsplit backward both), messages free: the critical path of the
+    schedule's orders (built at ``costs`` when given)."""
+    entry = SCHEDULES.get(schedule)
+    orders = [build_schedule(schedule, r, pp, m, v, costs) for r in range(pp)]
+    graph = order_graph(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
+                        pp * v - 1, schedule)
+    per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
+                "W": w_ratio / v}
+    span = critical_path(graph, lambda r, kind: per_kind[kind])
+    return 1 - m * (1 + b_ratio + w_ratio) / span
 
 
 def splits(schedule: str) -> bool:
     return SCHEDULES.get(schedule).splits_backward
 
 
-def placement(schedule: str, rank: int, pp: int, m: int, v: int) -> dict:
+def placement(schedule: str, rank: int, pp: int, m: int, v: int,
+              costs: ActionCosts | None = None) -> dict:
     """The executor's stage placement and receive order, as the ComputeController's plan
     gives them."""
     plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                        micro_batch_size=1, num_microbatches=m, global_batch_size=m,
-                       stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
+                       stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
+                       action_costs=costs)
     return {"stages": plan.stages_of(rank), "stage_ranks": plan.stage_ranks(),
             "send_order": plan.send_order(rank)}
 
@@ -187,13 +221,15 @@ class _SleepInBackward(torch.autograd.Function):
 
 
 class FixedCostStage(nn.Module):
-    """A stage whose forward sleeps `fwd_s` and whose backward sleeps twice that (``split``: B
-    sleeps `fwd_s`, and its W, ``SleepingWeightGrads``, as much)."""
+    """A stage whose forward sleeps `fwd_s` and whose backward ``b_ratio + w_ratio`` times
+    that (``split``: B sleeps ``b_ratio`` of it, and its W, ``SleepingWeightGrads``,
+    ``w_ratio``)."""
 
-    def __init__(self, fwd_s: float, first: bool, split: bool = False):
+    def __init__(self, fwd_s: float, first: bool, split: bool = False, b_ratio: float = 1.0,
+                 w_ratio: float = 1.0):
         super().__init__()
         self.fwd_s = fwd_s
-        self.bwd_s = fwd_s if split else 2 * fwd_s
+        self.bwd_s = fwd_s * (b_ratio if split else b_ratio + w_ratio)
         self.embed = nn.Embedding(FIXED_VOCAB, FIXED_SHAPE[-1]) if first else None
         self.mix = nn.Linear(FIXED_SHAPE[-1], FIXED_SHAPE[-1])  # the weight W computes
 
@@ -206,27 +242,24 @@ class FixedCostStage(nn.Module):
 
 def measure(executor: PipelineExecutor, tasks: list[Task],
             make_batches: Callable[[], tuple[list, list]],
-            warmup: int, repeats: int, params: list[nn.Parameter] | None = None) -> dict:
+            warmup: int, repeats: int, meter: MemoryMeter | None = None) -> dict:
     """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier;
-    with ``params``, every rank's peak activation bytes of the first timed step."""
+    with ``meter``, every rank's peak activation bytes of the first timed step (the
+    MemoryController's meter, as a training run measures them: what autograd saves, what W's
+    store keeps, and the loss's transients)."""
     pp = dist.get_world_size()
     idle, step_s = [], []
     activations: list[int] | None = None
     for n in range(warmup + repeats):
         inputs, targets = make_batches()
-        saved = None
-        if params is not None and n == warmup:
-            saved = SavedBytes(lambda: {p.untyped_storage().data_ptr() for p in params})
-        store = executor.weight_grads
-        if saved is not None and store is not None:
-            store.pack, store.unpack = saved.pack, saved.unpack
+        measured = meter is not None and n == warmup
         dist.barrier()
-        with saved.hooks() if saved is not None else contextlib.nullcontext():
+        with meter.step() if measured else contextlib.nullcontext():  # type: ignore[union-attr]
             executor.run(inputs if executor.holds_first_stage else None,
                          targets if executor.holds_last_stage else None, tasks)
-        if saved is not None:
+        if measured:
             peaks = [None] * pp
-            dist.all_gather_object(peaks, saved.peak)
+            dist.all_gather_object(peaks, meter.activations)  # type: ignore[union-attr]
             activations = [int(p) for p in peaks]  # type: ignore[arg-type]
         stats = executor.last_stats
         step = torch.tensor([stats.total_s], dtype=torch.float64)
@@ -252,25 +285,58 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
         inputs = [torch.randint(0, FIXED_VOCAB, FIXED_SHAPE[:2], generator=gen) for _ in range(m)]
         return inputs, [torch.zeros(FIXED_SHAPE) for _ in range(m)]
 
-    out = {}
-    for schedule, v in schedules(args):
+    def run(schedule: str, v: int, costs: ActionCosts | None = None) -> tuple[dict, list]:
         fwd_s = args.fwd_ms / 1000 / v
         stages = [SCHEDULES.get(schedule).stage_of(c, rank, pp, v) for c in range(v)]
         chunks: list[nn.Module] = [
-            FixedCostStage(fwd_s, first=stage == 0, split=splits(schedule)) for stage in stages]
-        store = SleepingWeightGrads(fwd_s) if splits(schedule) else None
+            FixedCostStage(fwd_s, first=stage == 0, split=splits(schedule),
+                           b_ratio=args.b_ratio, w_ratio=args.w_ratio) for stage in stages]
+        store = SleepingWeightGrads(fwd_s * args.w_ratio) if splits(schedule) else None
         for chunk in chunks if store is not None else []:
             split_weight_grads(chunk, store)
         executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
                                     F.mse_loss, torch.device("cpu"), weight_grads=store,
-                                    **placement(schedule, rank, pp, m, v))
-        result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats)
-        expected = theory(schedule, pp, m, v)
-        out[schedule] = {"virtual_stages": v, **result, "theory": expected,
-                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
-        log(f"fixed cost {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
+                                    **placement(schedule, rank, pp, m, v, costs))
+        result = measure(executor, step_tasks(schedule, rank, pp, m, v, costs=costs), batches,
+                         args.warmup, args.repeats)
+        expected = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs)
+        return ({"virtual_stages": v, **result, "theory": expected,
+                 "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)},
+                executor.last_stats.actions)
+
+    out = {}
+    for schedule, v in schedules(args):
+        out[schedule], actions = run(schedule, v)
+        log(f"fixed cost {schedule}: idle {out[schedule]['idle_fraction']:.3f}, "
+            f"theory {out[schedule]['theory']:.3f}")
+        if schedule in COSTED:
+            # The order built from the costs this run measured: each rank's median F, B and
+            # W of its last step, every rank's gathered.
+            costs = measured_costs(actions, pp)
+            name = f"{schedule}@measured_costs"
+            out[name], _ = run(schedule, v, costs)
+            out[name]["action_costs_s"] = [list(c) for c in costs.per_rank]
+            out[name]["message_latency_s"] = costs.latency
+            log(f"fixed cost {name}: idle {out[name]['idle_fraction']:.3f}, "
+                f"theory {out[name]['theory']:.3f}")
     return out
+
+
+# The split schedules whose order follows measured costs: each runs again with them.
+COSTED = ("zb_h2", "zbv")
+
+
+def measured_costs(actions: list[tuple[str, int, int, float, float]], pp: int) -> ActionCosts:
+    """Every rank's median seconds of a chunk's F, B and W in the step ``actions`` timed
+    (the executor's ``last_stats.actions``: kind, chunk, micro-batch, begin, end), gathered
+    from all ranks; a message priced at ``MESSAGE_LATENCY`` of the slowest median forward
+    (the latency the unit-cost order is built with)."""
+    mine = tuple(statistics.median(end - begin for kind, _c, _k, begin, end in actions
+                                   if kind == part) for part in "FBW")
+    per_rank: list = [None] * pp
+    dist.all_gather_object(per_rank, mine)
+    latency = MESSAGE_LATENCY * max(r[0] for r in per_rank)
+    return ActionCosts(tuple(tuple(r) for r in per_rank), latency)
 
 
 def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> dict:
@@ -298,16 +364,24 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
         for chunk in chunks if store is not None else []:
             # As the ComputeController's plan splits it: the head keeps its whole backward.
             split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
+        meter = MemoryMeter([p for chunk in chunks for p in chunk.parameters()],
+                            torch.device("cpu"))
+        meter.weight_grads = store
         executor = PipelineExecutor(list(chunks), rank, pp, comm, m, (*shape, args.hidden),
-                                    loss_fn, torch.device("cpu"), weight_grads=store,
-                                    **placement(schedule, rank, pp, m, v))
-        params = [p for chunk in chunks for p in chunk.parameters()]
+                                    meter.wrap_loss(loss_fn), torch.device("cpu"),
+                                    weight_grads=store, **placement(schedule, rank, pp, m, v))
         result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats, params)
+                         args.repeats, meter)
         model.zero_grad(set_to_none=True)
         expected = theory(schedule, pp, m, v)
+        estimate = estimated_activations(args, schedule, v)
+        measured = result["peak_activation_bytes_per_rank"]
         out[schedule] = {"virtual_stages": v, **result, "theory": expected,
-                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)}
+                         "abs_diff_points": 100 * abs(result["idle_fraction"] - expected),
+                         "estimated_activation_bytes_per_rank": [round(e) for e in estimate],
+                         "estimate_over_measured_per_rank":
+                             [e / x for e, x in zip(estimate, measured, strict=True)],
+                         "estimate_over_measured_peak": max(estimate) / max(measured)}
         log(f"real model {schedule}: idle {result['idle_fraction']:.3f}, theory {expected:.3f}")
     return {
         "model": {"layers": args.layers, "hidden": args.hidden, "seq_len": args.seq,
@@ -318,6 +392,21 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
                  "and output head, so stages are neither equal nor fixed in cost and these "
                  "idle fractions only roughly follow theory"),
     }
+
+
+def estimated_activations(args: argparse.Namespace, schedule: str, v: int) -> list[float]:
+    """The memory estimate's activation bytes of each pipeline rank at its peak
+    (``mcpar.sim.memory.rank_activations``, which ``mcpar check`` and the planner price with),
+    for the real model's config on this layout."""
+    cfg = parse_config({
+        "model": {"kind": "gpt", "num_layers": args.layers, "hidden_size": args.hidden,
+                  "num_heads": max(1, args.hidden // 32), "seq_len": args.seq},
+        "parallelism": {"pipeline": args.pp, "data": 1, "schedule": schedule,
+                        "virtual_stages": v},
+        "optimization": {"micro_batch_size": args.micro_batch_size,
+                         "gradient_accumulation": args.micro},
+        "training": {"device": "cpu", "dtype": "float32"}})
+    return rank_activations(config_model(cfg), config_layout(cfg, args.pp))
 
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
@@ -364,6 +453,10 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
             name: max(r["peak_activation_bytes_per_rank"])
             / max(real["schedules"]["1f1b"]["peak_activation_bytes_per_rank"])
             for name, r in real["schedules"].items()},
+        # The memory estimate (``sim.memory.rank_activations``) over the measured peak, on
+        # the busiest rank of each schedule.
+        "real_model_estimate_over_measured_peak": None if real is None else {
+            name: r["estimate_over_measured_peak"] for name, r in real["schedules"].items()},
         "torch_version": torch.__version__,
     }
     Path(args.result_file).write_text(json.dumps(result))
@@ -446,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict | None = None
     rounds: list[tuple[dict, dict]] = []
     real_rounds: list[tuple[dict, dict]] = []
+    fixed_rounds: list[dict] = []
     for n in range(args.rounds):
         worker_argv = argv_out
         with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
@@ -459,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             this_round = json.loads(Path(result_file).read_text())
         result = result or this_round
+        fixed_rounds.append(this_round["fixed_cost"])
         if not args.skip_torch_peer:
             # Right after mcpar's, on fresh processes, the same stages and costs.
             print(f"pipeline_bubble: round {n + 1}: torch's schedules on the same stages",
@@ -474,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("torch_real_model", peer_real)
                 real_rounds.append((this_round["real_model"]["schedules"], peer_real))
     assert result is not None
+    # Every schedule's fixed-cost bubble, round by round (median, min, max).
+    result["fixed_cost_bubble_rounds"] = _spread(
+        {name: [r[name]["idle_fraction"] for r in fixed_rounds] for name in fixed_rounds[0]})
+    result["machine"] = (f"{os.cpu_count()} cores, shared with other jobs while it ran: "
+                         "timings are noisy, compare within a round")
     if rounds:
         result["against_torch"] = against_torch(rounds)
     if real_rounds:

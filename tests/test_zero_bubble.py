@@ -17,7 +17,7 @@ from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.metrics import read_metrics
 from mcpar.parallel.tasks import TaskKind
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import SCHEDULES, Action, ActionCosts, replay
 
 SPLIT = [s.name for s in SCHEDULES if s.splits_backward]
 # What a schedule needs beside its name (the reference, 1F1B, runs one stage per rank).
@@ -68,49 +68,90 @@ def test_zb_h2_fills_the_waits_a_costlier_b_opens() -> None:
         assert max(h2.in_flight(pp, r, m, 1) for r in range(pp)) == 2 * pp - 1
 
 
+def assert_complete_v(orders: tuple[tuple[Action, ...], ...], pp: int, m: int) -> None:
+    """Each task once, F and B in micro-batch order, a W after its B, at most 2p chunk
+    activations held (counted until W)."""
+    for rank, order in enumerate(orders):
+        for chunk in (0, 1):
+            for kind in "FBW":
+                micro = [a.micro for a in order if a.kind == kind and a.chunk == chunk]
+                assert sorted(micro) == list(range(m)), (rank, chunk, kind)
+                if kind != "W":
+                    assert micro == list(range(m))
+        at = {(a.kind, a.chunk, a.micro): i for i, a in enumerate(order)}
+        assert all(at[("F", c, k)] < at[("B", c, k)] < at[("W", c, k)]
+                   for c in (0, 1) for k in range(m))
+    assert max(zero_bubble.held_peaks(orders)) <= 2 * pp
+
+
+def v_stage_of(pp: int):  # noqa: ANN201
+    return lambda chunk, rank: zero_bubble.v_stage(chunk, rank, pp)
+
+
+# Measured costs where W is cheaper than F and B dearer (one chunk's actions; 0.1 F a message).
+UNEVEN = (1.0, 1.2, 0.5, 0.1)
+
+
 @pytest.mark.parametrize(("pp", "m"), [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (5, 17), (8, 16)])
-def test_both_zbv_orders_are_complete_and_the_shorter_under_latency_is_kept(pp: int,
-                                                                          m: int) -> None:
-    """The phased and the greedy V orders: each task once, F and B in micro-batch order, a W
-    after its B, at most 2p chunk activations held (counted until W), no deadlock; the kept
-    one is the shorter at MESSAGE_LATENCY, and no longer than the other without latency
-    where m fills the V (m >= 2p)."""
-    candidates = [zero_bubble.v_phased_orders(pp, m), zero_bubble.v_greedy_orders(pp, m)]
-    for orders in candidates:
-        for rank, order in enumerate(orders):
-            for chunk in (0, 1):
-                for kind in "FBW":
-                    micro = [a.micro for a in order if a.kind == kind and a.chunk == chunk]
-                    assert sorted(micro) == list(range(m)), (rank, chunk, kind)
-                    if kind != "W":
-                        assert micro == list(range(m))
-            at = {(a.kind, a.chunk, a.micro): i for i, a in enumerate(order)}
-            assert all(at[("F", c, k)] < at[("B", c, k)] < at[("W", c, k)]
-                       for c in (0, 1) for k in range(m))
-            held = peak = 0
-            for a in order:
-                held += {"F": 1, "B": 0, "W": -1}[a.kind]
-                peak = max(peak, held)
-            assert peak <= 2 * pp
-    latency = zero_bubble.MESSAGE_LATENCY
-    kept = zero_bubble.v_orders(pp, m)
-    priced = [zero_bubble.v_step_units(o, pp, latency) for o in candidates]
-    assert zero_bubble.v_step_units(kept, pp, latency) == min(priced)
-    if m >= 2 * pp:
-        assert zero_bubble.v_step_units(kept, pp, 0.0) <= min(
-            zero_bubble.v_step_units(o, pp, 0.0) for o in candidates) + 1e-9
+def test_every_zbv_order_is_complete_and_the_shortest_at_its_costs_is_kept(pp: int,
+                                                                         m: int) -> None:
+    """The phased and the greedy V orders, and the orders at unit and at uneven costs: each
+    complete, no deadlock (the replay raises), at most 2p chunk activations held; the kept one
+    replays no longer at its costs than the phased or the greedy one."""
+    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble.MESSAGE_LATENCY)
+    uneven = ActionCosts.uniform(pp, *UNEVEN)
+    phased, greedy = zero_bubble.v_phased_orders(pp, m), zero_bubble.v_greedy_orders(pp, m)
+    for orders in (phased, greedy, zero_bubble.v_orders(pp, m),
+                   zero_bubble.costed_v_orders(pp, m, uneven)):
+        assert_complete_v(orders, pp, m)
+    for costs, kept in ((unit, zero_bubble.v_orders(pp, m)),
+                        (uneven, zero_bubble.costed_v_orders(pp, m, uneven))):
+        span = zero_bubble.costed_span(kept, pp, v_stage_of(pp), costs)
+        assert span <= min(zero_bubble.costed_span(o, pp, v_stage_of(pp), costs)
+                           for o in (phased, greedy)) + 1e-9
 
 
 def test_the_phased_v_leaves_a_message_slack_the_greedy_does_not() -> None:
     """p = 4, m = 8: without latency both reach the V's bound, 6m + p - 1 = 51 chunk
-    actions; at 0.1 units per message the greedy order loses 2.4 units and the phased one 1.3,
-    so the phased one is kept."""
+    actions; at 0.1 units per message the greedy order loses 2.4 units and the phased one 1.3;
+    the phased one's forwards and B's with its W's placed where that latency makes a rank
+    wait lose 0.9 (51.9 units: kept), and still reach the bound without latency."""
     phased, greedy = zero_bubble.v_phased_orders(4, 8), zero_bubble.v_greedy_orders(4, 8)
     assert zero_bubble.v_step_units(phased, 4, 0.0) == zero_bubble.v_step_units(greedy, 4,
                                                                                 0.0) == 51
     assert zero_bubble.v_step_units(phased, 4, 0.1) == pytest.approx(52.3)
     assert zero_bubble.v_step_units(greedy, 4, 0.1) == pytest.approx(53.4)
-    assert zero_bubble.v_orders(4, 8) == phased
+    kept = zero_bubble.v_orders(4, 8)
+    assert zero_bubble.v_step_units(kept, 4, 0.1) == pytest.approx(51.9)
+    assert zero_bubble.v_step_units(kept, 4, 0.0) == 51
+
+
+def test_orders_at_measured_costs_replay_shorter_than_the_unit_cost_ones() -> None:
+    """B = 1.2 F, W = 0.5 F, 0.1 F a message (p = 4, m = 8 and p = 8, m = 16): ZBV's order
+    built at these costs replays shorter at them than its unit-cost order; ZB-H2's keeps its
+    unit-cost order (its W's already sit where the fill puts them: its forwards and B's, fixed
+    by its warm-up, are what it waits on), and is no longer; every rank holds no more than at
+    unit costs."""
+    f, b, w, latency = UNEVEN
+    h2 = SCHEDULES.get("zb_h2")
+    for pp, m in ((4, 8), (8, 16)):
+        v = ActionCosts.uniform(pp, f / 2, b / 2, w / 2, latency)  # a V's chunk: half the work
+        unit_v, costed_v = zero_bubble.v_orders(pp, m), zero_bubble.costed_v_orders(pp, m, v)
+        stage = v_stage_of(pp)
+        assert zero_bubble.costed_span(costed_v, pp, stage, v) < 0.99 * zero_bubble.costed_span(
+            unit_v, pp, stage, v)
+        assert zero_bubble.held_peaks(costed_v) == zero_bubble.held_peaks(unit_v)
+        one = ActionCosts.uniform(pp, f, b, w, latency)
+        unit_h2 = tuple(tuple(h2.actions(r, pp, m, 1)) for r in range(pp))
+        costed_h2 = tuple(tuple(h2.checked_actions(r, pp, m, 1, one)) for r in range(pp))
+        assert zero_bubble.costed_span(costed_h2, pp, lambda c, r: r, one) <= \
+            zero_bubble.costed_span(unit_h2, pp, lambda c, r: r, one)
+        assert zero_bubble.held_peaks(costed_h2) == zero_bubble.held_peaks(unit_h2)
+
+
+def test_a_list_of_costs_for_another_pipeline_is_refused() -> None:
+    with pytest.raises(ValueError, match="measured costs of 2 ranks for a pipeline of 4"):
+        SCHEDULES.get("zbv").checked_actions(0, 4, 8, 2, ActionCosts.uniform(2, 1, 1, 1))
 
 
 @pytest.mark.parametrize("name", ["zb_h1", "zb_h2"])
@@ -297,3 +338,106 @@ def test_many_micro_batches_are_priced_without_listing_them() -> None:
                 pytest.approx(full, rel=0.02)
             assert schedule.in_flight(pp, 0, m, v) == _peak_in_flight(schedule, pp, 0, m, v)
         assert schedule.span(2**40, 1.0, 4.0, [1.0] * 4, v, 1 / 3) > 2**40
+
+
+# --- orders built at measured costs, on real workers -------------------------------------------
+
+COSTED_M = 8
+
+
+def _costed_case(rank: int, pp: int, schedule: str, v: int, costs: ActionCosts | None) -> dict:
+    """One step of a tiny GPT through the executor under ``schedule`` (its order built at
+    ``costs`` when given): each micro-batch's loss where it is computed, every parameter's
+    gradient by name."""
+    import torch.nn.functional as F
+
+    from mcpar.config import ModelConfig
+    from mcpar.controllers.communication.controller import CommunicationController
+    from mcpar.controllers.compute.plan import ComputePlan
+    from mcpar.models.spec import get_model_spec
+    from mcpar.parallel.pipeline import PipelineExecutor
+    from mcpar.parallel.stage import cut_model
+    from mcpar.topology import ParallelDims
+
+    cfg = ModelConfig(num_layers=2 * pp, hidden_size=32, num_heads=2, seq_len=16,
+                      vocab_size=64)
+    gen = torch.Generator().manual_seed(7)
+    draw = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+            for _ in range(2 * COSTED_M)]
+    model = get_model_spec("gpt").build(cfg, 7)
+    plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
+                       micro_batch_size=2, num_microbatches=COSTED_M,
+                       global_batch_size=2 * COSTED_M, stage_cut=(), batch_splitting="fixed",
+                       balance=None, action_costs=costs)  # type: ignore[arg-type]
+    per_stage = cfg.num_layers // (pp * v)
+    ranges = [(s * per_stage, (s + 1) * per_stage) for s in range(pp * v)]
+    chunks = [cut_model(model, ranges, s) for s in plan.stages_of(rank)]
+    store = WeightGradStore() if plan.splits_backward else None
+    for chunk in chunks if store is not None else []:
+        split_weight_grads(chunk, store, keep_whole=chunk.pieces()[2])
+    dims = ParallelDims(dp=1, tp=1, pp=pp, ep=1, world_size=pp)
+    dims.build_mesh("cpu")
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    executor = PipelineExecutor(chunks, rank, pp, CommunicationController(dims), COSTED_M,
+                                (2, cfg.seq_len, cfg.hidden_size), loss_fn, torch.device("cpu"),
+                                weight_grads=store, stages=plan.stages_of(rank),
+                                stage_ranks=plan.stage_ranks(), send_order=plan.send_order(rank))
+    held = {id(p) for c in chunks for p in c.parameters()}
+    first, last = 0 in plan.stages_of(rank), pp * v - 1 in plan.stages_of(rank)
+    losses = executor.run(draw[:COSTED_M] if first else None,
+                          draw[COSTED_M:] if last else None, plan.step_tasks(rank, False))
+    return {"losses": losses,
+            "grads": {n: p.grad.tolist() for n, p in model.named_parameters()
+                      if id(p) in held and p.grad is not None}}
+
+
+def _costed_worker(rank: int, pp: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=pp)
+    try:
+        f, b, w, latency = UNEVEN
+        cases = {"1f1b": _costed_case(rank, pp, "1f1b", 1, None),
+                 "zb_h2": _costed_case(rank, pp, "zb_h2", 1,
+                                       ActionCosts.uniform(pp, f, b, w, latency)),
+                 "zbv": _costed_case(rank, pp, "zbv", 2,
+                                     ActionCosts.uniform(pp, f / 2, b / 2, w / 2, latency))}
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(cases))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_orders_built_at_measured_costs_train_the_losses_of_1f1b(pp: int,
+                                                                tmp_path: Path) -> None:
+    """ZB-H2's and ZBV's orders built at B = 1.2 F, W = 0.5 F (ZBV's differs from its unit-cost
+    order at pp 4) run to the end on gloo workers; the per-micro-batch losses equal 1F1B's
+    (==: the forwards are the same ops) and every gradient is within 1e-6 of 1F1B's (the W's
+    accumulate the micro-batches' weight gradients in another order)."""
+    from conftest import spawn_workers
+
+    from mcpar.launch.env import find_free_port
+
+    f, b, w, latency = UNEVEN
+    costed = ActionCosts.uniform(pp, f / 2, b / 2, w / 2, latency)
+    differs = zero_bubble.costed_v_orders(pp, COSTED_M, costed) != zero_bubble.v_orders(
+        pp, COSTED_M)
+    assert differs == (pp == 4)
+    spawn_workers(_costed_worker, args=(pp, find_free_port(), str(tmp_path)), nprocs=pp)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(pp)]
+    reference = [loss for r in ranks for loss in r["1f1b"]["losses"]]
+    assert len(reference) == COSTED_M
+    for name in ("zb_h2", "zbv"):
+        assert [loss for r in ranks for loss in r[name]["losses"]] == reference, name
+        grads = {n: g for r in ranks for n, g in r[name]["grads"].items()}
+        want = {n: g for r in ranks for n, g in r["1f1b"]["grads"].items()}
+        assert grads.keys() == want.keys() and len(want) > 0
+        worst = max((torch.tensor(grads[n]) - torch.tensor(want[n])).abs().max().item()
+                    for n in want)
+        assert worst <= 1e-6, (name, worst)

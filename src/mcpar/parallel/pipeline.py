@@ -45,6 +45,9 @@ def global_stage(chunk: int, pp_rank: int, pp: int, placement: str = "round_robi
 class PipelineStats:
     """Timings of the last ``run``: seconds, relative to its start."""
 
+    # ``time.perf_counter()`` at the run's start: the clock is the host's monotonic one, so
+    # the ranks of one host can lay their actions on one timeline (a bench's trace replay)
+    started_at: float = 0.0
     busy_s: float = 0.0  # inside forward/backward compute (the loss included)
     total_s: float = 0.0  # wall time of the whole run on this rank
     # (kind, chunk, micro, start, end) per task, in the order run, for timelines and benches
@@ -199,8 +202,8 @@ class PipelineExecutor:
                 raise ValueError(f"pipeline rank {self.pp_rank} needs {m} micro-batches of "
                                  f"{name}, got {got}")
         self._inputs, self._targets = inputs, targets
-        self._stats = PipelineStats()
         self._start = time.perf_counter()
+        self._stats = PipelineStats(started_at=self._start)
 
     def run_task(self, task: Task) -> None:
         """Run one stage task (gradients accumulate in .grad)."""

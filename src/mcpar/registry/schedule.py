@@ -7,8 +7,9 @@ gradients that chunk's B deferred), its rule for the degrees it runs with, and i
 memory terms. The terms have defaults derived from the actions themselves, so a new schedule is
 priced by the cost model and held to its in-flight activations by the memory estimate with no
 formula of its own: ``span`` replays the actions (``replay``), ``in_flight`` counts the forwards
-whose backward (under a split: whose W) has not run yet. The built-ins override them with their
-closed forms where one exists.
+whose backward (under a split: whose W) has not run yet, and ``head_in_flight`` the
+micro-batches whose loss the last stage keeps (from its forward to its B). The built-ins
+override them with their closed forms where one exists.
 
 Layout: with ``pp`` ranks and ``v`` chunks per rank the model is cut into ``pp * v`` global
 stages, placed by the schedule's ``placement`` (``placed_stage``, the one rule for the runtime,
@@ -70,6 +71,25 @@ class Action:
     micro: int  # micro-batch index
 
 
+@dataclass(frozen=True)
+class ActionCosts:
+    """Measured seconds of one chunk's actions on each pipeline rank, ``per_rank[r]`` =
+    (forward, B, W) (an unsplit backward is B + W), and of a message between two ranks (its
+    time on the wire and the receiver's wake-up). A schedule that follows measured costs
+    (``PipelineSchedule.costed_actions``) builds its order from them."""
+
+    per_rank: tuple[tuple[float, float, float], ...]
+    latency: float = 0.0
+
+    @classmethod
+    def uniform(cls, pp: int, forward: float, backward_input: float, weight: float,
+                latency: float = 0.0) -> ActionCosts:
+        return cls(((forward, backward_input, weight),) * pp, latency)
+
+    def of(self, rank: int, kind: str) -> float:
+        return self.per_rank[rank]["FBW".index(kind)]
+
+
 class PipelineSchedule(ABC):
     """A pipeline schedule. Subclasses set ``name``, ``multi_chunk`` and ``actions``."""
 
@@ -114,14 +134,27 @@ class PipelineSchedule(ABC):
                 virtual_stages: int) -> list[Action]:
         """Rank `pp_rank`'s ordered actions for one step (every schedule defines its own)."""
 
+    def costed_actions(self, pp_rank: int, pp: int, num_microbatches: int,
+                       virtual_stages: int, costs: ActionCosts) -> list[Action]:
+        """The rank's actions when each action's measured cost is known (``costs``); a
+        schedule whose order does not depend on them returns ``actions``."""
+        return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
+
     def checked_actions(self, pp_rank: int, pp: int, num_microbatches: int,
-                        virtual_stages: int = 1) -> list[Action]:
-        """``actions``, after the schedule's rule and the rank's range are checked."""
+                        virtual_stages: int = 1,
+                        costs: ActionCosts | None = None) -> list[Action]:
+        """``actions`` (``costed_actions`` with ``costs``), after the schedule's rule and the
+        rank's range are checked."""
         found = self.problem(pp, num_microbatches, virtual_stages)
         if found is not None:
             raise ValueError(found[1])
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank {pp_rank} is outside the pipeline of {pp} ranks")
+        if costs is not None:
+            if len(costs.per_rank) != pp:
+                raise ValueError(f"measured costs of {len(costs.per_rank)} ranks for a "
+                                 f"pipeline of {pp}")
+            return self.costed_actions(pp_rank, pp, num_microbatches, virtual_stages, costs)
         return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
 
     def span(self, num_microbatches: int, w_max: float, w_sum: float, rank_work: list[float],
@@ -147,6 +180,26 @@ class PipelineSchedule(ABC):
         # holds (every built-in but GPipe, which has its own): counted there for a large m.
         m = min(num_microbatches, replayed_microbatches(pp, virtual_stages))
         return _peak_in_flight(self, pp, pp_rank, m, virtual_stages)
+
+
+    def head_in_flight(self, pp: int, num_microbatches: int, virtual_stages: int) -> int:
+        """Micro-batches whose loss the rank of the last stage holds at once: from the last
+        stage's forward to its backward (the head keeps its whole backward in B under a split,
+        so W does not hold it). Counted from that rank's actions."""
+        m = min(num_microbatches, replayed_microbatches(pp, virtual_stages))
+        return _peak_head_in_flight(self, pp, m, virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_head_in_flight(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
+    last = pp * v - 1
+    rank = stage_rank(last, pp, schedule.placement)
+    held = peak = 0
+    for a in schedule.actions(rank, pp, m, v):
+        if schedule.stage_of(a.chunk, rank, pp, v) == last and a.kind in "FB":
+            held += 1 if a.kind == "F" else -1
+            peak = max(peak, held)
+    return peak
 
 
 @functools.lru_cache(maxsize=4096)

@@ -241,9 +241,9 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
 
 
 def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
-    """Layer-micro-batches of activations pipeline rank `rank` holds at its peak (1F1B: rank r
-    keeps min(pp - r, micro-batches) in flight; the interleaved schedule's figure is the first
-    rank's, taken for every rank)."""
+    """Layer-micro-batches of activations pipeline rank `rank` holds at its peak: its layers
+    times the schedule's ``in_flight`` for that rank (1F1B: min(pp - r, micro-batches); the
+    others counted from each rank's own order, a split schedule's until W)."""
     per_rank = rank_layers(m, lay)[rank]
     mb = lay.num_microbatches
     if lay.pp == 1:
@@ -251,11 +251,14 @@ def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
     return per_rank * SCHEDULES.get(lay.schedule).in_flight(lay.pp, rank, mb, lay.vp)
 
 
-def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
-    """What the last stage keeps for one micro-batch beyond its blocks: the final norm's input
-    and statistics, the head's input (and, under autocast, its 16-bit weight copy), and the
-    loss: the fp32 log-probabilities, and at the backward's start the gradient arriving at the
-    log-softmax and the one it returns, all three the logits' size (vocabulary split by tp)."""
+def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False,
+                          held: int = 1) -> float:
+    """What the last stage keeps beyond its blocks for ``held`` micro-batches whose backward
+    has not run (the schedule's ``head_in_flight``: 1 but for GPipe): per micro-batch the final
+    norm's input and statistics, the head's input (and, under autocast, its 16-bit weight
+    copy), and the loss's fp32 log-probabilities; and once, at the backward's start, the
+    gradient arriving at the log-softmax and the one it returns, all three the logits' size
+    (vocabulary split by tp)."""
     a = ACT_BYTES[lay.precision]
     resid = 4 if lay.autocast and not weights16 else a
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -263,7 +266,8 @@ def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -
     head = (resid * m.hidden + 8) * tokens / sp + a * tokens * m.hidden
     if lay.autocast and lay.precision != "fp32" and not weights16:
         head += a * m.vocab * m.hidden / lay.tp
-    return head + 3 * 4.0 * tokens * m.vocab / lay.tp
+    logits = 4.0 * tokens * m.vocab / lay.tp
+    return held * (head + logits) + 2 * logits
 
 
 def embedding_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
@@ -295,6 +299,8 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
     for stage, n in enumerate(sizes):
         rank_modes[stage_rank(stage, lay.pp, placement)] += modes[start:start + n]
         start += n
+    head_held = (SCHEDULES.get(lay.schedule).head_in_flight(lay.pp, lay.num_microbatches,
+                                                             lay.vp) if lay.pp > 1 else 1)
     out = []
     for r, held in enumerate(rank_modes):
         # Micro-batches in flight per layer of this rank (layers are alike).
@@ -303,7 +309,7 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
         working = max((per_mode[mode][1] for mode in held), default=0.0)
         out.append(kept + working
                    + (embedding_activation_bytes(m, lay, weights16) * flight if r == 0 else 0.0)
-                   + (head_activation_bytes(m, lay, weights16)
+                   + (head_activation_bytes(m, lay, weights16, head_held)
                       if r == last_rank else 0.0))
     return out
 

@@ -21,7 +21,7 @@ from mcpar.controllers.compute.balance_plan import BalancePlan
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
-from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule import SCHEDULES, ActionCosts
 from mcpar.topology import ParallelDims
 
 # The plan is made without torch (`mcpar check`); its methods that build the runtime import it.
@@ -52,6 +52,9 @@ class ComputePlan:
     stage_cut: tuple[tuple[int, int], ...]  # [start, end) blocks of every global stage
     batch_splitting: str  # how the micro-batch count is chosen: 'fixed' or 'dynamic'
     balance: BalancePlan
+    # Measured seconds of each action (``ActionCosts``), for a schedule that orders by them;
+    # None: the schedule's order at equal costs.
+    action_costs: ActionCosts | None = None
 
     @property
     def placement(self) -> str:
@@ -83,7 +86,7 @@ class ComputePlan:
         from mcpar.controllers.compute.schedules import message_orders
 
         sent, read = message_orders(self.schedule, self.pp, self.num_microbatches,
-                                    self.virtual_stages)
+                                    self.virtual_stages, self.action_costs)
         if sent == read:
             return None
         return {src: messages for (src, dst), messages in sent.items() if dst == pp_rank}
@@ -102,7 +105,8 @@ class ComputePlan:
         from mcpar.controllers.compute.schedules import step_tasks
 
         return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
-                          self.virtual_stages, reduce_every_backward=reduce_every_backward)
+                          self.virtual_stages, reduce_every_backward=reduce_every_backward,
+                          costs=self.action_costs)
 
     def build(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
               chunks: list[StageModule], device: torch.device, loss_fn: LossFn,

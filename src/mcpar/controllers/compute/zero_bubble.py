@@ -10,7 +10,10 @@ idle while a gradient travels back runs a pending W instead.
   late, and its last ``i`` W's in the drain, where 1F1B idles. With F = B = W the step lasts
   ``3m + p - 1`` unit costs, a bubble of ``(p-1)/(3m+p-1)`` (1F1B's is ``(p-1)/(m+p-1)`` with
   the same units), i.e. a third of 1F1B's at large m. Activations: counted held until W, rank
-  ``i`` holds ``min(p, m)`` micro-batches at its peak, the peak of 1F1B's first rank.
+  ``i`` holds ``min(p, m)`` micro-batches at its peak, the peak of 1F1B's first rank; the last
+  rank holds the head's input and loss beside them (1.06x 1F1B's peak on the bubble bench's
+  GPT at p = 4, m 8). A lag of ``p - 2`` there would hold ``p - 1`` but replays one unit
+  longer (28 against 27 at p = 4, m = 8).
 - ``zb_h2``: more warm-up forwards (``2(p - i) - 2`` on rank ``i``, up to ``2p - 1`` micro-batches
   held on the first rank) and each W ``2i`` backwards late, so a rank has W's in hand to fill
   the waits that a backward costlier than its W opens. With a step that ends at a synchronized
@@ -21,30 +24,44 @@ idle while a gradient travels back runs a pending W instead.
 
 - ``zbv``: two chunks per rank in a V: rank ``i`` holds stages ``i`` and ``2p - 1 - i``, so the
   first and last stages share rank 0, a micro-batch's forward goes down the ranks and back up,
-  and its backward the same way in reverse. Two orders are built for every rank and the one
-  whose step replays shorter is kept (``v_orders``):
+  and its backward the same way in reverse. Its order is the shortest, replayed at the costs
+  (``costed_v_orders``), of:
   * the phased order (``v_phased_orders``): ``2(p - i) - 1`` forwards of the first chunk, then
     ``i`` pairs (second chunk's forward, first chunk's), ``p - i`` triples of the second chunk
     (F, B, W), a steady state of (F, B, W) of the first chunk then of the second, and a drain
     of B's then the W's left. Each B is followed by its own W in the steady state, so a
     message has a W's time to arrive before the rank needs it.
+  * the phased order's forwards and B's with its W's placed by the costs
+    (``fill_weight_grads``): a list schedule in time where a rank runs a pending W while the
+    input of its next forward or B is still on its way (or a forward would hold more than the
+    phased order does), tried at the thresholds ``FILL_THRESHOLDS``.
   * the greedy order (``v_greedy_orders``): a list schedule at unit costs; at each tick a free
     rank runs a forward whose input has arrived (its second chunk's first) while it holds
     fewer than ``2p`` chunk activations, else a ready B (second chunk first), else its oldest
     pending W. It packs F's and B's back to back, which wins at few micro-batches (p = 4,
     m = 2: 19 unit costs against 21) but leaves no slack for a message's latency.
-  Both hold at most ``2p`` chunk activations on a rank (``p`` micro-batches of the whole rank:
-  1F1B's first-rank memory). The replay that chooses prices each action at one unit and each
-  message between ranks at ``MESSAGE_LATENCY`` units: a step of the bench's fixed-cost stages
-  (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1 ms per message,
-  and there the greedy order replays 2.3% longer than the phased one (53.4 against 52.3 units
-  at 0.1 units per message; both 51 at none). At F = B = W both reach the bound of a V before a
-  synchronized optimizer step, ``3m + (p-1)/2`` unit costs (the last rank's fill is half a
-  forward per rank: the chunks are half the work): a bubble of 5.9% at p = 4, m = 8. A rank
-  may read a peer's messages in another order than the peer sends them (a V's two chunks talk
-  to the same neighbour); the executor then posts its receives in the sender's order
-  (``ComputePlan.send_order``), which a backend that matches messages by order, not tag
-  (NCCL), needs.
+  All hold at most ``2p`` chunk activations on a rank (``p`` micro-batches of the whole rank:
+  1F1B's first-rank memory); rank 0 reaches it while it also holds the head's input and loss for
+  one micro-batch (the V puts the last stage there), so its peak is 1F1B's plus the head's:
+  1.06x on the bubble bench's GPT at p = 4, m = 8 (71.6 MB against 67.4; its other ranks 67.9).
+  An order that holds ``2p - 1`` on rank 0 (the unit-cost greedy with that cap) measured 63.1 MB
+  there (0.94x) but replays 3.3% longer at unit costs with latency and 17% longer at B = 1.2 F,
+  W = 0.5 F, so it is not among the candidates. Without measured costs (``actions``) the costs
+  are one unit per action and ``MESSAGE_LATENCY`` units per message: a step of the bench's
+  fixed-cost stages (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1
+  ms per message; there the phased order replays 52.3 units, the greedy 53.4 and the filled one
+  51.9 (all 51 without latency). With measured costs (``costed_actions``: ``ActionCosts``, the
+  seconds of each rank's F, B and W and of a message) the order is built at those: with B = 1.2
+  F and W = 0.5 F the order built at them replays 1.4% shorter than the unit-cost one at p = 4,
+  m = 8 and 1.0% at p = 8, m = 16 (0.1 F a message; tested). At F = B = W the V's bound before a
+  synchronized optimizer step is ``3m + (p-1)/2`` unit costs (the last rank's fill is half a
+  forward per rank: the chunks are half the work): a bubble of 5.9% at p = 4, m = 8. A rank may
+  read a peer's messages in another order than the peer sends them (a V's two chunks talk to the
+  same neighbour); the executor then posts its receives in the sender's order
+  (``ComputePlan.send_order``), which a backend that matches messages by order, not tag (NCCL),
+  needs.
+- ZB-H2 with measured costs: its orders and the same fill of its W's at the costs, the
+  shorter kept (``costed_orders``).
 
 Deadlock freedom: as for every schedule (``schedules.py``), a task waits only for the task it
 depends on; the orders keep each rank's forwards and backwards in micro-batch order, a W after
@@ -57,11 +74,14 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 
 from mcpar.controllers.compute.pipeline_schedules import one_f_one_b, one_f_one_b_warmup
 from mcpar.registry.schedule import (
+    EPS,
     SCHEDULES,
     Action,
+    ActionCosts,
     PipelineSchedule,
     critical_path,
     order_graph,
@@ -84,6 +104,115 @@ def with_weight_grads(order: list[Action], lag: int) -> list[Action]:
             seen += 1
     out += [Action("W", b.chunk, b.micro) for b in backwards[max(seen - lag, 0):]]
     return out
+
+
+StageOf = Callable[[int, int], int]  # (local chunk, rank) -> global stage
+# A W fills a wait only where the wait is at least this share of the W (0: any wait): the
+# candidates tried, each replayed at the measured costs, the shortest kept.
+FILL_THRESHOLDS = (0.0, 0.5, 1.0)
+
+
+def fill_weight_grads(skeletons: list[list[Action]], pp: int, stage_of: StageOf,
+                      costs: ActionCosts, caps: list[int],
+                      threshold: float = 0.0) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's order: its forwards and B's in the order of ``skeletons[rank]``, and its W's
+    where the measured ``costs`` say the rank would otherwise wait: a list schedule in time,
+    each rank at its free time runs its next forward or B if that task's input has arrived,
+    else its oldest pending W (when the wait is at least ``threshold`` of that W, or not known
+    yet because the producer is still busy), and runs a W first where a forward would hold
+    more than ``caps[rank]`` micro-batches (counted until W). The W's left run at the end."""
+    chunks = 1 + max((a.chunk for o in skeletons for a in o), default=0)
+    last = pp * chunks - 1
+    rank_of = {stage_of(c, r): r for r in range(pp) for c in range(chunks)}
+    ended: dict[tuple[str, int, int], float] = {}
+    free, position, held = [0.0] * pp, [0] * pp, [0] * pp
+    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+    out: list[list[Action]] = [[] for _ in range(pp)]
+
+    def run(r: int, a: Action, start: float) -> None:
+        free[r] = start + costs.of(r, a.kind)
+        out[r].append(a)
+        ended[(a.kind, stage_of(a.chunk, r), a.micro)] = free[r]
+
+    def arrival(r: int, a: Action) -> tuple[float | None, int]:
+        """(when ``a``'s input is in, or None while it is not produced; the producing rank)."""
+        s = stage_of(a.chunk, r)
+        if a.kind == "F":
+            if s == 0:
+                return 0.0, r
+            key = ("F", s - 1, a.micro)
+        else:
+            if s == last:
+                return ended[("F", s, a.micro)], r
+            key = ("B", s + 1, a.micro)
+        src = rank_of[key[1]]
+        if key not in ended:
+            return None, src
+        return ended[key] + (costs.latency if src != r else 0.0), src
+
+    while any(position[r] < len(skeletons[r]) for r in range(pp)):
+        for r in sorted(range(pp), key=lambda rank: free[rank]):
+            if position[r] >= len(skeletons[r]):
+                continue
+            a = skeletons[r][position[r]]
+            at, src = arrival(r, a)
+            if at is None and free[src] <= free[r] + EPS:
+                continue  # its producer may still deliver by now: decide after it
+            full = a.kind == "F" and held[r] >= caps[r]
+            if pending[r] and (full or at is None or at > free[r] + threshold
+                               * costs.of(r, "W") + EPS):
+                chunk, micro = pending[r].popleft()
+                held[r] -= 1
+                run(r, Action("W", chunk, micro), free[r])
+                break
+            if at is None or full:
+                continue
+            run(r, a, max(at, free[r]))
+            position[r] += 1
+            if a.kind == "F":
+                held[r] += 1
+            else:
+                pending[r].append((a.chunk, a.micro))
+            break
+        else:
+            raise RuntimeError("the weight-gradient fill found no rank able to run")
+    for r in range(pp):
+        while pending[r]:
+            chunk, micro = pending[r].popleft()
+            run(r, Action("W", chunk, micro), free[r])
+    return tuple(tuple(order) for order in out)
+
+
+def costed_span(orders: tuple[tuple[Action, ...], ...], pp: int, stage_of: StageOf,
+                costs: ActionCosts) -> float:
+    """Replayed step of ``orders`` at the measured ``costs`` (each message ``costs.latency``)."""
+    chunks = 1 + max((a.chunk for o in orders for a in o), default=0)
+    graph = order_graph([list(o) for o in orders], stage_of, pp, pp * chunks - 1, "costed")
+    return critical_path(graph, costs.of, costs.latency)
+
+
+def held_peaks(orders: tuple[tuple[Action, ...], ...]) -> list[int]:
+    """Each rank's most forwards whose W has not run (what a split schedule holds)."""
+    peaks = []
+    for order in orders:
+        held = peak = 0
+        for a in order:
+            held += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def costed_orders(orders: tuple[tuple[Action, ...], ...], pp: int, stage_of: StageOf,
+                  costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
+    """Of ``orders`` and their forwards and B's with the W's placed by ``fill_weight_grads``
+    at ``costs`` (each threshold of ``FILL_THRESHOLDS``, no rank holding more than in
+    ``orders``), the one whose step replays shortest at ``costs`` (``orders`` on a tie)."""
+    skeletons = [[a for a in order if a.kind != "W"] for order in orders]
+    caps = held_peaks(orders)
+    candidates = [orders] + [fill_weight_grads(skeletons, pp, stage_of, costs, caps, t)
+                             for t in FILL_THRESHOLDS]
+    return min(candidates, key=lambda o: costed_span(o, pp, stage_of, costs))
 
 
 class _ZeroBubble(PipelineSchedule):
@@ -127,6 +256,18 @@ class ZBH2(_ZeroBubble):
     def lag(self, pp_rank: int, pp: int, m: int) -> int:
         return min(2 * pp_rank, m)
 
+    def costed_actions(self, pp_rank: int, pp: int, m: int, v: int,
+                       costs: ActionCosts) -> list[Action]:
+        return list(_costed_h2_orders(self, pp, m, costs)[pp_rank])
+
+
+@functools.lru_cache(maxsize=8)
+def _costed_h2_orders(schedule: ZBH2, pp: int, m: int,
+                      costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
+    """ZB-H2's orders with the W's placed at the measured costs (``costed_orders``)."""
+    orders = tuple(tuple(schedule.actions(r, pp, m, 1)) for r in range(pp))
+    return costed_orders(orders, pp, lambda chunk, r: r, costs)
+
 
 def v_stage(chunk: int, pp_rank: int, pp: int) -> int:
     return placed_stage(chunk, pp_rank, pp, "v")
@@ -137,12 +278,24 @@ def v_stage(chunk: int, pp_rank: int, pp: int) -> int:
 MESSAGE_LATENCY = 0.1
 
 
-@functools.lru_cache(maxsize=8)
 def v_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's ZBV order: of the phased and the greedy orders, the one whose step replays
-    shorter at unit costs with ``MESSAGE_LATENCY`` per message (the phased one on a tie)."""
-    candidates = [v_phased_orders(pp, m), v_greedy_orders(pp, m)]
-    return min(candidates, key=lambda orders: v_step_units(orders, pp, MESSAGE_LATENCY))
+    """Every rank's ZBV order at unit costs with ``MESSAGE_LATENCY`` per message
+    (``costed_v_orders``)."""
+    return costed_v_orders(pp, m, ActionCosts.uniform(pp, 1.0, 1.0, 1.0, MESSAGE_LATENCY))
+
+
+@functools.lru_cache(maxsize=8)
+def costed_v_orders(pp: int, m: int, costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ZBV order at the measured ``costs``: of the phased and the greedy orders
+    and the phased one's forwards and B's with the W's placed at the costs
+    (``fill_weight_grads``), the one whose step replays shortest at ``costs`` (the phased one
+    on a tie)."""
+    def stage(chunk: int, r: int) -> int:
+        return v_stage(chunk, r, pp)
+
+    phased = costed_orders(v_phased_orders(pp, m), pp, stage, costs)
+    greedy = v_greedy_orders(pp, m)
+    return min((phased, greedy), key=lambda orders: costed_span(orders, pp, stage, costs))
 
 
 def v_step_units(orders: tuple[tuple[Action, ...], ...], pp: int, latency: float) -> float:
@@ -253,7 +406,7 @@ class ZBV(PipelineSchedule):
     splits_backward = True
     placement = "v"
     summary = ("zero bubble V: two chunks per rank in a V (rank i: stages i and 2p-1-i), the "
-               "backward split; 1F1B's first-rank memory")
+               "backward split; 1F1B's first-rank memory, and the head's on rank 0")
 
     def problem(self, pp: int, m: int, v: int) -> tuple[str, str] | None:
         found = super().problem(pp, m, v)
@@ -264,6 +417,10 @@ class ZBV(PipelineSchedule):
 
     def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
         return list(v_orders(pp, m)[pp_rank])
+
+    def costed_actions(self, pp_rank: int, pp: int, m: int, v: int,
+                       costs: ActionCosts) -> list[Action]:
+        return list(costed_v_orders(pp, m, costs)[pp_rank])
 
 
 for _schedule in (ZBH1(), ZBH2(), ZBV()):
