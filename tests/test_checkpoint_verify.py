@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_cli_in_process, train_metrics
+from conftest import TINY, recovery_events, run_cli_in_process, run_mcpar, sets, train_metrics
 
 from mcpar.checkpoint.files import load_tensors
 
@@ -157,3 +157,64 @@ def test_bad_input_is_one_line_exit_2(runs: dict[str, Path], capsys: pytest.Capt
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
+
+
+# --- a reshard keeps the hash: optimization.checkpoint.load_from --------------------------------
+# (source run, settings of the run that loads it): data 2 with ZeRO pieces onto one process,
+# tensor 2 and pipeline 2 (each with the same global batch), and one process onto ZeRO-3.
+RESHARDS: dict[str, tuple[str, int, list[str]]] = {
+    "zero1_to_single": ("zero1_selective", 1, ["optimization.gradient_accumulation=2"]),
+    "zero1_to_tensor2": ("zero1_selective", 2, ["parallelism.tensor=2",
+                                                "optimization.gradient_accumulation=2"]),
+    "zero1_to_pipeline2": ("zero1_selective", 2, ["parallelism.pipeline=2",
+                                                  "optimization.gradient_accumulation=2"]),
+    "single_to_zero3": ("single", 2, ["controllers.memory.zero_stage=3"]),
+}
+
+
+@pytest.mark.parametrize("pair", list(RESHARDS))
+def test_a_reshard_keeps_the_hash(runs: dict[str, Path], verify: Verify, tmp_path: Path,
+                                  pair: str) -> None:
+    source, nproc, settings = RESHARDS[pair]
+    train_metrics(tmp_path / "b", nproc, [*TINY, *STEPS, *settings,
+                                          f"optimization.checkpoint.load_from={runs[source]}"])
+    events = [e for e in recovery_events(tmp_path / "b") if e.get("event") == "load"]
+    assert events and "resharded_from" in events[0], events  # it did reshard
+    proc = verify(str(runs[source]), "--against", str(tmp_path / "b"))
+    assert proc.returncode == 0 and "verify: identical" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_training_goes_on_from_a_reshard_as_from_its_own_checkpoint(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    """Tensor 2 started from data 2's ZeRO pieces trains the next steps exactly as tensor 2
+    started from its own copy of that state: the reshard restores all a resume needs (moments,
+    step, data position), not only the weights."""
+    tensor2 = ["parallelism.tensor=2", "optimization.gradient_accumulation=2",
+               "optimization.checkpoint.interval=3", "training.steps=6"]
+    resharded = train_metrics(tmp_path / "resharded", 2, [
+        *TINY, *tensor2, f"optimization.checkpoint.load_from={runs['zero1_selective']}"])
+    own = train_metrics(tmp_path / "own", 2, [
+        *TINY, *tensor2,
+        f"optimization.checkpoint.load_from={tmp_path / 'resharded' / 'checkpoints' / 'step-3'}"])
+    assert [r["step"] for r in resharded] == [4, 5, 6] == [r["step"] for r in own]
+    assert [r["loss"] for r in resharded] == [r["loss"] for r in own]
+    # ... and close to data 2 going on by itself (other layouts: float rounding apart).
+    go_on = train_metrics(tmp_path / "dp2", 2, [
+        *TINY, "controllers.memory.zero_stage=1", "optimization.checkpoint.interval=3",
+        "training.steps=6", f"optimization.checkpoint.load_from={runs['zero1_selective']}"])
+    for a, b in zip(go_on, resharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("/nonexistent/run", "is neither a run directory"),
+    ("RUN/checkpoints/step-9", "is not a valid checkpoint: it does not exist"),
+])
+def test_load_from_refuses_what_it_cannot_load(runs: dict[str, Path], tmp_path: Path,
+                                               value: str, needle: str) -> None:
+    value = value.replace("RUN", str(runs["zero0_full"]))
+    proc = run_mcpar("train", *sets(*TINY, *STEPS, f"optimization.checkpoint.load_from={value}"),
+                     "--run-dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "optimization.checkpoint.load_from: " in proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "b" / "config.yaml").exists()  # refused before anything was written
