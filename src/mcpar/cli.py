@@ -1,5 +1,5 @@
 """The ``mcpar`` command line: ``train``, ``profile``, ``check``, ``prepare``, ``export``,
-``import``, ``generate`` and the cost model's ``simulate`` and ``plan``.
+``import``, ``generate``, ``checkpoint verify`` and the cost model's ``simulate`` and ``plan``.
 
 This module only parses: each command's work is in its own module (``mcpar.commands``,
 ``mcpar.data.prepare``, ``mcpar.sim.cli``, ``mcpar.profiler.command``), imported when that
@@ -147,6 +147,8 @@ COMMANDS: dict[str, tuple[str, ArgumentAdder]] = {
              _lazy("mcpar.sim.cli", "add_plan_arguments")),
     "prepare": ("tokenize text into token shards with an index",
                 _lazy("mcpar.data.prepare", "add_arguments")),
+    "checkpoint": ("verify a checkpoint: the hash of its state, whatever its layout",
+                   _lazy("mcpar.commands.checkpoint", "add_arguments")),
 }
 
 
@@ -177,6 +179,10 @@ def _run(args: argparse.Namespace) -> int:
         from mcpar.commands.check import cmd_check
 
         return cmd_check(args)
+    if args.command == "checkpoint":
+        from mcpar.commands.checkpoint import cmd_checkpoint
+
+        return cmd_checkpoint(args)
     if args.command == "prepare":
         from mcpar.data import prepare
 

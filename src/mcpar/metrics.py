@@ -183,3 +183,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl, in order."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics of steps after ``step``: they are replayed after a restore, and the file
+    must stay one record per step."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)

@@ -23,7 +23,6 @@ Order of construction (fixed, so every rank builds the same thing):
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import sys
@@ -54,7 +53,7 @@ from mcpar.errors import TrainingDiverged
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
 from mcpar.launch.env import DistEnv
-from mcpar.metrics import RunLogger, write_json_atomic
+from mcpar.metrics import RunLogger, truncate_metrics, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
@@ -242,9 +241,11 @@ class Trainer:
             rank_state=rank_state, full_params=self.memory.full_parameters())
         if env is not None and self.cfg.optimization.checkpoint.interval > 0:
             self.recovery.install_sigterm_handler()
-        self.start_step = self.recovery.restore() if resume else 0
+        # A run started from another run's checkpoint restores it as a resume does.
+        loads = resume or self.cfg.optimization.checkpoint.load_from is not None
+        self.start_step = self.recovery.restore() if loads else 0
         if resume and self.rank == 0:
-            _truncate_metrics(self.run_dir, self.start_step)
+            truncate_metrics(self.run_dir, self.start_step)
 
     def _setup_topology(self, topology: str) -> None:
         """Split the data axis by node for hierarchical / hybrid all-reduces."""
@@ -434,7 +435,12 @@ class Trainer:
             print(f"mcpar: device {self.device_reason}; layout {self.dims.describe()}; "
                   f"model {cfg.model.kind} {num_params / 1e6:.2f}M params; "
                   f"data {self.corpus_description}; run dir {self.run_dir}", flush=True)
+        if self.recovery.loaded_from_other_run and self.recovery.enabled:
+            # This run's first checkpoint is the state it starts from, in its own layout: a
+            # reshard checked by `mcpar checkpoint verify` against the other run's.
+            self.recovery.save(self.start_step)
         if self.start_step >= tr.steps:
+            self.recovery.close()
             if self.rank == 0:
                 print(f"mcpar: the checkpoint is at step {self.start_step}, training.steps is "
                       f"{tr.steps}: nothing to train (raise training.steps to continue)",
@@ -559,19 +565,6 @@ class Trainer:
             # Every rank is done communicating before any rank tears its connections down.
             self.comm.barrier()
             dist.destroy_process_group()
-
-
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics of steps after ``step``: they are replayed after a restore, and the file
-    must stay one record per step."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
 
 
 def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False,

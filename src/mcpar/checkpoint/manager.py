@@ -254,6 +254,8 @@ class FaultRecoveryManager:
                 backend="gloo", group_desc="mcpar_checkpoint"), rank)
         self._staging = StagingBuffers()
         self._pending: BackgroundSave | None = None
+        # Set by restore: the state came from optimization.checkpoint.load_from (another run).
+        self.loaded_from_other_run = False
 
     @property
     def enabled(self) -> bool:
@@ -488,11 +490,18 @@ class FaultRecoveryManager:
         found = find_latest_valid(self.dir, self.log) if self.rank == 0 else None
         # Rank 0 alone verifies checksums, then tells everyone which step it chose.
         step = self.agree(found[0] if found else -1)
-        if step < 0:
+        self.loaded_from_other_run = step < 0 and self.ckpt.load_from is not None
+        if self.loaded_from_other_run:
+            # Another run's checkpoint, resolved and verified by the launcher (load_from.py).
+            path = Path(str(self.ckpt.load_from))
+            step = int(read_meta(path)["step"])
+            self.log.log("load_from", echo=True, step=step, path=str(path))
+        elif step < 0:
             self.log.log("no_checkpoint", echo=True, dir=str(self.dir),
                          action="starting from step 0")
             return 0
-        path = self.dir / f"step-{step}"
+        else:
+            path = self.dir / f"step-{step}"
         meta = read_meta(path)
         problems = resume_problems(meta, self.cfg, self.layout)
         if problems:

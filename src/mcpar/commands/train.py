@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mcpar.auto_layout import AUTO_LAYOUT_FILE, resolve_job
 from mcpar.capabilities import unsupported_settings
+from mcpar.checkpoint.load_from import resolve_load_from
 from mcpar.checkpoint.manager import (
     RecoveryLog,
     checkpoint_dir,
@@ -205,7 +206,8 @@ def validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
 def cmd_train(args: argparse.Namespace) -> int:
     from mcpar.trainer import Trainer, run_worker  # imported late: `check` need not pay for it
 
-    cfg = load_args(args)
+    # Resolved once, to one valid step folder that config.yaml then names for every worker.
+    cfg = resolve_load_from(load_args(args))
     env = detect_env()
     if env is not None and env.launcher != "mcpar" and args.nproc is not None:
         raise UserError(problem(

@@ -277,6 +277,13 @@ class CheckpointConfig(_Section):
         "the next save, and the end of the run, wait for it. false: training waits for each "
         "save to be written and committed.",
     )
+    load_from: str | None = Field(
+        None, description="Start this run from a checkpoint of another run: its run directory "
+        "(its newest valid checkpoint) or one of its checkpoints/step-N folders, resharded onto "
+        "this run's layout. The state it holds is saved at once as this run's first "
+        "checkpoint, so `mcpar checkpoint verify` can compare the two. Read only while this "
+        "run's own checkpoint folder has no valid checkpoint: a restart resumes from its own.",
+    )
     compression: Literal["none", "zstd"] = Field(
         "none", description="'zstd': compress the checkpoint's tensor files as they are written "
         "(needs the zstandard package); loading detects it. Checksums are of the files as "

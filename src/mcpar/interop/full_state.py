@@ -105,7 +105,7 @@ def layout_maps(cfg: ModelConfig, layout: dict[str, Any], coord: Coord
     return index_codes(chunks)
 
 
-def _by_coord(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.Tensor]]:
+def model_shards(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.Tensor]]:
     """Saved model tensors grouped by coordinate, one data replica (the lowest) of each."""
     chosen: dict[Coord, int] = {}
     out: dict[Coord, dict[str, torch.Tensor]] = {}
@@ -130,14 +130,14 @@ def load_full_state(run_dir: Path, step: int | None = None) -> FullState:
     layout = saved_layout(meta)
     with warnings.catch_warnings():  # DCP's note that it reads in one process: it is meant to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        shards = _by_coord(load_tensors(path, "model/"))
+        shards = model_shards(load_tensors(path, "model/"))
     maps = {c: layout_maps(cfg, layout, c) for c in shards}
     params = {c: {k: v for k, v in t.items() if k in maps[c]} for c, t in shards.items()}
     model = get_model_spec(cfg.kind).build(cfg, 0)
     named = list(model.named_parameters())
     flat = assemble(params, maps, [p.numel() for _, p in named])
     full = {name: t.view(p.shape) for (name, p), t in zip(named, flat, strict=True)}
-    _experts_in_order(cfg, full, named, shards, maps)
+    experts_in_order(cfg, full, named, shards, maps)
     wanted = dict(model.named_buffers())
     buffers = {}
     for coord, tensors in shards.items():
@@ -207,7 +207,7 @@ def run_tokenizer_path(job: JobConfig, vocab_size: int) -> Path | None:
     return found.path if found is not None else None
 
 
-def _experts_in_order(cfg: ModelConfig, full: dict[str, torch.Tensor],
+def experts_in_order(cfg: ModelConfig, full: dict[str, torch.Tensor],
                       named: list[tuple[str, Any]], shards: dict[Coord, dict[str, torch.Tensor]],
                       maps: dict[Coord, dict[str, torch.Tensor]]) -> None:
     """Put every MoE layer's experts back in expert order (slot s holds expert_of_slot[s])."""
