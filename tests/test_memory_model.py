@@ -129,14 +129,16 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     the two LayerNorms' fp32 statistics (8 bytes per token each) and the flash kernel's fp32
     log-sum-exp (per query and head); 4 + 4 + 8 bytes per parameter. The last rank (one block,
     the head, three fp32 logit-sized tensors of the loss) holds less in all, so the first rank's
-    figures are the estimate."""
+    figures are the estimate, with the int64 indices its embeddings' backward keeps."""
     path, _ = write_config(tmp_path, "pipeline2-1f1b")
     plan = resolve_plan(load_config(str(path)), None)
     assert [b - a for a, b in plan.stage_cut] == [5, 1]
     b, s, h = 4, 128, 128
     x = b * s * h
     heads = plan.config.model.num_heads
-    activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s)
+    # The embeddings' int64 indices (token ids, one row of position ids) per micro-batch.
+    indices = 2 * 8 * (b * s + s)
+    activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s) + indices
     params = params_per_pipeline_rank(plan.config, plan.parallel_dims())[0]
     assert plan.memory.estimate.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
                                   ("optimizer state", 8 * params),
@@ -159,15 +161,16 @@ def test_autocast_keeps_fp32_weights_and_residual_stream() -> None:
     x = tokens * h
     loss = 3 * 4 * tokens * v  # fp32 log-probabilities, the gradient arriving and leaving
     extras = 2 * 8 * tokens + 4 * b * heads * s  # LayerNorm statistics, flash log-sum-exp
+    indices = 8 * (tokens + s)  # the token and position embeddings' int64 indices
 
     def head(a: int) -> int:  # the final norm's fp32 input and statistics, the head's input
         return (4 * h + 8) * tokens + a * tokens * h
 
-    assert m32.activations == 4 * (64 * x + extras) + head(4) + loss
+    assert m32.activations == 4 * (64 * x + extras) + head(4) + loss + indices
     # bf16 adds autocast's 16-bit weight copies (each layer's matrices and the head's).
     split = config_model(bf16).layer_param_split()[0]
     assert m16.activations == 4 * ((2 * 4 + 2 * 2 + 2 * (1 + 2 + 1) + 2 * 2 * 4) * x + extras
-                                    + 2 * split) + head(2) + 2 * v * h + loss
+                                    + 2 * split) + head(2) + 2 * v * h + loss + indices
 
 
 def test_default_simulate_on_this_machine_matches_check(

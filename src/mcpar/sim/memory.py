@@ -271,15 +271,17 @@ def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False,
 
 
 def embedding_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
-    """What the first stage keeps for one micro-batch before its blocks: the mask of the
-    embedding's dropout (over the embedding's output, in the weights' dtype), none without
-    dropout."""
-    if not m.dropout:
-        return 0.0
-    resid = 4 if lay.autocast and not weights16 else ACT_BYTES[lay.precision]
+    """What the first stage keeps for one micro-batch before its blocks: the lookups' int64
+    indices, which each embedding's backward keeps (the token ids, and a learned position
+    table's position ids, one row per micro-batch), and the mask of the embedding's dropout
+    (over the embedding's output, in the weights' dtype), none without dropout."""
     tokens = lay.micro_batch * m.seq_len / lay.cp
+    indices = 8 * (tokens + (m.seq_len / lay.cp if m.learned_positions else 0))
+    if not m.dropout:
+        return indices
+    resid = 4 if lay.autocast and not weights16 else ACT_BYTES[lay.precision]
     sp = lay.tp if lay.seq_parallel else 1
-    return dropout_mask_bytes(lay.device, resid) * tokens * m.hidden / sp
+    return indices + dropout_mask_bytes(lay.device, resid) * tokens * m.hidden / sp
 
 
 def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None = None,
