@@ -4,6 +4,7 @@ bytes on the 'cp' axis, loss parity of whole runs, and the combinations refused.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,17 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import TINY, run_cli_in_process, train_in_turn
+from conftest import TINY, run_cli_in_process
 
 from mcpar.comm.communicator import Communicator
 from mcpar.config import load_config
 from mcpar.errors import UserError
-from mcpar.launch.env import find_free_port
+from mcpar.launch.env import DistEnv, find_free_port
 from mcpar.parallel.context import shard_sequence, zigzag_positions
 from mcpar.parallel.ring_attention import ring_attention
 from mcpar.parallel.ulysses import ulysses_attention
 from mcpar.plan import resolve_plan
 from mcpar.topology import ParallelDims
+from mcpar.trainer import Trainer
 
 
 def spawn_workers(fn: object, args: tuple, nprocs: int) -> None:
@@ -60,48 +62,46 @@ def test_zigzag_balances_the_causal_work() -> None:
 B, H, D = 2, 4, 8
 
 
-def _attention_worker(rank: int, world: int, port: int, seq: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        dims = ParallelDims(dp=1, tp=1, pp=1, ep=1, cp=world, world_size=world)
-        dims.build_mesh("cpu")
-        comm = Communicator(dims)
-        gen = torch.Generator().manual_seed(0)
-        q, k, v, dout = (torch.randn(B, H, seq, D, generator=gen, dtype=torch.float64)
-                         for _ in range(4))
-        pos = zigzag_positions(seq, rank, world)
-        # The reference on the worker, for the same numbers in the same thread setting.
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=True)
-        ref.backward(dout)
-        results: dict[str, object] = {"want": {
-            name: t.detach()[:, :, pos]
-            for name, t in (("out", ref), ("dq", full[0].grad), ("dk", full[1].grad),
-                            ("dv", full[2].grad))}}
-        for name, attend in (("ring", ring_attention), ("ulysses", ulysses_attention)):
-            ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
-            comm.stats.reset_step()
-            out = attend(ql, kl, vl, comm)
-            forward_bytes = comm.stats.step_bytes_by_axis()
-            out.backward(dout[:, :, pos])
-            results[name] = {
-                "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
-                "forward_bytes": forward_bytes, "bytes": comm.stats.step_bytes_by_axis(),
-            }
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _attention_check(rank: int, world: int, seq: int, out_dir: Path) -> None:
+    """On a worker of a ``parity_runs`` group: ring and Ulysses attention of one random
+    sequence over a context axis of every rank, and full attention on the whole of it."""
+    dims = ParallelDims(dp=1, tp=1, pp=1, ep=1, cp=world, world_size=world)
+    dims.build_mesh("cpu")
+    comm = Communicator(dims)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, seq, D, generator=gen, dtype=torch.float64)
+                     for _ in range(4))
+    pos = zigzag_positions(seq, rank, world)
+    # The reference on the worker, for the same numbers in the same thread setting.
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    results: dict[str, object] = {"want": {
+        name: t.detach()[:, :, pos]
+        for name, t in (("out", ref), ("dq", full[0].grad), ("dk", full[1].grad),
+                        ("dv", full[2].grad))}}
+    for name, attend in (("ring", ring_attention), ("ulysses", ulysses_attention)):
+        ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+        comm.stats.reset_step()
+        out = attend(ql, kl, vl, comm)
+        forward_bytes = comm.stats.step_bytes_by_axis()
+        out.backward(dout[:, :, pos])
+        results[name] = {
+            "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+            "forward_bytes": forward_bytes, "bytes": comm.stats.step_bytes_by_axis(),
+        }
+    out_dir.mkdir(exist_ok=True)
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+ATTENTION_SEQ = 32
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def attention_runs(request: pytest.FixtureRequest,
-                   tmp_path_factory: pytest.TempPathFactory) -> tuple[int, int, list[dict]]:
-    world, seq = request.param, 32
-    out = tmp_path_factory.mktemp(f"attn{world}")
-    spawn_workers(_attention_worker, args=(world, find_free_port(), seq, str(out)), nprocs=world)
-    return world, seq, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+                   parity_runs: Path) -> tuple[int, int, list[dict]]:
+    world, out = request.param, parity_runs / f"attention{request.param}"
+    return world, ATTENTION_SEQ, [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
@@ -148,22 +148,48 @@ RUNS_4 = {
     "cp4_ring": ["parallelism.context=4"],
     "cp2_dp2": ["parallelism.context=2", "parallelism.data=2",
                 "optimization.gradient_accumulation=1"],
+    "cp2_tp2": ["parallelism.context=2", "parallelism.tensor=2"],
+    "cp2_pp2": ["parallelism.context=2", "parallelism.pipeline=2"],
 }
 REFERENCE = {"gpt": [], "llama": LLAMA}
 
 
-def _runs(root: Path, runs: dict[str, list[str]], world: int) -> None:
-    settings = {name: [*BASE, *extra] for name, extra in runs.items()}
-    spawn_workers(train_in_turn, args=(find_free_port(), str(root), settings, world),
+# Saved at context 2 (steps 5 and 10), resumed from step 5 at context 1 and 4.
+SAVE = ["parallelism.context=2", "optimization.checkpoint.interval=5"]
+RESUMED = {1: "resume_cp1", 4: "resume_cp4"}
+
+
+def _train_runs(rank: int, port: int, root: str, runs: dict[str, list[str]], world: int,
+                resume: tuple[str, ...]) -> None:
+    """``train_in_turn``, the runs named in ``resume`` continuing from their checkpoints."""
+    torch.set_num_threads(1)
+    env = DistEnv(rank, world, rank, world, "127.0.0.1", port, "mcpar")
+    for name, settings in runs.items():
+        run_dir = Path(root) / name
+        run_dir.mkdir(exist_ok=True)
+        Trainer(resolve_plan(load_config(None, [*BASE, *settings]), world), run_dir, env,
+                resume=name in resume).train()
+    if world > 1:  # the attention checks on the same workers (a process start costs seconds)
+        _attention_check(rank, world, ATTENTION_SEQ, Path(root) / f"attention{world}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _runs(root: Path, runs: dict[str, list[str]], world: int, resume: tuple[str, ...] = ()
+          ) -> None:
+    spawn_workers(_train_runs, args=(find_free_port(), str(root), runs, world, resume),
                   nprocs=world)
 
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cp_parity")
-    _runs(root, REFERENCE, 1)
-    _runs(root, RUNS_2, 2)
-    _runs(root, RUNS_4, 4)
+    _runs(root, {**RUNS_2, "saved_cp2": SAVE}, 2)
+    for target in RESUMED.values():  # the step-5 checkpoint alone, in a run of its own
+        shutil.copytree(root / "saved_cp2" / "checkpoints" / "step-5",
+                        root / target / "checkpoints" / "step-5")
+    _runs(root, {**REFERENCE, RESUMED[1]: []}, 1, resume=(RESUMED[1],))
+    _runs(root, {**RUNS_4, RESUMED[4]: ["parallelism.context=4"]}, 4, resume=(RESUMED[4],))
     return root
 
 
@@ -220,7 +246,8 @@ CP2 = [*TINY, "parallelism.context=2"]
     (["model.seq_len=30"], "model.seq_len: 30 is not divisible by 2 x parallelism.context 2"),
     (["parallelism.context_mode=ulysses", "parallelism.context=4", "model.seq_len=64"],
      "parallelism.context_mode: ulysses splits the 2 attention heads"),
-    (["parallelism.pipeline=2"], "parallelism.context: context 2 with pipeline parallelism"),
+    (["parallelism.data=2", "parallelism.experts=2"],
+     "parallelism.context: context 2 with expert parallelism (parallelism.experts)"),
     (["parallelism.tensor=2", "parallelism.sequence_parallel=true"],
      "(parallelism.sequence_parallel) is not supported yet"),
     (["model.kind=moe", "model.num_experts=2"], "model kind 'moe' has no context-parallel plan"),
@@ -249,10 +276,26 @@ def test_the_world_must_fill_the_context_groups() -> None:
 def test_check_exits_2_with_one_line_naming_the_key(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "cp.yaml"
-    config.write_text("parallelism: {context: 2, pipeline: 2}\nmodel: {num_layers: 2}\n")
+    config.write_text("parallelism: {context: 2, data: 2}\n"
+                      "controllers: {memory: {zero_stage: 1}}\n")
     proc = run_cli_in_process(capsys, "check", str(config))
     code, err = proc.returncode, proc.stderr
     assert code == 2
     lines = [line for line in err.splitlines() if "parallelism.context" in line]
-    assert len(lines) == 1 and "use pipeline 1" in lines[0], err
+    assert len(lines) == 1 and "use zero_stage 0" in lines[0], err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_context_2_resumes_at_context_1_and_4(parity_runs: Path) -> None:
+    """The parameters are replicated over the context axis: what context 2 saved at step 5 goes
+    on at context 1 and 4 with the single process's losses."""
+    reference = {r["step"]: r["loss"] for r in _records(parity_runs / "gpt")}
+    saved = json.loads((parity_runs / "saved_cp2" / "checkpoints" / "step-5" / "meta.json")
+                       .read_text())
+    assert saved["config"]["parallelism"]["context"] == 2
+    for target in RESUMED.values():
+        records = _records(parity_runs / target)
+        assert [r["step"] for r in records] == list(range(6, STEPS + 1)), target
+        for record in records:
+            assert abs(record["loss"] - reference[record["step"]]) <= 1e-5, (target, record)
