@@ -40,7 +40,7 @@ from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import format_bytes
-from mcpar.topology import ParallelDims
+from mcpar.topology import ParallelDims, replica_ranks
 
 AUTO_KEY = "parallelism.auto"
 AUTO_LAYOUT_FILE = "auto_layout.json"  # the run directory's copy of the ranking
@@ -149,7 +149,7 @@ def _global_batch(cfg: JobConfig, world: int) -> int:
     opt, par = cfg.optimization, cfg.parallelism
     if opt.global_batch_size is not None:
         return opt.global_batch_size
-    data = par.data or max(1, world // (par.tensor * par.pipeline))
+    data = par.data or max(1, world // replica_ranks(par.tensor, par.pipeline, par.context))
     return opt.micro_batch_size * (opt.gradient_accumulation or 1) * data
 
 
@@ -238,8 +238,8 @@ def _price(cfg: JobConfig, settings: dict[str, object], cluster: object
     candidate = with_keys(cfg, settings)
     par = candidate.parallelism
     dp = par.data or 1
-    dims = ParallelDims(dp=dp, tp=par.tensor, pp=par.pipeline, ep=par.experts,
-                        world_size=dp * par.tensor * par.pipeline)
+    dims = ParallelDims(dp=dp, tp=par.tensor, pp=par.pipeline, ep=par.experts, cp=par.context,
+                        world_size=dp * replica_ranks(par.tensor, par.pipeline, par.context))
     try:
         layout = config_layout(candidate, dims.world_size)
         if layout.precision not in cluster.accel.peak_flops:  # type: ignore[attr-defined]
@@ -338,8 +338,8 @@ def resolve_job(cfg: JobConfig, world_size: int | None) -> JobPlan:
     if not cfg.parallelism.auto:
         return resolve_plan(cfg, world_size)
     if world_size is None:
-        world_size = (cfg.parallelism.data or 1) * cfg.parallelism.tensor * \
-            cfg.parallelism.pipeline
+        par = cfg.parallelism
+        world_size = (par.data or 1) * replica_ranks(par.tensor, par.pipeline, par.context)
     auto = choose_layout(cfg, world_size)
     plan = resolve_plan(with_keys(cfg, auto.chosen.settings), world_size)
     return dataclasses.replace(plan, auto=auto)

@@ -35,7 +35,7 @@ from mcpar.controllers.memory.placement import place, with_settings
 from mcpar.controllers.memory.plan import MemoryPlan, plan_memory, recompute_problems
 from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.errors import UserError, problem
-from mcpar.topology import ParallelDims, split_dp_by_node
+from mcpar.topology import ParallelDims, replica_ranks, split_dp_by_node
 
 
 class LayoutChoice(Protocol):
@@ -63,6 +63,8 @@ class JobPlan:
     memory: MemoryPlan
     communication: CommPlan
     auto: LayoutChoice | None = None  # parallelism.auto's choice (auto_layout.py), else None
+    cp: int = 1  # context-parallel degree
+    context_mode: str = "ring"  # how attention runs over the context axis (ring | ulysses)
 
     # The compute plan's batch and pipeline terms, which most readers of a plan want.
     @property
@@ -95,7 +97,7 @@ class JobPlan:
 
     def parallel_dims(self) -> ParallelDims:
         """A new ParallelDims of this plan's degrees (it holds the process groups it builds)."""
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp,
                             world_size=self.world_size)
 
     def with_split(self, micro_batch_size: int, num_microbatches: int) -> JobPlan:
@@ -122,8 +124,9 @@ class JobPlan:
         return {
             "world_size": self.world_size,
             "degrees": {"data": self.dp, "tensor": self.tp, "pipeline": self.pp,
-                        "experts": self.ep},
-            "mesh": {"order": ["pp", "dp", "tp"], "virtual_stages": compute.virtual_stages,
+                        "experts": self.ep, "context": self.cp},
+            "context_mode": self.context_mode,
+            "mesh": {"order": ["pp", "dp", "cp", "tp"], "virtual_stages": compute.virtual_stages,
                      "sequence_parallel": compute.sequence_parallel},
             "batch": {"micro_batch_size": compute.micro_batch_size,
                       "num_microbatches": compute.num_microbatches,
@@ -145,27 +148,30 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
     ``mcpar check``). Raises UserError listing every problem found."""
     par, opt = cfg.parallelism, cfg.optimization
     problems: list[str] = []
-    tp, pp = par.tensor, par.pipeline
+    tp, pp, cp = par.tensor, par.pipeline, par.context
+    per_replica = replica_ranks(tp, pp, cp)
+    groups = f"tensor {tp} x pipeline {pp}" + (f" x context {cp}" if cp > 1 else "")
     dp = par.data
     if dp is None:
         if world_size is None:
             dp = 1
-        elif world_size % (tp * pp):
+        elif world_size % per_replica:
             problems.append(problem(
                 "parallelism.data",
-                f"{world_size} workers cannot be split into tensor {tp} x pipeline {pp} groups; "
-                f"use a world size divisible by {tp * pp}",
+                f"{world_size} workers cannot be split into {groups} groups; "
+                f"use a world size divisible by {per_replica}",
             ))
             dp = 1
         else:
-            dp = world_size // (tp * pp)
-    if world_size is not None and dp * tp * pp != world_size:
+            dp = world_size // per_replica
+    if world_size is not None and dp * per_replica != world_size:
         problems.append(problem(
             "parallelism",
-            f"the layout needs data {dp} x tensor {tp} x pipeline {pp} = {dp * tp * pp} devices, "
+            f"the layout needs data {dp} x {groups} = {dp * per_replica} devices, "
             f"but the job has {world_size}; change the degrees or the number of workers",
         ))
     problems += model_layout_problems(cfg, dp)
+    problems += context_problems(cfg)
     problems += communication_problems(cfg, dp)
     problems += zero_problems(cfg, dp)
     problems += recompute_problems(cfg)
@@ -198,7 +204,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
             ))
         else:
             try:
-                split_dp_by_node(ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts,
+                split_dp_by_node(ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, cp=cp,
                                               world_size=world_size),
                                  [r // rpn for r in range(world_size)])
             except UserError as err:
@@ -211,7 +217,8 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
         "optimization": opt.model_copy(update={"gradient_accumulation": num_micro,
                                                "global_batch_size": global_batch}),
     })
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, world_size=dp * tp * pp)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=par.experts, cp=cp,
+                        world_size=dp * per_replica)
     # The MemoryController first: recompute per block, offload and ZeRO stage to the memory
     # budget (what the user left unset); the exchange serves its ZeRO stage.
     memory = plan_memory(resolved, dims, place(resolved, dims))
@@ -220,7 +227,10 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
         config=resolved, world_size=dims.world_size, dp=dp, tp=tp, pp=pp, ep=par.experts,
         compute=plan_compute(resolved, opt.micro_batch_size, num_micro, global_batch),
         memory=memory,
-        communication=plan_communication(resolved, dp, memory.zero_stage),
+        # The gradients' replicas: the data ranks, times the context ranks (which hold the
+        # same parameters and see other tokens of the same sequences).
+        communication=plan_communication(resolved, dp * cp, memory.zero_stage),
+        cp=cp, context_mode=par.context_mode,
     )
 
 
@@ -281,4 +291,62 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
         ))
     # The family's own rules against the degrees (its registry entry).
     problems += model.family.layout_problems(model, tp, par.experts, par.sequence_parallel)
+    return problems
+
+
+def context_problems(cfg: JobConfig) -> list[str]:
+    """Context parallelism's rules against the rest of the config: the sequence's zigzag cut,
+    Ulysses' head split, and every combination not built yet (refused, never ignored)."""
+    par, model = cfg.parallelism, cfg.model
+    cp = par.context
+    if cp == 1:
+        return []
+    mem, com = cfg.controllers.memory, cfg.controllers.communication
+    problems: list[str] = []
+    if model.seq_len % (2 * cp):
+        problems.append(problem(
+            "model.seq_len",
+            f"{model.seq_len} is not divisible by 2 x parallelism.context {cp} (the sequence is "
+            f"cut into 2 x {cp} chunks, rank i holding chunks i and {2 * cp - 1}-i); use a "
+            f"multiple of {2 * cp}",
+        ))
+    local_heads = model.num_heads // par.tensor
+    if par.context_mode == "ulysses" and local_heads % cp:
+        problems.append(problem(
+            "parallelism.context_mode",
+            f"ulysses splits the {local_heads} attention heads of a tensor rank over "
+            f"parallelism.context {cp}, which does not divide them; use context_mode 'ring' or "
+            f"a context degree dividing {local_heads}",
+        ))
+    # What context parallelism does not combine with yet: (key, what would be wrong, the fix).
+    unsupported = [
+        (par.sequence_parallel, "parallelism.sequence_parallel",
+         "sequence parallelism", "set it to false"),
+        (par.experts > 1, "parallelism.experts", "expert parallelism", "use experts 1"),
+        (mem.zero_stage > 0, "controllers.memory.zero_stage", "ZeRO sharding",
+         "use zero_stage 0"),
+        (mem.activation_checkpointing != "none", "controllers.memory.activation_checkpointing",
+         "activation recompute", "use 'none'"),
+        (com.compression != "none", "controllers.communication.compression",
+         "gradient compression", "use 'none'"),
+        (com.topology != "flat", "controllers.communication.topology",
+         "hierarchical gradient reduction", "use 'flat'"),
+        (model.dropout > 0, "model.dropout", "dropout (each rank would draw its own masks)",
+         "use 0"),
+        (cfg.training.compile, "training.compile", "torch.compile of the blocks",
+         "set it to false"),
+    ]
+    if getattr(model.family, "context_parallel", None) is None:
+        problems.append(problem(
+            "parallelism.context",
+            f"model kind '{model.kind}' has no context-parallel plan (its attention and "
+            "positions are not split over the context axis); use parallelism.context 1",
+        ))
+    for bad, key, what, fix in unsupported:
+        if bad:
+            problems.append(problem(
+                "parallelism.context",
+                f"context {cp} with {what} ({key}) is not supported yet; {fix}, or use "
+                "parallelism.context 1",
+            ))
     return problems

@@ -2,8 +2,13 @@
 
 The mesh order is fixed: pipeline outermost (it tolerates the slowest links: only activations cross
 it, point to point), then data (which holds the expert axis as a sub-axis, as in the seed's layout),
+then context (its K/V ring runs every layer, but point to point and overlapped with attention),
 then tensor innermost (its collectives run every layer, so its ranks must share a node). The
 controllers query this object for process groups and never build their own.
+
+Context parallelism ('cp') splits every sequence; the parameters are replicated over it exactly
+as over the data axis, so their gradients are reduced over the two together: 'dp_cp' is that
+combined group (one collective, not one per axis), the gradient exchange's axis (``grad_axis``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    cp: int = 1  # context-parallel degree (every sequence split over cp ranks)
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     # The data axis split by nodes (set by build_node_groups): 'dp_intra' joins the data-parallel
     # ranks of one node, 'dp_inter' the ranks at the same place on every node.
@@ -47,27 +53,43 @@ class ParallelDims:
     # spans the world IS the default group (DeviceMesh reuses it), which two threads must not
     # drive at once.
     _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Under context parallelism: the data and context axes together (the gradients' replicas).
+    _dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise ValueError(f"dp {self.dp} x tp {self.tp} x pp {self.pp} != {self.world_size}")
+        if self.dp * self.tp * self.pp * self.cp != self.world_size:
+            raise ValueError(f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp} != "
+                             f"{self.world_size}")
         if self.dp % self.ep:
             raise ValueError(f"expert degree {self.ep} does not divide data degree {self.dp}")
         self.dp_inter = self.dp
         self.edp = self.dp // self.ep
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
 
     @property
-    def mesh_axis_names(self) -> tuple[str, str, str]:
-        return ("pp", "dp", "tp")
+    def mesh_axis_names(self) -> tuple[str, str, str, str]:
+        return ("pp", "dp", "cp", "tp")
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same dense parameters: the data axis times the context axis."""
+        return self.dp * self.cp
+
+    @property
+    def grad_axis(self) -> str:
+        """The axis dense gradients are averaged over: 'dp', or 'dp_cp' under context
+        parallelism (one collective over both axes)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     def describe(self) -> str:
         text = (
             f"{self.world_size} devices = tensor {self.tp} x pipeline {self.pp} x data {self.dp}"
         )
+        if self.cp > 1:
+            text += f" x context {self.cp}"
         if self.ep > 1:
             text += f", experts {self.ep} within the data axis ({self.dp // self.ep} expert groups)"
         return text
@@ -89,6 +111,25 @@ class ParallelDims:
                                            group_desc="mcpar_world")
         if self.ep > 1:
             self._build_expert_groups()
+        if self.cp > 1:
+            self._build_dp_cp_groups()
+
+    def dp_cp_group_ranks(self) -> list[list[int]]:
+        """Global ranks of every combined data x context group (row-major mesh order)."""
+        return [[((p * self.dp + d) * self.cp + c) * self.tp + t
+                 for d in range(self.dp) for c in range(self.cp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def _build_dp_cp_groups(self) -> None:
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        # Every rank creates every group, in the same order (new_group is collective). A new
+        # group even where it spans the world: the default group is driven by other threads.
+        for ranks in self.dp_cp_group_ranks():
+            group = dist.new_group(ranks, group_desc="mcpar_dp_cp")
+            if me in ranks:
+                self._dp_cp_group = group
 
     def expert_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
         """Global ranks of every 'ep' group and every 'edp' group (carved out of each
@@ -114,15 +155,17 @@ class ParallelDims:
                     self._expert_groups[axis] = group
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank along a mesh axis ('dp', 'tp', 'pp', the node split
-        of the data axis 'dp_intra' / 'dp_inter', or its expert split 'ep' / 'edp'); None if
-        size 1."""
+        """The process group of this rank along a mesh axis ('dp', 'cp', 'tp', 'pp', the data
+        and context axes together 'dp_cp', the node split of the data axis 'dp_intra' /
+        'dp_inter', or its expert split 'ep' / 'edp'); None if size 1."""
         if self._mesh is None or getattr(self, axis) == 1:
             return None
         if axis in ("dp_intra", "dp_inter"):
             return self._node_groups[axis]
         if axis in ("ep", "edp"):
             return self._expert_groups[axis]
+        if axis == "dp_cp":
+            return self._dp_cp_group
         group = self._mesh_groups.get(axis)
         if group is None:
             group = self._mesh_groups[axis] = self._mesh.get_group(axis)
@@ -144,13 +187,15 @@ class ParallelDims:
         if axis in ("ep", "edp"):
             dp_rank = self._mesh.get_local_rank("dp")
             return dp_rank % self.ep if axis == "ep" else dp_rank // self.ep
+        if axis == "dp_cp":
+            return self._mesh.get_local_rank("dp") * self.cp + self._mesh.get_local_rank("cp")
         return self._mesh.get_local_rank(axis)
 
     def dp_group_ranks(self) -> list[list[int]]:
         """Global ranks of every data-parallel group (the mesh is row-major over
-        (pp, dp, tp), as init_device_mesh lays it out)."""
-        return [[(p * self.dp + d) * self.tp + t for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
+        (pp, dp, cp, tp), as init_device_mesh lays it out)."""
+        return [[((p * self.dp + d) * self.cp + c) * self.tp + t for d in range(self.dp)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)]
 
     def build_node_groups(self, node_of_rank: list[int]) -> None:
         """Split every data-parallel group by node, for hierarchical collectives.
@@ -173,6 +218,12 @@ class ParallelDims:
                 group = dist.new_group(ranks, group_desc=f"mcpar_{axis}") if size > 1 else None
                 if me in ranks:
                     self._node_groups[axis] = group
+
+
+def replica_ranks(tp: int, pp: int, cp: int) -> int:
+    """Ranks one data-parallel replica spans (the world size per data rank): what a world
+    size must divide by when the data degree is left to the world."""
+    return tp * pp * cp
 
 
 def split_dp_by_node(dims: ParallelDims,

@@ -58,6 +58,7 @@ from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.compiled_graphs import per_rank as compiled_per_rank
+from mcpar.parallel.context import shard_sequence
 from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
@@ -278,16 +279,16 @@ class Trainer:
         return int(mine.item())
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
-        """Shape of the activations between pipeline stages (sequence-sharded under SP)."""
-        seq = self.cfg.model.seq_len
+        """Shape of the activations between pipeline stages (sequence-sharded under CP and SP)."""
+        seq = self.cfg.model.seq_len // self.dims.cp
         if self.plan.sequence_parallel and self.dims.tp > 1:
             seq //= self.dims.tp
         return (micro_batch_size, seq, self.cfg.model.hidden_size)
 
     def _micro(self, stream: BatchStream, step: int, micro: int) -> tuple[torch.Tensor, ...]:
-        inputs, targets = stream.micro_batch(step, self.dp_rank, self.dims.dp, micro,
-                                             self.plan.micro_batch_size)
-        return inputs.to(self.device), targets.to(self.device)
+        cp_rank, cp = self.dims.axis_rank("cp"), self.dims.cp  # inputs, targets: its zigzag shard
+        return tuple(shard_sequence(t, cp_rank, cp).to(self.device) for t in stream.micro_batch(
+            step, self.dp_rank, self.dims.dp, micro, self.plan.micro_batch_size))
 
     def _step_batch(self, step: int) -> StepBatch:
         """This rank's micro-batches of ``step``: inputs where it holds the first stage,

@@ -296,9 +296,10 @@ class FaultRecoveryManager:
         """The tensors this rank saves (or loads into). ``saved_keys``: the checkpoint's keys,
         when loading, so that optimizer state is only expected where it was saved."""
         state: dict[str, torch.Tensor] = {}
-        # 'edp' rank 0: the first replica of each expert group (data rank 0 without experts).
+        # 'edp' rank 0: the first replica of each expert group (data rank 0 without experts);
+        # context ranks hold replicas too, written by the first.
         writes_shards = (strategy == "full" or self.dims.axis_rank("edp") == 0
-                         or saved_keys is not None)
+                         and self.dims.axis_rank("cp") == 0 or saved_keys is not None)
         sharded = self.sharded
         if writes_shards or sharded:
             coord = self._coord(strategy)

@@ -36,6 +36,7 @@ from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_confi
 from mcpar.metrics import write_json_atomic
 from mcpar.path_checks import path_problems
 from mcpar.plan import JobPlan
+from mcpar.topology import replica_ranks
 
 
 def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -> int:
@@ -44,9 +45,10 @@ def _requested_world(cfg: JobConfig, nproc: int | None, builtin_default: bool) -
         if nproc < 1:
             raise UserError(problem("--nproc", f"must be at least 1, got {nproc}"))
         return nproc
+    per_replica = replica_ranks(par.tensor, par.pipeline, par.context)
     if par.data is None and builtin_default:
-        return DEFAULT_NPROC * par.tensor * par.pipeline
-    return (par.data or 1) * par.tensor * par.pipeline
+        return DEFAULT_NPROC * per_replica
+    return (par.data or 1) * per_replica
 
 
 def _check_data(plan: JobPlan) -> None:
@@ -139,8 +141,9 @@ def _check_local_devices(cfg: JobConfig, world_size: int, explicit_nproc: bool) 
     """A local launch must fit this machine (under torchrun/SLURM the launcher decided)."""
     info = select_device(cfg.training.device)
     par = cfg.parallelism
-    needed = par.data * par.tensor * par.pipeline if par.data else world_size
-    data = par.data or world_size // (par.tensor * par.pipeline)
+    per_replica = replica_ranks(par.tensor, par.pipeline, par.context)
+    needed = par.data * per_replica if par.data else world_size
+    data = par.data or world_size // per_replica
     have = available_devices(info)
     unit = "GPUs" if info.type == "cuda" else "CPU cores"
     # On CPU, an explicit --nproc may oversubscribe cores (tests, debugging); GPUs cannot be shared.

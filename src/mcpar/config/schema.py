@@ -98,6 +98,15 @@ class ParallelismConfig(_Section):
     experts: int = Field(
         1, ge=1, le=MAX_DEGREE, description="Expert-parallel degree, carved out of the data axis."
     )
+    context: int = Field(
+        1, ge=1, le=MAX_DEGREE,
+        description="Context-parallel degree: each rank of a context group holds 1/N of every "
+        "sequence (a balanced zigzag of 2N chunks: rank i holds chunks i and 2N-1-i), between "
+        "the data and tensor axes; the parameters are replicated over it.")
+    context_mode: Literal["ring", "ulysses"] = Field(
+        "ring", description="Context parallelism's attention: 'ring' passes K/V blocks around "
+        "the context group (online-softmax merge, dK/dV back around the ring); 'ulysses' "
+        "trades sequence shards for head shards by all-to-all (heads must divide by context).")
     virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS,
                                 description="Pipeline stages per rank (interleaving).")
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence.")

@@ -93,6 +93,22 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class ContextParallelPlan:
+    """Where context parallelism finds a model's attention cores and position ids.
+
+    ``attention_core``: the attention core inside a block (a parameter-free module called as
+    ``core(q, k, v)`` on [batch, heads, seq, head_dim], causal), which context parallelism
+    replaces. ``embedding_positions`` / ``block_positions``: modules (inside the embedding piece /
+    inside a block) with a ``positions`` buffer, the absolute positions of the tokens they see
+    (None there: 0..seq-1); context parallelism sets it to the positions of this rank's shard.
+    """
+
+    attention_core: str
+    embedding_positions: str | None = None
+    block_positions: str | None = None
+
+
+@dataclass(frozen=True)
 class ExpertWeight:
     """One grouped expert weight ``[experts, ...]`` of an experts module: its path and the dim
     of the expert's inner width, which the tensor axis splits."""

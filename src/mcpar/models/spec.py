@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.models.hf import HFNames
-from mcpar.models.plan import ExpertPlan, ModelPieces, TensorParallelPlan
+from mcpar.models.plan import ContextParallelPlan, ExpertPlan, ModelPieces, TensorParallelPlan
 from mcpar.registry.model_family import MODEL_FAMILIES, ModelFamily
 
 if TYPE_CHECKING:  # an entry is read without torch (`mcpar check`); its build imports it
@@ -37,6 +37,7 @@ class ModelSpec(ModelFamily):
 
     tensor_parallel: TensorParallelPlan | None = None  # None: not tensor-parallel
     expert_parallel: ExpertPlan | None = None  # None: a dense model
+    context_parallel: ContextParallelPlan | None = None  # None: no context parallelism
     hf: HFNames | None = None  # None: no Hugging Face counterpart
 
     @abstractmethod

@@ -8,7 +8,9 @@
 3. Tensor (and sequence) parallelism shards each kept chunk in place.
 4. Expert parallelism: each MoE layer keeps this rank's experts (split over the expert axis, their
    width over the tensor axis) and exchanges tokens by all-to-all.
-5. Move to the device.
+5. Context parallelism: attention cores over the context axis (ring or Ulysses) and the position
+   lookups of this rank's zigzag shard of the sequence (``parallel/context.py``).
+6. Move to the device.
 
 This is where the model spec (``model.kind``) meets the parallel mechanisms: the spec's
 ``pieces`` tell the pipeline cut where the embedding, blocks and head are, its
@@ -36,6 +38,7 @@ from torch import nn
 from mcpar.comm.communicator import Communicator
 from mcpar.config import JobConfig
 from mcpar.models.spec import get_model_spec
+from mcpar.parallel.context import apply_context_parallel
 from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import StageModule, cut_model
@@ -99,7 +102,15 @@ def parallelize(cfg: JobConfig, dims: ParallelDims, comm: Communicator, device: 
             apply_expert_parallel(chunk, spec.expert_parallel, comm, dims.axis_rank("ep"), dims.ep,
                                   dims.axis_rank("tp"), dims.tp)
 
-    # 5. device
+    # 5. context parallelism
+    if dims.cp > 1:
+        if spec.context_parallel is None:
+            raise ValueError(f"model kind '{spec.name}' has no context-parallel plan")
+        for chunk in chunks:
+            apply_context_parallel(chunk, spec.context_parallel, comm, dims.axis_rank("cp"),
+                                   dims.cp, cfg.parallelism.context_mode, cfg.model.seq_len)
+
+    # 6. device
     chunks = [chunk.to(device) for chunk in chunks]
 
     # The unique parameters (a tied weight is one parameter), for the gradient exchange.

@@ -20,6 +20,7 @@ from mcpar.errors import UserError, problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.sim.stages import stage_sizes
 from mcpar.sim.workload import Layout, ModelPreset, ModelShape
+from mcpar.topology import replica_ranks
 
 # Layout field -> the config key a problem with it should name (one table, the registry's).
 CONFIG_KEYS = LAYOUT_KEYS
@@ -43,10 +44,12 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
     tp, pp = par.tensor, par.pipeline
     dp = par.data
     if dp is None:
-        if num_gpus % (tp * pp):
+        per_replica = replica_ranks(tp, pp, par.context)
+        if num_gpus % per_replica:
             raise UserError(problem("parallelism", f"{num_gpus} GPUs cannot be split into tensor "
-                                                   f"{tp} x pipeline {pp} groups"))
-        dp = num_gpus // (tp * pp)
+                                                   f"{tp} x pipeline {pp} x context "
+                                                   f"{par.context} groups"))
+        dp = num_gpus // per_replica
     if opt.global_batch_size is not None:
         global_batch = opt.global_batch_size
     elif preset is not None and opt.gradient_accumulation is None:
@@ -61,7 +64,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
     device = run_device_type(cfg.training.device) if dropout else "cuda"
     attention = "math" if attention_kernel(device, dropout) == "math" else "auto"
     return Layout(
-        tp=tp, pp=pp, vp=par.virtual_stages, cp=1, dp=dp, ep=par.experts,
+        tp=tp, pp=pp, vp=par.virtual_stages, cp=par.context, dp=dp, ep=par.experts,
         zero_stage=mem.zero_stage, seq_parallel=par.sequence_parallel,
         global_batch=global_batch, micro_batch=opt.micro_batch_size,
         recompute=mem.activation_checkpointing,

@@ -95,7 +95,11 @@ class CommunicationController(Communicator):
     def dp_all_reduce(self, tensor: torch.Tensor, codec: str = "none",
                       async_op: bool = False) -> CommHandle:
         """Sum `tensor` (flat) over the data axis with the configured algorithm; `codec` fp16 or
-        bf16 casts what crosses the wire (under hierarchical, only the inter-node stage)."""
+        bf16 casts what crosses the wire (under hierarchical, only the inter-node stage). Under
+        context parallelism the context ranks hold replicas too: one flat all-reduce over the
+        data and context axes together ('dp_cp'; the plan refuses the other algorithms)."""
+        if self.dims.cp > 1:
+            return self.all_reduce(tensor, axis="dp_cp", async_op=async_op)
         if self.axis_size("dp") == 1:
             return CommHandle(None)
         algorithm = self.dp_algorithm(tensor.numel() * tensor.element_size())

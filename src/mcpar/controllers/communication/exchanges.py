@@ -38,7 +38,8 @@ class AllReduceExchange:
     def __init__(self, comm: CommunicationController, codec: str = "none"):
         self.comm = comm
         self.codec = codec
-        self.degree = comm.axis_size("dp")
+        # The replicas a dense gradient is averaged over: data x context ranks.
+        self.degree = comm.axis_size(comm.dims.grad_axis)
 
     @property
     def active(self) -> bool:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from mcpar.config import ModelConfig
 from mcpar.models.gpt.hf import GPT2Names
-from mcpar.models.gpt.plans import GPT_TENSOR_PARALLEL
+from mcpar.models.gpt.plans import GPT_CONTEXT_PARALLEL, GPT_TENSOR_PARALLEL
 from mcpar.models.plan import ModelPieces
 from mcpar.models.spec import ModelSpec
 from mcpar.registry.model_family import MODEL_FAMILIES
@@ -32,6 +32,7 @@ class GPTFamily(ModelSpec):
     name = "gpt"
     summary = "dense GPT: learned positions, GELU MLP, LayerNorm, biases"
     tensor_parallel = GPT_TENSOR_PARALLEL
+    context_parallel = GPT_CONTEXT_PARALLEL
     hf = GPT2Names()
 
     def build(self, cfg: ModelConfig, seed: int) -> nn.Module:

@@ -91,9 +91,13 @@ class TokenEmbedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
+        # The absolute positions of the tokens this module sees, where they are not 0..seq-1
+        # (a sequence shard: context parallelism sets it); not part of the model's state.
+        self.register_buffer("positions", None, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = (self.positions if self.positions is not None
+                     else torch.arange(tokens.shape[1], device=tokens.device))
         return self.dropout(self.tok(tokens) + self.pos(positions))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,
+    ContextParallelPlan,
     EmbeddingPlan,
     OutputPlan,
     TensorParallelPlan,
@@ -18,6 +19,8 @@ ATTENTION_TENSOR_PARALLEL = BlockPlan(
     norms=("ln_attn", "ln_mlp"),
     heads=("attn.num_heads",),
 )
+# Context parallelism: the block's attention core, and the position table's lookup positions.
+GPT_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core", embedding_positions="")
 GPT_TENSOR_PARALLEL = TensorParallelPlan(
     embedding=EmbeddingPlan(vocab="tok", positions="pos"),
     block=BlockPlan(

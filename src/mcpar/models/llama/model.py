@@ -56,13 +56,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, base: float,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [seq, head_dim] of position p times frequency base^(-2i/head_dim), each
-    frequency repeated for both halves (rotate-half pairing), in fp32."""
+    frequency repeated for both halves (rotate-half pairing), in fp32. ``positions``: the
+    tokens' absolute positions (default 0..seq_len-1)."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                         / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -84,6 +87,9 @@ class GroupedQueryAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rope_base = cfg.rope_base
         self.core = AttentionCore(cfg.dropout)
+        # The absolute positions of the tokens this module sees, where they are not 0..seq-1
+        # (a sequence shard: context parallelism sets it); not part of the model's state.
+        self.register_buffer("positions", None, persistent=False)
         group_rows = (self.queries_per_group + 2) * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, cfg.kv_heads * group_rows, bias=False)
         self.proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
@@ -96,7 +102,7 @@ class GroupedQueryAttention(nn.Module):
         q = groups[:, :, :, :-2].reshape(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = groups[:, :, :, -2].transpose(1, 2)
         v = groups[:, :, :, -1].transpose(1, 2)
-        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_base, x.device)
+        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_base, x.device, self.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.queries_per_group > 1:  # every query head of a group reads its group's k, v
             k = k.repeat_interleave(self.queries_per_group, dim=1)

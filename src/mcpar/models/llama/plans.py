@@ -6,6 +6,7 @@ from __future__ import annotations
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,
+    ContextParallelPlan,
     EmbeddingPlan,
     ExpertPlan,
     ExpertWeight,
@@ -14,6 +15,8 @@ from mcpar.models.plan import (
     TensorParallelPlan,
 )
 
+# Context parallelism: the attention core, and the attention's rotary positions.
+LLAMA_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core", block_positions="attn")
 LLAMA_ATTENTION_TENSOR_PARALLEL = BlockPlan(
     column=(ColumnParallel("attn.qkv"),),  # whole kv groups per rank (layout above)
     row=("attn.proj",),

@@ -1,0 +1,301 @@
+"""Context parallelism: zigzag shards, ring and Ulysses attention against full attention, the
+bytes on the 'cp' axis, loss parity of whole runs, and the combinations refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import TINY, run_cli_in_process
+
+from mcpar.comm.communicator import Communicator
+from mcpar.config import load_config
+from mcpar.errors import UserError
+from mcpar.launch.env import DistEnv, find_free_port
+from mcpar.parallel.context import shard_sequence, zigzag_positions
+from mcpar.parallel.ring_attention import ring_attention
+from mcpar.parallel.ulysses import ulysses_attention
+from mcpar.plan import resolve_plan
+from mcpar.topology import ParallelDims
+from mcpar.trainer import Trainer
+
+
+def spawn_workers(fn: object, args: tuple, nprocs: int) -> None:
+    """Real worker processes started afresh: forked ones (conftest's ``spawn_workers``) hang in
+    libgomp when the test process has run a multi-threaded kernel before the fork (seen here:
+    a worker stuck in ``gomp_team_barrier_wait_end`` from ``torch.zeros``)."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+
+
+# --- the zigzag ----------------------------------------------------------------------------
+
+
+def test_zigzag_rank_i_holds_chunks_i_and_2n_minus_1_minus_i() -> None:
+    # 16 tokens, 4 ranks: 8 chunks of 2.
+    assert zigzag_positions(16, 0, 4).tolist() == [0, 1, 14, 15]
+    assert zigzag_positions(16, 1, 4).tolist() == [2, 3, 12, 13]
+    assert zigzag_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    held = torch.cat([zigzag_positions(16, r, 4) for r in range(4)])
+    assert sorted(held.tolist()) == list(range(16))  # every token once
+    tokens = torch.arange(100, 116).view(1, 16)
+    assert shard_sequence(tokens, 2, 4).tolist() == [[104, 105, 110, 111]]
+
+
+def test_zigzag_balances_the_causal_work() -> None:
+    """Keys each rank's queries see under the causal mask: equal under the zigzag, while a
+    plain split gives the last rank 2n-1 times the first one's (the reason for the zigzag)."""
+    seq, n = 64, 4
+    zig = [int((zigzag_positions(seq, r, n) + 1).sum()) for r in range(n)]
+    plain = [int((torch.arange(r * seq // n, (r + 1) * seq // n) + 1).sum()) for r in range(n)]
+    assert len(set(zig)) == 1
+    assert plain[-1] / plain[0] > 5
+
+
+# --- attention over the ring, against full attention --------------------------------------
+
+B, H, D = 2, 4, 8
+
+
+def _attention_check(rank: int, world: int, seq: int, out_dir: Path) -> None:
+    """On a worker of a ``parity_runs`` group: ring and Ulysses attention of one random
+    sequence over a context axis of every rank, and full attention on the whole of it."""
+    dims = ParallelDims(dp=1, tp=1, pp=1, ep=1, cp=world, world_size=world)
+    dims.build_mesh("cpu")
+    comm = Communicator(dims)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, seq, D, generator=gen, dtype=torch.float64)
+                     for _ in range(4))
+    pos = zigzag_positions(seq, rank, world)
+    # The reference on the worker, for the same numbers in the same thread setting.
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    results: dict[str, object] = {"want": {
+        name: t.detach()[:, :, pos]
+        for name, t in (("out", ref), ("dq", full[0].grad), ("dk", full[1].grad),
+                        ("dv", full[2].grad))}}
+    for name, attend in (("ring", ring_attention), ("ulysses", ulysses_attention)):
+        ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+        comm.stats.reset_step()
+        out = attend(ql, kl, vl, comm)
+        forward_bytes = comm.stats.step_bytes_by_axis()
+        out.backward(dout[:, :, pos])
+        results[name] = {
+            "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+            "forward_bytes": forward_bytes, "bytes": comm.stats.step_bytes_by_axis(),
+        }
+    out_dir.mkdir(exist_ok=True)
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+ATTENTION_SEQ = 32
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def attention_runs(request: pytest.FixtureRequest,
+                   parity_runs: Path) -> tuple[int, int, list[dict]]:
+    world, out = request.param, parity_runs / f"attention{request.param}"
+    return world, ATTENTION_SEQ, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_attention_matches_full_causal_attention(
+        attention_runs: tuple[int, int, list[dict]], mode: str) -> None:
+    world, seq, ranks = attention_runs
+    for rank, result in enumerate(ranks):
+        got = result[mode]
+        for name, want in result["want"].items():
+            assert want.shape == (B, H, seq // world, D)
+            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-9,
+                                       msg=f"{mode} {name} rank {rank}")
+
+
+def test_ring_bytes_are_the_kv_blocks_on_the_cp_axis(
+        attention_runs: tuple[int, int, list[dict]]) -> None:
+    """Forward: n-1 K/V blocks sent per rank; backward: n-1 more K/V blocks and n dK/dV blocks
+    (accumulated in the inputs' float64), all counted on 'cp'."""
+    world, seq, ranks = attention_runs
+    block = 2 * B * H * (seq // world) * D * 8  # k and v, float64
+    grads = block  # dk and dv
+    for result in ranks:
+        ring = result["ring"]
+        assert ring["forward_bytes"] == {"cp": (world - 1) * block}
+        assert ring["bytes"] == {"cp": 2 * (world - 1) * block + world * grads}
+        # Ulysses: q, k, v out and the output back, (n-1)/n of each; the same in backward.
+        per = B * H * (seq // world) * D * 8 * (world - 1) / world
+        assert result["ulysses"]["bytes"] == {"cp": 8 * per}
+
+
+# --- whole runs: loss parity with the single process ---------------------------------------
+
+STEPS = 10
+# fp32, no dropout; 4 sequences per step so that data 2 splits them too.
+BASE = [*TINY, "model.seq_len=64", f"training.steps={STEPS}", "optimization.micro_batch_size=2",
+        "optimization.gradient_accumulation=2", "training.dtype=float32"]
+LLAMA = ["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=2"]
+RUNS_2 = {
+    "cp2_ring": ["parallelism.context=2"],
+    "cp2_ulysses": ["parallelism.context=2", "parallelism.context_mode=ulysses"],
+    "llama_cp2": [*LLAMA, "parallelism.context=2"],
+}
+RUNS_4 = {
+    "cp4_ring": ["parallelism.context=4"],
+    "cp2_dp2": ["parallelism.context=2", "parallelism.data=2",
+                "optimization.gradient_accumulation=1"],
+    "cp2_tp2": ["parallelism.context=2", "parallelism.tensor=2"],
+    "cp2_pp2": ["parallelism.context=2", "parallelism.pipeline=2"],
+}
+REFERENCE = {"gpt": [], "llama": LLAMA}
+
+
+# Saved at context 2 (steps 5 and 10), resumed from step 5 at context 1 and 4.
+SAVE = ["parallelism.context=2", "optimization.checkpoint.interval=5"]
+RESUMED = {1: "resume_cp1", 4: "resume_cp4"}
+
+
+def _train_runs(rank: int, port: int, root: str, runs: dict[str, list[str]], world: int,
+                resume: tuple[str, ...]) -> None:
+    """``train_in_turn``, the runs named in ``resume`` continuing from their checkpoints."""
+    torch.set_num_threads(1)
+    env = DistEnv(rank, world, rank, world, "127.0.0.1", port, "mcpar")
+    for name, settings in runs.items():
+        run_dir = Path(root) / name
+        run_dir.mkdir(exist_ok=True)
+        Trainer(resolve_plan(load_config(None, [*BASE, *settings]), world), run_dir, env,
+                resume=name in resume).train()
+    if world > 1:  # the attention checks on the same workers (a process start costs seconds)
+        _attention_check(rank, world, ATTENTION_SEQ, Path(root) / f"attention{world}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _runs(root: Path, runs: dict[str, list[str]], world: int, resume: tuple[str, ...] = ()
+          ) -> None:
+    spawn_workers(_train_runs, args=(find_free_port(), str(root), runs, world, resume),
+                  nprocs=world)
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cp_parity")
+    _runs(root, {**RUNS_2, "saved_cp2": SAVE}, 2)
+    for target in RESUMED.values():  # the step-5 checkpoint alone, in a run of its own
+        shutil.copytree(root / "saved_cp2" / "checkpoints" / "step-5",
+                        root / target / "checkpoints" / "step-5")
+    _runs(root, {**REFERENCE, RESUMED[1]: []}, 1, resume=(RESUMED[1],))
+    _runs(root, {**RUNS_4, RESUMED[4]: ["parallelism.context=4"]}, 4, resume=(RESUMED[4],))
+    return root
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run: Path) -> list[float]:
+    return [record["loss"] for record in _records(run)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*RUNS_2, *RUNS_4])
+def test_loss_parity_with_the_single_process(parity_runs: Path, name: str) -> None:
+    reference = _losses(parity_runs / ("llama" if name.startswith("llama") else "gpt"))
+    losses = _losses(parity_runs / name)
+    assert len(losses) == len(reference) == STEPS
+    for step, (ref, got) in enumerate(zip(reference, losses, strict=True), 1):
+        assert abs(ref - got) <= 1e-5, f"{name} step {step}: {got} vs {ref}"
+    assert losses[-1] < losses[0] - 0.3  # it learned
+
+
+@pytest.mark.slow
+def test_a_run_sends_its_ring_on_the_cp_axis_and_plans_it(parity_runs: Path) -> None:
+    plan = json.loads((parity_runs / "cp2_dp2" / "plan.json").read_text())
+    assert plan["degrees"]["context"] == 2 and plan["degrees"]["data"] == 2
+    assert plan["mesh"]["order"] == ["pp", "dp", "cp", "tp"]
+    # The gradients are one all-reduce over data x context: the exchange averages 4 replicas.
+    assert plan["grad_exchange"]["strategy"] == "allreduce"
+    # The ring's bytes per rank and step, counted on 'cp': per layer and micro-batch, n-1 K/V
+    # blocks forward, n-1 again and n dK/dV blocks backward; a block is 2 x micro 2 x heads 2 x
+    # (64 / n) tokens x head_dim 16 x 4 bytes.
+    for name, n, micro in (("cp2_ring", 2, 2), ("cp4_ring", 4, 2), ("cp2_dp2", 2, 1)):
+        block = 2 * 2 * 2 * (64 // n) * 16 * 4
+        want = 2 * micro * (3 * n - 2) * block
+        for record in _records(parity_runs / name):
+            assert record["comm_bytes_by_axis"]["cp"] == want, name
+    # Ulysses: q, k, v and the output, (n-1)/n of each, forward and backward.
+    ulysses = 2 * 2 * 8 * (2 * 2 * 32 * 16 * 4) / 2
+    assert _records(parity_runs / "cp2_ulysses")[0]["comm_bytes_by_axis"]["cp"] == ulysses
+    # The gradients: one ring all-reduce over the data x context group (2(n-1)/n of them).
+    num_params = json.loads((parity_runs / "cp2_dp2" / "summary.json").read_text())["num_params"]
+    assert _records(parity_runs / "cp2_dp2")[0]["comm_bytes_by_axis"]["dp_cp"] == \
+        2 * 3 / 4 * num_params * 4
+    assert _records(parity_runs / "gpt")[0]["comm_bytes"] == 0
+
+
+# --- what is refused, with the key and the fix ---------------------------------------------
+
+CP2 = [*TINY, "parallelism.context=2"]
+
+
+@pytest.mark.parametrize(("settings", "needle"), [
+    (["model.seq_len=30"], "model.seq_len: 30 is not divisible by 2 x parallelism.context 2"),
+    (["parallelism.context_mode=ulysses", "parallelism.context=4", "model.seq_len=64"],
+     "parallelism.context_mode: ulysses splits the 2 attention heads"),
+    (["parallelism.data=2", "parallelism.experts=2"],
+     "parallelism.context: context 2 with expert parallelism (parallelism.experts)"),
+    (["parallelism.tensor=2", "parallelism.sequence_parallel=true"],
+     "(parallelism.sequence_parallel) is not supported yet"),
+    (["model.kind=moe", "model.num_experts=2"], "model kind 'moe' has no context-parallel plan"),
+    (["controllers.memory.zero_stage=1", "parallelism.data=2"], "(controllers.memory.zero_stage)"),
+    (["controllers.memory.activation_checkpointing=full"], "activation recompute"),
+    (["controllers.communication.compression=fp16", "parallelism.data=2"],
+     "(controllers.communication.compression)"),
+    (["controllers.communication.topology=hierarchical"], "(controllers.communication.topology)"),
+    (["model.dropout=0.1"], "(model.dropout)"),
+    (["training.compile=true"], "(training.compile)"),
+])
+def test_unbuilt_combinations_are_refused_naming_the_key(settings: list[str], needle: str) -> None:
+    with pytest.raises(UserError) as err:
+        resolve_plan(load_config(None, [*CP2, *settings]), None)
+    assert any(needle in line for line in err.value.problems), err.value.problems
+
+
+def test_the_world_must_fill_the_context_groups() -> None:
+    plan = resolve_plan(load_config(None, CP2), 4)
+    assert (plan.dp, plan.cp) == (2, 2)
+    assert plan.parallel_dims().describe().endswith("x context 2")
+    with pytest.raises(UserError, match="context 2 groups"):
+        resolve_plan(load_config(None, CP2), 3)
+
+
+def test_check_exits_2_with_one_line_naming_the_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "cp.yaml"
+    config.write_text("parallelism: {context: 2, data: 2}\n"
+                      "controllers: {memory: {zero_stage: 1}}\n")
+    proc = run_cli_in_process(capsys, "check", str(config))
+    code, err = proc.returncode, proc.stderr
+    assert code == 2
+    lines = [line for line in err.splitlines() if "parallelism.context" in line]
+    assert len(lines) == 1 and "use zero_stage 0" in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_context_2_resumes_at_context_1_and_4(parity_runs: Path) -> None:
+    """The parameters are replicated over the context axis: what context 2 saved at step 5 goes
+    on at context 1 and 4 with the single process's losses."""
+    reference = {r["step"]: r["loss"] for r in _records(parity_runs / "gpt")}
+    saved = json.loads((parity_runs / "saved_cp2" / "checkpoints" / "step-5" / "meta.json")
+                       .read_text())
+    assert saved["config"]["parallelism"]["context"] == 2
+    for target in RESUMED.values():
+        records = _records(parity_runs / target)
+        assert [r["step"] for r in records] == list(range(6, STEPS + 1)), target
+        for record in records:
+            assert abs(record["loss"] - reference[record["step"]]) <= 1e-5, (target, record)
