@@ -139,6 +139,8 @@ STEPS = 10
 BASE = [*TINY, "model.seq_len=64", f"training.steps={STEPS}", "optimization.micro_batch_size=2",
         "optimization.gradient_accumulation=2", "training.dtype=float32"]
 LLAMA = ["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=2"]
+# The auxiliary loss on: its per-sequence statistics must be summed over the context ranks.
+MOE = ["model.kind=moe", "model.num_experts=4", "model.top_k=2", "model.aux_loss_coef=0.01"]
 RUNS_2 = {
     "cp2_ring": ["parallelism.context=2"],
     "cp2_ulysses": ["parallelism.context=2", "parallelism.context_mode=ulysses"],
@@ -149,9 +151,14 @@ RUNS_4 = {
     "cp2_dp2": ["parallelism.context=2", "parallelism.data=2",
                 "optimization.gradient_accumulation=1"],
     "cp2_tp2": ["parallelism.context=2", "parallelism.tensor=2"],
+    "cp2_tp2_sp": ["parallelism.context=2", "parallelism.tensor=2",
+                   "parallelism.sequence_parallel=true"],
+    # Two expert ranks within data 2; the experts are replicas over the context axis.
+    "moe_cp2_ep2": [*MOE, "parallelism.context=2", "parallelism.data=2",
+                    "parallelism.experts=2", "optimization.gradient_accumulation=1"],
     "cp2_pp2": ["parallelism.context=2", "parallelism.pipeline=2"],
 }
-REFERENCE = {"gpt": [], "llama": LLAMA}
+REFERENCE = {"gpt": [], "llama": LLAMA, "moe": MOE}
 
 
 # Saved at context 2 (steps 5 and 10), resumed from step 5 at context 1 and 4.
@@ -204,12 +211,24 @@ def _losses(run: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*RUNS_2, *RUNS_4])
 def test_loss_parity_with_the_single_process(parity_runs: Path, name: str) -> None:
-    reference = _losses(parity_runs / ("llama" if name.startswith("llama") else "gpt"))
+    family = name.split("_")[0]
+    reference = _losses(parity_runs / (family if family in REFERENCE else "gpt"))
     losses = _losses(parity_runs / name)
     assert len(losses) == len(reference) == STEPS
     for step, (ref, got) in enumerate(zip(reference, losses, strict=True), 1):
         assert abs(ref - got) <= 1e-5, f"{name} step {step}: {got} vs {ref}"
     assert losses[-1] < losses[0] - 0.3  # it learned
+
+
+@pytest.mark.slow
+def test_experts_see_the_tokens_of_the_single_process(parity_runs: Path) -> None:
+    """Each token is routed alone, and the counts are summed over data and context: the same
+    tokens per expert at every step; expert gradients cross the data x context replicas."""
+    reference, records = _records(parity_runs / "moe"), _records(parity_runs / "moe_cp2_ep2")
+    for ref, rec in zip(reference, records, strict=True):
+        assert ([layer["tokens_per_expert"] for layer in rec["moe"]["layers"]]
+                == [layer["tokens_per_expert"] for layer in ref["moe"]["layers"]])
+        assert rec["comm_bytes_by_axis"]["ep"] > 0 and rec["comm_bytes_by_axis"]["edp"] > 0
 
 
 @pytest.mark.slow
@@ -246,11 +265,9 @@ CP2 = [*TINY, "parallelism.context=2"]
     (["model.seq_len=30"], "model.seq_len: 30 is not divisible by 2 x parallelism.context 2"),
     (["parallelism.context_mode=ulysses", "parallelism.context=4", "model.seq_len=64"],
      "parallelism.context_mode: ulysses splits the 2 attention heads"),
-    (["parallelism.data=2", "parallelism.experts=2"],
-     "parallelism.context: context 2 with expert parallelism (parallelism.experts)"),
-    (["parallelism.tensor=2", "parallelism.sequence_parallel=true"],
-     "(parallelism.sequence_parallel) is not supported yet"),
-    (["model.kind=moe", "model.num_experts=2"], "model kind 'moe' has no context-parallel plan"),
+    (["model.kind=moe", "model.num_experts=2", "parallelism.tensor=2",
+      "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel: is not supported "
+     "with model.kind 'moe'"),
     (["controllers.memory.zero_stage=1", "parallelism.data=2"], "(controllers.memory.zero_stage)"),
     (["controllers.memory.activation_checkpointing=full"], "activation recompute"),
     (["controllers.communication.compression=fp16", "parallelism.data=2"],

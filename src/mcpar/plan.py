@@ -320,9 +320,6 @@ def context_problems(cfg: JobConfig) -> list[str]:
         ))
     # What context parallelism does not combine with yet: (key, what would be wrong, the fix).
     unsupported = [
-        (par.sequence_parallel, "parallelism.sequence_parallel",
-         "sequence parallelism", "set it to false"),
-        (par.experts > 1, "parallelism.experts", "expert parallelism", "use experts 1"),
         (mem.zero_stage > 0, "controllers.memory.zero_stage", "ZeRO sharding",
          "use zero_stage 0"),
         (mem.activation_checkpointing != "none", "controllers.memory.activation_checkpointing",

@@ -44,7 +44,8 @@ class ParallelDims:
     _mesh_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
     # The data axis split for experts (set by build_mesh when ep > 1): 'ep' joins ep consecutive
     # data-parallel ranks, which hold different experts and exchange tokens; 'edp' joins the
-    # ranks at the same place of every expert group, which hold the same experts (replicas).
+    # ranks at the same place of every expert group, which hold the same experts (replicas),
+    # and, under context parallelism, the context ranks beside them, which hold them too.
     edp: int = 1
     _expert_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict,
                                                                 repr=False)
@@ -63,7 +64,7 @@ class ParallelDims:
         if self.dp % self.ep:
             raise ValueError(f"expert degree {self.ep} does not divide data degree {self.dp}")
         self.dp_inter = self.dp
-        self.edp = self.dp // self.ep
+        self.edp = self.dp // self.ep * self.cp
 
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
@@ -134,11 +135,16 @@ class ParallelDims:
     def expert_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
         """Global ranks of every 'ep' group and every 'edp' group (carved out of each
         data-parallel group: consecutive data ranks share an expert group, so that on a
-        cluster filled node by node the token all-to-all stays inside a node where it can)."""
-        ep_lists, edp_lists = [], []
+        cluster filled node by node the token all-to-all stays inside a node where it can).
+        An 'edp' group spans the context axis too: context ranks route their own tokens
+        through the same experts, which are replicas like the data ranks' (one gradient
+        reduction over both, as for the dense parameters' 'dp_cp')."""
+        ep_lists = []
         for ranks in self.dp_group_ranks():
             ep_lists += [ranks[i:i + self.ep] for i in range(0, self.dp, self.ep)]
-            edp_lists += [ranks[i::self.ep] for i in range(self.ep)]
+        edp_lists = [[((p * self.dp + d) * self.cp + c) * self.tp + t
+                      for d in range(i, self.dp, self.ep) for c in range(self.cp)]
+                     for p in range(self.pp) for t in range(self.tp) for i in range(self.ep)]
         return ep_lists, edp_lists
 
     def _build_expert_groups(self) -> None:
@@ -186,7 +192,9 @@ class ParallelDims:
             return 0 if group is None else dist.get_rank(group)
         if axis in ("ep", "edp"):
             dp_rank = self._mesh.get_local_rank("dp")
-            return dp_rank % self.ep if axis == "ep" else dp_rank // self.ep
+            if axis == "ep":
+                return dp_rank % self.ep
+            return dp_rank // self.ep * self.cp + self._mesh.get_local_rank("cp")
         if axis == "dp_cp":
             return self._mesh.get_local_rank("dp") * self.cp + self._mesh.get_local_rank("cp")
         return self._mesh.get_local_rank(axis)

@@ -15,6 +15,9 @@ What follows the shards:
 - the loss: every rank holds ``s / n`` tokens of each sequence, so the mean of the context ranks'
   token means is the mean over the whole sequence; the gradient exchange averages over the data
   and context ranks together (``ParallelDims.grad_axis``), which takes that mean;
+- routing (MoE): each token is routed alone, but the auxiliary loss is per sequence: the plan's
+  routed layer sums its expert counts over the context ranks; experts are replicated over the
+  context axis like the parameters, their gradients reduced over data and context ('edp');
 - the parameters are replicated over the axis, so checkpoints do not depend on its degree.
 
 Everything else in a block (linears, norms, the MLP) acts on each token alone and needs nothing.
@@ -99,3 +102,7 @@ def apply_context_parallel(chunk: nn.Module, plan: Any, comm: Communicator,
         if plan.block_positions is not None:
             _resolve(block, plan.block_positions).positions = positions.clone()
         _replace(block, plan.attention_core, ContextAttentionCore(comm, mode))
+        if plan.routed_layer is not None:
+            routed = _resolve(block, plan.routed_layer)
+            routed.context_shards = cp
+            routed.sum_over_context = lambda t: comm.all_reduce(t, axis="cp")

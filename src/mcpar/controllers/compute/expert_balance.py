@@ -106,6 +106,8 @@ class MoERoutingController:
         table = torch.cat([counts, dropped.unsqueeze(1)], dim=1)
         self.comm.all_reduce(table, axis="dp")
         self.comm.all_reduce(table, axis="pp")
+        if self.dims.cp > 1:  # context ranks route other tokens of the same sequences
+            self.comm.all_reduce(table, axis="cp")
         return table[:, :-1].numpy(), table[:, -1].numpy()
 
     def after_step(self, step: int) -> dict[str, object]:
@@ -153,11 +155,11 @@ class MoERoutingController:
         table[ep + me] = self._migration_s
         table[2 * ep] = sum(float(row["time_s"]) for row in self.comm.stats.breakdown("step")
                             if row["op"] == "all_to_all" and row["axis"] == "ep")
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "cp", "pp", "tp"):
             if self.comm.axis_size(axis) > 1:
                 self.comm.all_reduce(table, axis=axis)
-        # Entry r summed the edp replicas x tp ranks of expert rank r (x the pipeline stages,
-        # whose expert times add up); the all-to-all entry summed every rank.
+        # Entry r summed the edp replicas (data and context) x tp ranks of expert rank r (x the
+        # pipeline stages, whose expert times add up); the all-to-all entry summed every rank.
         per_rank = table[:2 * ep].numpy().reshape(2, ep) / (dims.edp * dims.tp)
         compute_s, migration_s = per_rank
         assert self.balancer is not None
@@ -165,7 +167,8 @@ class MoERoutingController:
         rate = float(compute_s.sum() / loads.sum()) if loads.sum() > 0 else 0.0
         # Every rank waits for the slowest, in the expert phase and for the migrating pair.
         return StepCosts(rate, float(compute_s.max() - compute_s.mean()),
-                         float(table[2 * ep]) / (dims.dp * dims.tp), float(migration_s.max()),
+                         float(table[2 * ep]) / (dims.dp * dims.cp * dims.tp),
+                         float(migration_s.max()),
                          self.balancer.experts_moved_last_step)
 
     def _metrics(self, counts: np.ndarray, dropped: np.ndarray, moved: int) -> dict[str, object]:

@@ -13,6 +13,7 @@ from mcpar.errors import problem
 from mcpar.models.llama.hf import LlamaNames
 from mcpar.models.llama.plans import (
     LLAMA_CONTEXT_PARALLEL,
+    LLAMA_MOE_CONTEXT_PARALLEL,
     LLAMA_MOE_EXPERTS,
     LLAMA_MOE_TENSOR_PARALLEL,
     LLAMA_TENSOR_PARALLEL,
@@ -51,8 +52,7 @@ class LlamaFamily(ModelSpec):
                         "no biases")
         self.tensor_parallel = LLAMA_MOE_TENSOR_PARALLEL if moe else LLAMA_TENSOR_PARALLEL
         self.expert_parallel = LLAMA_MOE_EXPERTS if moe else None
-        # The MoE form's routing statistics are per rank: not context-parallel (yet).
-        self.context_parallel = None if moe else LLAMA_CONTEXT_PARALLEL
+        self.context_parallel = LLAMA_MOE_CONTEXT_PARALLEL if moe else LLAMA_CONTEXT_PARALLEL
         self.hf = LlamaNames(moe)
 
     def default_ffn_size(self, cfg: ModelConfig) -> int:

@@ -17,6 +17,9 @@ from mcpar.models.plan import (
 
 # Context parallelism: the attention core, and the attention's rotary positions.
 LLAMA_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core", block_positions="attn")
+# The MoE form's blocks also sum their routing statistics over the context ranks.
+LLAMA_MOE_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core",
+                                                 block_positions="attn", routed_layer="mlp")
 LLAMA_ATTENTION_TENSOR_PARALLEL = BlockPlan(
     column=(ColumnParallel("attn.qkv"),),  # whole kv groups per rank (layout above)
     row=("attn.proj",),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from mcpar.config import ModelConfig
 from mcpar.errors import problem
 from mcpar.models.gpt.family import gpt_shape
-from mcpar.models.moe.plans import MOE_EXPERTS, MOE_TENSOR_PARALLEL
+from mcpar.models.moe.plans import MOE_CONTEXT_PARALLEL, MOE_EXPERTS, MOE_TENSOR_PARALLEL
 from mcpar.models.plan import ModelPieces
 from mcpar.models.spec import ModelSpec
 from mcpar.registry.model_family import MODEL_FAMILIES
@@ -56,6 +56,7 @@ class MoEFamily(ModelSpec):
     moe = True
     tensor_parallel = MOE_TENSOR_PARALLEL
     expert_parallel = MOE_EXPERTS
+    context_parallel = MOE_CONTEXT_PARALLEL
 
     def build(self, cfg: ModelConfig, seed: int) -> nn.Module:
         from mcpar.models.moe.model import build_moe

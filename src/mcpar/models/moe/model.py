@@ -12,7 +12,12 @@ Each block's MLP is a ``MoELayer``:
   over sequences (DeepSeek-V3's sequence-wise form): a mean over sequences splits over micro-batches
   and data-parallel ranks exactly as the language-model loss does, so every layout computes the
   same loss. It enters the backward pass through ``_AddAuxLossGrad`` (the output is unchanged, the
-  loss's gradient is injected), so pipeline stages need not carry it to the last stage.
+  loss's gradient is injected), so pipeline stages need not carry it to the last stage. Under
+  context parallelism a rank sees 1/n of every sequence: the expert counts are summed over the
+  context ranks (``sum_over_context``), and since the loss is linear in the mean probabilities,
+  each rank takes its tokens' share of them; the shares add up to the sequence's loss, which the
+  gradient exchange's average over the context ranks would divide by n, so each share counts n
+  times.
 - Capacity: with ``capacity_factor`` each expert takes at most ``ceil(cf x T x k / E)`` of the T
   tokens of one rank's micro-batch, in token order; the rest are dropped (their residual passes
   unchanged) and counted. ``None`` is dropless.
@@ -33,6 +38,7 @@ placement of experts, so moving experts between ranks does not change the arithm
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -199,6 +205,10 @@ class MoELayer(nn.Module):
         # Gradient of the auxiliary loss per unit: the trainer sets 1 / micro-batches, the
         # factor it divides the language-model loss by.
         self.aux_grad_scale = 1.0
+        # Context parallelism (parallel/context.py): the ranks one sequence is split over, and
+        # an in-place sum over them (set by it; nothing here knows the communicator).
+        self.context_shards = 1
+        self.sum_over_context: Callable[[torch.Tensor], None] | None = None
         # Routing statistics of the current step (training forward passes only), kept on the
         # model's device so that counting them never waits for the device; the routing
         # controller reads them once per step. Not persistent: not part of a checkpoint.
@@ -222,8 +232,15 @@ class MoELayer(nn.Module):
         probs = probs.view(batch, -1, self.num_experts)
         seq = probs.shape[1]
         counts = F.one_hot(experts.view(batch, -1), self.num_experts).sum(1).to(probs.dtype)
+        if self.context_shards == 1:
+            fraction = counts * self.num_experts / (self.top_k * seq)
+            return (fraction * probs.mean(1)).sum(-1).mean()
+        assert self.sum_over_context is not None
+        self.sum_over_context(counts)  # the whole sequence's counts (no gradient flows there)
+        seq *= self.context_shards
         fraction = counts * self.num_experts / (self.top_k * seq)
-        return (fraction * probs.mean(1)).sum(-1).mean()
+        share = probs.sum(1) / seq  # this rank's part of the sequence's mean probabilities
+        return (fraction * share).sum(-1).mean() * self.context_shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape

@@ -3,10 +3,17 @@ of ``mcpar.models.plan``)."""
 
 from __future__ import annotations
 
-from mcpar.models.gpt.plans import ATTENTION_TENSOR_PARALLEL, GPT_TENSOR_PARALLEL
+from dataclasses import replace
+
+from mcpar.models.gpt.plans import (
+    ATTENTION_TENSOR_PARALLEL,
+    GPT_CONTEXT_PARALLEL,
+    GPT_TENSOR_PARALLEL,
+)
 from mcpar.models.plan import (
     BlockPlan,
     ColumnParallel,
+    ContextParallelPlan,
     ExpertPlan,
     ExpertWeight,
     LazyFunction,
@@ -20,6 +27,8 @@ MOE_TENSOR_PARALLEL = TensorParallelPlan(
     block=ATTENTION_TENSOR_PARALLEL,
     output=GPT_TENSOR_PARALLEL.output,
 )
+# Context parallelism: GPT's, with the block's MoE layer summing its routing statistics.
+MOE_CONTEXT_PARALLEL: ContextParallelPlan = replace(GPT_CONTEXT_PARALLEL, routed_layer="mlp")
 MOE_EXPERTS = ExpertPlan(
     # Named, not imported: the entry holding this plan loads without torch (`mcpar check`).
     layers=LazyFunction("mcpar.models.moe.model:moe_layers"),
