@@ -6,8 +6,9 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-N/``, or ``optimization.c
   every rank writes its own tensors. Keys are plain strings that name where a tensor lives in
   the layout, so no DTensor is needed and each rank's part is written by that rank:
 
-  - ``model/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>``: this rank's parameters and persistent buffers;
-  - ``optim/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>/<exp_avg|exp_avg_sq|step>``: AdamW state;
+  - ``model/pp<p>-tp<t>[-ep<e>][-dp<d>]/<chunk>.<name>``: this rank's parameters and
+    persistent buffers (``-ep<e>`` with expert parallelism: expert ranks hold other experts);
+  - ``optim/pp<p>-tp<t>[-ep<e>][-dp<d>]/<chunk>.<name>/<exp_avg|exp_avg_sq|step>``: AdamW state;
   - ``rng/rank<r>/<cpu|cuda>``: the torch generator states of every rank;
   - ``rank<r>/<name>``: state that differs between replicas, for every rank: compression
     error buffers of 1-bit Adam and PowerSGD (``comm/compression_state.py``).

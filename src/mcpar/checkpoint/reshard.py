@@ -1,18 +1,17 @@
-"""Resharding: resume a checkpoint saved under another layout (data, tensor, pipeline degrees).
+"""Index maps: which elements of the full model each shard of any layout holds.
 
 Every shard of every layout is a set of elements of the full model's parameters. To learn which,
 the code that shards the model for training (the pipeline cut, then the tensor-parallel split,
-as ``parallelize`` applies them) is run on an *index model*: the full model in float64 whose
-every element holds its own code, ``parameter number * 2**32 + element number``. The index
-model's shards are then exact maps from local elements to global ones, for any layout, and no
-second description of how each layer is split exists to drift from the real one (the QKV
-projection keeps whole heads of q, k and v, the embedding is split over the vocabulary, ...).
+then the expert split, as ``parallelize`` applies them) is run on an *index model*: the full
+model in float64 whose every element holds its own code, ``parameter number * 2**32 + element
+number``. The index model's shards are then exact maps from local elements to global ones, for
+any layout, and no second description of how each layer is split exists to drift from the real
+one (the QKV projection keeps whole heads of q, k and v, the embedding is split over the
+vocabulary, each expert's width over the tensor axis, ...).
 
-Loading scatters the saved shards of the old layout into full tensors through the old layout's
-maps, then gathers this rank's shards through the new layout's maps. Parameters and AdamW's
-parameter-shaped moments go the same way. Data-parallel replicas hold the same values, so the
-replica 0 copy is read. Reading every shard on every rank costs host memory of the whole model;
-it is what makes any-to-any resharding possible without DTensor metadata in the checkpoint.
+``assemble`` scatters shards into full tensors through their maps, ``take`` gathers a shard
+from full tensors. ``saved_state.py`` reads a checkpoint back whole with them, and
+``reshard_restore.py`` cuts this rank's shards of another layout out of it.
 """
 
 from __future__ import annotations

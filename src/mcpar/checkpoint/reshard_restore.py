@@ -20,9 +20,12 @@ buffers of 1-bit Adam and PowerSGD (one per data rank: zero), and the expert loa
 own state (its placement table, load estimates and the learning agent's shadow placements are
 per slot of the old expert layout: the balancer starts afresh from the initial placement).
 
-Memory: every rank reads the whole checkpoint and holds the full parameters, then the two full
-moments (float32), besides the index maps (int64 codes of every saved coordinate). That is
-what makes any-to-any resharding possible without DTensor metadata; no collective runs.
+Memory (host, per rank, P parameters): the checkpoint's model and optimizer tensors as saved
+(with ``strategy: full``, every data replica's copy), the int64 index maps of every saved
+coordinate (8 P bytes, more where tensor ranks replicate a tensor), the full parameters (4 P)
+and then both full moments (8 P), float32. As before experts could be resharded, the whole
+model is gathered on every host: that is what makes any-to-any resharding possible without
+DTensor metadata, with no collective.
 """
 
 from __future__ import annotations
