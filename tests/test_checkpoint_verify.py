@@ -100,9 +100,9 @@ def test_against_names_the_differences(runs: dict[str, Path], verify: Verify) ->
 
 
 def test_a_missing_zero_piece_is_refused_not_hashed(runs: dict[str, Path]) -> None:
+    from mcpar.checkpoint.saved_state import join_optimizer_pieces, layout_maps, model_shards
     from mcpar.errors import UserError
-    from mcpar.interop.canonical_state import join_optimizer_pieces
-    from mcpar.interop.full_state import layout_maps, model_shards, run_config
+    from mcpar.interop.full_state import run_config
 
     path = runs["zero1_selective"] / "checkpoints" / "step-3"
     optim = load_tensors(path, "optim/")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mcpar.checkpoint.files import find_latest_valid, list_checkpoints, verify_checkpoint
 from mcpar.checkpoint.manager import checkpoint_dir, read_meta, resume_problems
+from mcpar.checkpoint.reshard_restore import reshard_problems
 from mcpar.config import JobConfig, load_config
 from mcpar.errors import UserError, problem
 
@@ -49,8 +50,10 @@ def resolve_load_from(cfg: JobConfig) -> JobConfig:
         raise UserError(problem(KEY, f"{path} is neither a run directory (config.yaml) nor a "
                                 "checkpoint folder (manifest.json); give the --run-dir of a "
                                 "`mcpar train` or one of its checkpoints/step-N folders"))
-    # The layout may differ: the restore reshards (and refuses what it cannot, e.g. experts).
-    problems = resume_problems(read_meta(step_dir), cfg, {})
+    # The layout may differ: the restore reshards, experts included; what no reshard can
+    # follow is refused here, before any worker starts.
+    meta = read_meta(step_dir)
+    problems = resume_problems(meta, cfg, {}) + reshard_problems(meta)
     if problems:
         raise UserError([f"{KEY} {step_dir}: {line}" for line in problems])
     checkpoint = cfg.optimization.checkpoint.model_copy(update={"load_from": str(step_dir)})

@@ -6,8 +6,9 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-N/``, or ``optimization.c
   every rank writes its own tensors. Keys are plain strings that name where a tensor lives in
   the layout, so no DTensor is needed and each rank's part is written by that rank:
 
-  - ``model/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>``: this rank's parameters and persistent buffers;
-  - ``optim/pp<p>-tp<t>[-dp<d>]/<chunk>.<name>/<exp_avg|exp_avg_sq|step>``: AdamW state;
+  - ``model/pp<p>-tp<t>[-ep<e>][-dp<d>]/<chunk>.<name>``: this rank's parameters and
+    persistent buffers (``-ep<e>`` with expert parallelism: expert ranks hold other experts);
+  - ``optim/pp<p>-tp<t>[-ep<e>][-dp<d>]/<chunk>.<name>/<exp_avg|exp_avg_sq|step>``: AdamW state;
   - ``rng/rank<r>/<cpu|cuda>``: the torch generator states of every rank;
   - ``rank<r>/<name>``: state that differs between replicas, for every rank: compression
     error buffers of 1-bit Adam and PowerSGD (``comm/compression_state.py``).
@@ -98,7 +99,11 @@ from mcpar.checkpoint.files import (  # noqa: F401  (re-exported: the files' API
     zstd_available,
 )
 from mcpar.checkpoint.packing import PackedCheckpoint, dcp_in_one_process
-from mcpar.checkpoint.reshard import restore_resharded
+from mcpar.checkpoint.reshard_restore import (
+    reshard_problems,
+    restarted_state,
+    restore_resharded,
+)
 from mcpar.config import JobConfig
 from mcpar.errors import UserError, problem
 from mcpar.plan import JobPlan
@@ -516,17 +521,16 @@ class FaultRecoveryManager:
             missing = sorted(k for k in state if k not in saved_keys)
             # ZeRO shards follow the gradient buckets: other bucket sizes cut other pieces.
             same = not (missing and (old["zero_stage"] or self.layout["zero_stage"]))
-        if not same and self.cfg.model.is_moe:
-            raise UserError([problem(
-                "--resume", f"this MoE checkpoint was saved with layout {meta['layout']} and "
-                f"this run has {self.layout}; MoE checkpoints resume on the layout they were "
-                "saved with (resharding experts is not supported): use the saved degrees")])
         if not same:
             # Saved under other degrees (or ZeRO sharding): rebuild this rank's shards.
+            problems = reshard_problems(meta)
+            if problems:
+                raise UserError(problems)
             restore_resharded(self, path, meta)
             self.stream.load_state_dict(meta["data_stream"])
             self.log.log("load", echo=True, step=step, path=str(path),
-                         resharded_from=meta["layout"], resharded_to=self.layout)
+                         resharded_from=meta["layout"], resharded_to=self.layout,
+                         restarted=restarted_state(meta))
             return step
         if missing:
             raise UserError(problem("--resume", f"checkpoint {path} lacks {missing[0]} (and "

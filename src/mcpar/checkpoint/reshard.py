@@ -1,33 +1,31 @@
-"""Resharding: resume a checkpoint saved under another layout (data, tensor, pipeline degrees).
+"""Index maps: which elements of the full model each shard of any layout holds.
 
 Every shard of every layout is a set of elements of the full model's parameters. To learn which,
 the code that shards the model for training (the pipeline cut, then the tensor-parallel split,
-as ``parallelize`` applies them) is run on an *index model*: the full model in float64 whose
-every element holds its own code, ``parameter number * 2**32 + element number``. The index
-model's shards are then exact maps from local elements to global ones, for any layout, and no
-second description of how each layer is split exists to drift from the real one (the QKV
-projection keeps whole heads of q, k and v, the embedding is split over the vocabulary, ...).
+then the expert split, as ``parallelize`` applies them) is run on an *index model*: the full
+model in float64 whose every element holds its own code, ``parameter number * 2**32 + element
+number``. The index model's shards are then exact maps from local elements to global ones, for
+any layout, and no second description of how each layer is split exists to drift from the real
+one (the QKV projection keeps whole heads of q, k and v, the embedding is split over the
+vocabulary, each expert's width over the tensor axis, ...).
 
-Loading scatters the saved shards of the old layout into full tensors through the old layout's
-maps, then gathers this rank's shards through the new layout's maps. Parameters and AdamW's
-parameter-shaped moments go the same way. Data-parallel replicas hold the same values, so the
-replica 0 copy is read. Reading every shard on every rank costs host memory of the whole model;
-it is what makes any-to-any resharding possible without DTensor metadata in the checkpoint.
+``assemble`` scatters shards into full tensors through their maps, ``take`` gathers a shard
+from full tensors. ``saved_state.py`` reads a checkpoint back whole with them, and
+``reshard_restore.py`` cuts this rank's shards of another layout out of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from mcpar.checkpoint.files import load_tensors
 from mcpar.config import ModelConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
+from mcpar.parallel.expert import apply_expert_parallel
 from mcpar.parallel.pipeline import global_stage
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tensor import apply_tensor_parallel
@@ -49,15 +47,18 @@ def _index_model(model_cfg: ModelConfig, kind: str) -> tuple[nn.Module, list[str
 
 
 def shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int, tp: int,
-               tp_rank: int, placement: str = "round_robin") -> dict[str, torch.Tensor]:
-    """For one (pipeline rank, tensor rank) coordinate of a layout: local parameter name
-    (``<chunk>.<name>``, as checkpoints store them) -> int64 codes of its elements.
+               tp_rank: int, placement: str = "round_robin", ep: int = 1, ep_rank: int = 0
+               ) -> dict[str, torch.Tensor]:
+    """For one (pipeline rank, tensor rank, expert rank) coordinate of a layout: local parameter
+    name (``<chunk>.<name>``, as checkpoints store them) -> int64 codes of its elements.
     ``placement``: where the layout's schedule put the chunks' stages (a layout's
-    ``placement`` key; absent: round robin)."""
-    key = (model_cfg.model_dump_json(), kind, pp, virtual, pp_rank, tp, tp_rank, placement)
+    ``placement`` key; absent: round robin). Experts are in their initial slots (expert e in
+    slot e); ``saved_state.experts_in_order`` undoes a balancer's moves."""
+    key = (model_cfg.model_dump_json(), kind, pp, virtual, pp_rank, tp, tp_rank, placement, ep,
+           ep_rank)
     if key not in _MAPS_CACHE:
         _MAPS_CACHE[key] = _shard_maps(model_cfg, kind, pp, virtual, pp_rank, tp, tp_rank,
-                                       placement)
+                                       placement, ep, ep_rank)
     return _MAPS_CACHE[key]
 
 
@@ -70,7 +71,7 @@ _MAPS_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 def _shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int, tp: int,
-                tp_rank: int, placement: str) -> dict[str, torch.Tensor]:
+                tp_rank: int, placement: str, ep: int, ep_rank: int) -> dict[str, torch.Tensor]:
     full, _ = _index_model(model_cfg, kind)
     spec = get_model_spec(kind)
     layer_ranges = partition_layers(model_cfg, pp * virtual)
@@ -81,6 +82,11 @@ def _shard_maps(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_ran
             # Sharding only slices tensors; no collective runs, so no controller is needed.
             apply_tensor_parallel(chunk, spec.tensor_parallel, None,  # type: ignore[arg-type]
                                   tp_rank, tp, False)
+    # The rule of parallelize: experts spread over 'ep', each expert's width over 'tp'.
+    if spec.expert_parallel is not None and (ep > 1 or tp > 1):
+        for chunk in chunks:
+            apply_expert_parallel(chunk, spec.expert_parallel, None,  # type: ignore[arg-type]
+                                  ep_rank, ep, tp_rank, tp)
     return index_codes(chunks)
 
 
@@ -146,110 +152,3 @@ def reshard(model_cfg: ModelConfig, kind: str, old: dict[str, int],
             for p, t in coords}
     full = assemble({c: read_shard(*c) for c in coords}, maps, full_sizes(model_cfg, kind))
     return {name: take(full, codes) for name, codes in new_maps.items()}
-
-
-def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
-    """Load the checkpoint at ``path`` (saved under ``meta['layout']``) into this rank's
-    parameters and AdamW state under the manager's (different) layout.
-
-    Per-rank state (compression error buffers) cannot follow a layout change and starts from
-    zero; RNG states stay as the config's seed set them. The data stream position is
-    layout-independent and is restored by the caller.
-    """
-
-    cfg, dims = manager.cfg, manager.dims
-    old = meta["layout"]
-    suffix = "-dp0" if meta["strategy"] == "full" else ""
-    model_saved = load_tensors(path, "model/")
-    optim_saved = load_tensors(path, "optim/")
-
-    def reader(prefix: dict[str, torch.Tensor], head: str, tail: str
-               ) -> Callable[[int, int], dict[str, torch.Tensor]]:
-        def read(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
-            start = f"{head}/pp{pp_rank}-tp{tp_rank}{suffix}/"
-            found = {key[len(start):len(key) - len(tail)]: value
-                     for key, value in prefix.items()
-                     if key.startswith(start) and key.endswith(tail)}
-            if head == "optim" and old.get("zero_stage", 0):
-                # ZeRO pieces, saved by every replica without the data rank: reassemble.
-                shapes = {k: v.shape for k, v in model_read(pp_rank, tp_rank).items()}
-                found = _assemble_pieces(prefix, f"{head}/pp{pp_rank}-tp{tp_rank}-dp", tail,
-                                         shapes)
-            return found
-        return read
-
-    def model_read(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
-        start = f"model/pp{pp_rank}-tp{tp_rank}{suffix}/"
-        return {key[len(start):]: value for key, value in model_saved.items()
-                if key.startswith(start)}
-
-    new_maps = shard_maps(cfg.model, cfg.model.kind, dims.pp, manager.layout["virtual_stages"],
-                          dims.axis_rank("pp"), dims.tp, dims.axis_rank("tp"),
-                          placement_of(manager.layout))
-    named = manager._named_tensors()
-    kind = cfg.model.kind
-    params = reshard(cfg.model, kind, old, _only_params(reader(model_saved, "model", ""),
-                                                        old, cfg), new_maps)
-    with torch.no_grad():
-        for name, value in params.items():
-            named[name].copy_(value.to(named[name].dtype))
-    steps = [v for k, v in optim_saved.items() if k.endswith("/step")]
-    if not steps:
-        return  # saved before the first optimizer step: nothing more to restore
-    moments = {key: reshard(cfg.model, kind, old,
-                            _only_params(reader(optim_saved, "optim", f"/{key}"), old, cfg),
-                            new_maps)
-               for key in ("exp_avg", "exp_avg_sq")}
-    optimizer = manager.optimizer
-    name_of = {id(t): n for n, t in named.items()}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            # A ZeRO shard piece takes its elements of its parameter's state.
-            source = getattr(param, "source", None)
-            name = name_of[id(param if source is None else source)]
-            if name not in new_maps:
-                continue
-
-            def part(value: torch.Tensor, piece: Any = param if source is not None else None
-                     ) -> torch.Tensor:
-                return value if piece is None else value.reshape(-1)[piece.start:piece.end]
-
-            state = optimizer.state.get(param)
-            if state is None or "exp_avg" not in state:
-                optimizer.state[param] = state = {
-                    "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-            state["step"].fill_(float(steps[0]))
-            state["exp_avg"].copy_(part(moments["exp_avg"][name]))
-            state["exp_avg_sq"].copy_(part(moments["exp_avg_sq"][name]))
-
-
-def _assemble_pieces(saved: dict[str, torch.Tensor], start: str, tail: str,
-                     shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Whole tensors from ZeRO pieces saved as ``<start><data rank>/<name>@<a>:<b><tail>``: the
-    elements [a, b) of the flattened tensor of ``<name>`` (whose shape ``shapes`` gives)."""
-    flat: dict[str, torch.Tensor] = {}
-    for key, value in saved.items():
-        if not (key.startswith(start) and key.endswith(tail)):
-            continue
-        replica, _, rest = key[len(start):len(key) - len(tail)].partition("/")
-        if not replica.isdigit():
-            continue
-        name, _, span = rest.rpartition("@")
-        if not name or name not in shapes:
-            continue
-        a, b = (int(x) for x in span.split(":"))
-        if name not in flat:
-            flat[name] = torch.zeros(shapes[name].numel(), dtype=value.dtype)
-        flat[name][a:b] = value.reshape(-1)
-    return {name: t.view(shapes[name]) for name, t in flat.items()}
-
-
-def _only_params(read: Callable[[int, int], dict[str, torch.Tensor]], old: dict[str, int],
-                 cfg: Any) -> Callable[[int, int], dict[str, torch.Tensor]]:
-    """Keep the parameters of a saved coordinate (persistent buffers are rebuilt, not moved)."""
-    def read_params(pp_rank: int, tp_rank: int) -> dict[str, torch.Tensor]:
-        maps = shard_maps(cfg.model, cfg.model.kind, old["pipeline"], old["virtual_stages"],
-                          pp_rank, old["tensor"], tp_rank, placement_of(old))
-        return {k: v for k, v in read(pp_rank, tp_rank).items() if k in maps}
-    return read_params

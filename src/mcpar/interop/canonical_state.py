@@ -7,10 +7,11 @@ between expert slots by the load balancer. ``canonical_state`` reads a checkpoin
 that layout-free form, so that ``mcpar checkpoint verify`` can print one hash for it and a
 reshard A -> B can be checked by comparing two hashes instead of trusting the resharder.
 
-The pieces are put back with the checkpoint's own machinery: the index maps of
-``checkpoint/reshard.py`` (the training's sharding code run on element codes, as export does),
-ZeRO pieces joined by their element ranges, experts put back in expert order. Every element of
-every tensor must be covered exactly once: a gap or an overlap is reported, never hashed.
+The pieces are put back by the checkpoint layer's reader, ``checkpoint/saved_state.py`` (the
+training's sharding code run on element codes, ZeRO pieces joined by their element ranges,
+experts put back in expert order), which resume on another layout uses too: what is hashed is
+what a reshard loads. Every element of every tensor must be covered exactly once: a gap or an
+overlap is reported, never hashed.
 
 What the canonical state holds, sorted by name:
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,25 +38,10 @@ from typing import Any
 import torch
 
 from mcpar.checkpoint.manager import read_meta, saved_layout
-from mcpar.checkpoint.reshard import assemble
+from mcpar.checkpoint.saved_state import PLACEMENT_BUFFERS, full_moments, layout_maps, model_shards
 from mcpar.config import JobConfig, ModelConfig
-from mcpar.errors import UserError, problem
-from mcpar.interop.full_state import (
-    Coord,
-    experts_in_order,
-    find_checkpoint,
-    layout_maps,
-    load_full_state,
-    model_shards,
-)
+from mcpar.interop.full_state import find_checkpoint, load_full_state
 from mcpar.models.spec import get_model_spec
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-_OPTIM_KEY = re.compile(
-    r"optim/pp(\d+)-tp(\d+)(?:-ep(\d+))?(?:-dp(\d+))?/(.+)/(exp_avg|exp_avg_sq|step)")
-_PIECE = re.compile(r"(.+)@(\d+):(\d+)")
-# Where the balancer put each expert: a placement, not state (see the module docstring).
-_PLACEMENT_BUFFERS = ("expert_of_slot",)
 
 
 @dataclass
@@ -107,7 +92,7 @@ def canonical_state(run_dir: Path, step: int | None = None) -> CanonicalState:
     for name, t in full.params.items():
         tensors[f"param/{name}"] = t.to(torch.float32)
     for name, t in full.buffers.items():
-        if name.rsplit(".", 1)[-1] not in _PLACEMENT_BUFFERS:
+        if name.rsplit(".", 1)[-1] not in PLACEMENT_BUFFERS:
             tensors[f"buffer/{name}"] = t
     with warnings.catch_warnings():  # DCP's note that it reads in one process: it is meant to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -123,98 +108,21 @@ def _optimizer_state(cfg: ModelConfig, layout: dict[str, Any],
                      where: str) -> dict[str, torch.Tensor]:
     """``optim/<name>/<state>`` for every parameter of the built model; empty before the first
     optimizer step."""
-    if not optim_saved:
-        return {}
     shards = model_shards(model_saved)
     maps = {c: layout_maps(cfg, layout, c) for c in shards}
-    per_coord = join_optimizer_pieces(optim_saved, shards, maps, where)
-    model = get_model_spec(cfg.kind).build(cfg, 0)
-    named = list(model.named_parameters())
-    sizes = [p.numel() for _, p in named]
+    named = list(get_model_spec(cfg.kind).build(cfg, 0).named_parameters())
+    found = full_moments(cfg, optim_saved, shards, maps, named, where)
+    if found is None:
+        return {}
+    moments, step = found
     out: dict[str, torch.Tensor] = {}
-    for moment in MOMENTS:
-        parts = {c: {n: s[moment] for n, s in states.items()} for c, states in per_coord.items()}
-        try:
-            flat = assemble(parts, maps, sizes)
-        except ValueError as err:
-            raise UserError(problem(where, f"the optimizer's {moment} is incomplete: {err}; "
-                                    "the checkpoint cannot be verified")) from None
-        full = {name: t.view(p.shape) for (name, p), t in zip(named, flat, strict=True)}
-        experts_in_order(cfg, full, named, shards, maps)
+    for moment, full in moments.items():
         for name, t in full.items():
             out[f"optim/{name}/{moment}"] = t
-    steps = {float(s["step"]) for states in per_coord.values() for s in states.values()}
-    if len(steps) != 1:
-        raise UserError(problem(where, f"the optimizer's step differs between parameters "
-                                f"({sorted(steps)}); the checkpoint cannot be verified"))
-    step = torch.tensor(steps.pop(), dtype=torch.float32)
+    step_tensor = torch.tensor(step, dtype=torch.float32)
     for name, _ in named:
-        out[f"optim/{name}/step"] = step
+        out[f"optim/{name}/step"] = step_tensor
     return out
-
-
-def join_optimizer_pieces(optim_saved: dict[str, torch.Tensor],
-                          shards: dict[Coord, dict[str, torch.Tensor]],
-                          maps: dict[Coord, dict[str, torch.Tensor]], where: str
-                          ) -> dict[Coord, dict[str, dict[str, torch.Tensor]]]:
-    """coordinate -> local parameter name -> {exp_avg, exp_avg_sq, step}, whole local tensors.
-
-    A whole tensor is read from the lowest data replica that saved it (replicas hold the same
-    bits). ZeRO pieces (``<name>@<a>:<b>``, the elements [a, b) of the flattened tensor, saved
-    by their owner) are joined across the data axis; each element must come from exactly one
-    piece."""
-    whole: dict[tuple[Coord, str, str], tuple[int, torch.Tensor]] = {}
-    pieces: dict[tuple[Coord, str, str], list[tuple[int, int, torch.Tensor]]] = {}
-    for key, value in optim_saved.items():
-        m = _OPTIM_KEY.fullmatch(key)
-        if m is None:
-            continue
-        coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-        replica, local, kind = int(m.group(4) or 0), m.group(5), m.group(6)
-        piece = _PIECE.fullmatch(local)
-        if piece is None:
-            known = whole.get((coord, local, kind))
-            if known is None or replica < known[0]:
-                whole[(coord, local, kind)] = (replica, value)
-        else:
-            pieces.setdefault((coord, piece.group(1), kind), []).append(
-                (int(piece.group(2)), int(piece.group(3)), value))
-    out: dict[Coord, dict[str, dict[str, torch.Tensor]]] = {}
-    for (coord, local, kind), (_, value) in whole.items():
-        out.setdefault(coord, {}).setdefault(local, {})[kind] = value
-    for (coord, local, kind), spans in pieces.items():
-        saved_param = shards.get(coord, {}).get(local)
-        if saved_param is None:
-            raise UserError(problem(where, f"optimizer pieces of {local} at {coord} belong to "
-                                    "no saved parameter; the checkpoint cannot be verified"))
-        if kind == "step":
-            values = {float(v) for _, _, v in spans}
-            if len(values) != 1:
-                raise UserError(problem(where, f"the pieces of {local} disagree on the step"))
-            out.setdefault(coord, {}).setdefault(local, {})[kind] = spans[0][2]
-            continue
-        numel = saved_param.numel()
-        flat = torch.empty(numel, dtype=spans[0][2].dtype)
-        covered = torch.zeros(numel, dtype=torch.int32)
-        for a, b, v in spans:
-            if not 0 <= a <= b <= numel or v.numel() != b - a:
-                raise UserError(problem(where, f"optimizer piece {local}@{a}:{b} does not fit "
-                                        f"its parameter of {numel} elements"))
-            flat[a:b] = v.reshape(-1)
-            covered[a:b] += 1
-        if not bool((covered == 1).all()):
-            gaps, doubles = int((covered == 0).sum()), int((covered > 1).sum())
-            raise UserError(problem(where, f"the ZeRO pieces of {local}'s {kind} leave {gaps} "
-                                    f"elements out and hold {doubles} twice; the checkpoint "
-                                    "cannot be verified"))
-        out.setdefault(coord, {}).setdefault(local, {})[kind] = flat.view(saved_param.shape)
-    for coord, states in out.items():
-        for local, state in states.items():
-            if local in maps.get(coord, {}) and set(state) != {"step", *MOMENTS}:
-                raise UserError(problem(where, f"the optimizer state of {local} at {coord} "
-                                        f"has only {sorted(state)}"))
-    return {c: {n: s for n, s in states.items() if n in maps.get(c, {})}
-            for c, states in out.items()}
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ def init_shards(cfg: Any, chunks: list[torch.nn.Module], dims: Any,
     """Load ``model.init_from`` into this rank's chunks (its pipeline stages, tensor slices and
     experts; ``dims``: the run's ParallelDims), before anything else holds the parameters."""
     from mcpar.checkpoint.reshard import take
-    from mcpar.interop.full_state import layout_maps
+    from mcpar.checkpoint.saved_state import layout_maps
     model_cfg = cfg.model
     params = load_init(model_cfg)
     names = [n for n, _ in get_model_spec(model_cfg.kind).build(model_cfg, 0).named_parameters()]
