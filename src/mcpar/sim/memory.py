@@ -242,18 +242,14 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
 
 
 def context_core_bytes(lay: Layout, a: float, local: float) -> float:
-    """What mcpar's context attention keeps beyond the flash kernel's (its log-sum-exp, which
-    the ring keeps too), per layer and micro-batch; ``local``: elements of one
-    [tokens, heads / tp, head_dim] tensor. The ring saves its fp32 output (the merge's
-    accumulator; the 16-bit copy it returns is the core's output); Ulysses' local kernel saves
-    its head-sharded output beside the one the second all-to-all returns."""
-    if lay.cp == 1:
+    """What mcpar's ring keeps beyond the flash kernel's log-sum-exp (which it keeps too), per
+    layer and micro-batch; ``local``: elements of one [tokens, heads / tp, head_dim] tensor.
+    The ring saves its fp32 output (the merge's accumulator); under 16-bit inputs the copy it
+    returns is the core's output, a second tensor. Ulysses' local kernel keeps what it keeps
+    without context parallelism (measured: the same saved bytes as the ring's at fp32)."""
+    if lay.cp == 1 or lay.context_mode != "ring" or a >= 4:
         return 0.0
-    if lay.context_mode == "ring":
-        return 4 * local if a < 4 else 0.0  # fp32 inputs: the returned output is the saved one
-    if lay.context_mode == "ulysses":
-        return a * local
-    return 0.0
+    return 4 * local
 
 
 def context_workspace_bytes(m: ModelShape, lay: Layout) -> float:
