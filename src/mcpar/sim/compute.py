@@ -277,9 +277,9 @@ def ring_core_times(m: ModelShape, lay: Layout, cluster: Cluster,
 
 
 def _fp32(rl: Roofline, cluster: Cluster, lay: Layout) -> Roofline:
-    """``rl`` for fp32 operands: the ring accumulates in fp32 whatever the layout's precision.
-    The GEMM rate is the accelerator's fp32 peak where the hardware table has one (a CPU's
-    profile); GPUs' rows have none, so there the layout's precision's rate stands (assumed)."""
+    """``rl`` for fp32 operands: the ring accumulates in fp32 whatever the layout's precision,
+    so its GEMMs run at the accelerator's fp32 peak (a GPU's is TF32, half its 16-bit peak: see
+    docs/cost_model.md) and its element-wise work moves 4-byte scores."""
     peaks = cluster.accel.peak_flops
     scale = peaks["fp32"] / peaks[lay.precision] if (
         "fp32" in peaks and lay.precision in peaks) else 1.0
