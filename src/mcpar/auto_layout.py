@@ -2,15 +2,15 @@
 resolved, so that ``mcpar train`` runs it, ``mcpar check`` prints it, and ``summary.json``
 compares its prediction with the measured step.
 
-What is searched: the tensor, pipeline and data degrees of the world (and the expert degree of
-an MoE model), chunks per pipeline rank, every registered schedule, the micro-batch size (the
-global batch stays the config's), every registered ZeRO stage, recompute policy and gradient
-codec. Every key the user set stays as set; what is not searched keeps the config's value
-(precision, offload, topology, the store). Each layout is priced by the same cost model and
-memory estimate ``mcpar check`` prints, on the machine the job runs on (the memory
-controller's ``ranking_cluster``: the calibrated local profile on CPU, the device's row of the
-hardware table on CUDA), and checked by the same rules ``mcpar train`` applies: the choice is
-the fastest layout that resolves, trains and fits the memory budget.
+What is searched: the tensor, pipeline, context (each context mode) and data degrees of the
+world (and the expert degree of an MoE model), chunks per pipeline rank, every registered
+schedule, the micro-batch size (the global batch stays the config's), every registered ZeRO
+stage, recompute policy and gradient codec. Every key the user set stays as set; what is not
+searched keeps the config's value (precision, offload, topology, the store). Each layout is
+priced by the same cost model and memory estimate ``mcpar check`` prints, on the machine the job
+runs on (the memory controller's ``ranking_cluster``: the calibrated local profile on CPU, the
+device's row of the hardware table on CUDA), and checked by the same rules ``mcpar train``
+applies: the choice is the fastest layout that resolves, trains and fits the memory budget.
 
 The search runs in two passes to stay within a second: every degree/schedule/micro-batch core
 is priced with the config's memory and codec settings, then the memory and codec variants of
@@ -64,6 +64,8 @@ class Choice:
         s = self.settings
         text = (f"tensor {s['parallelism.tensor']} x pipeline {s['parallelism.pipeline']} x "
                 f"data {s['parallelism.data']}")
+        if s.get("parallelism.context", 1) != 1:
+            text += f" x context {s['parallelism.context']} ({s['parallelism.context_mode']})"
         if s.get("parallelism.experts", 1) != 1:
             text += f", experts {s['parallelism.experts']}"
         if s["parallelism.pipeline"] != 1:
@@ -126,7 +128,8 @@ def _divisors(n: int) -> list[int]:
 
 
 # The keys the search sets (each kept as the user set it).
-SEARCHED = ("parallelism.tensor", "parallelism.pipeline", "parallelism.data",
+SEARCHED = ("parallelism.tensor", "parallelism.pipeline", "parallelism.context",
+            "parallelism.context_mode", "parallelism.data",
             "parallelism.experts", "parallelism.virtual_stages", "parallelism.schedule",
             "optimization.micro_batch_size", "optimization.gradient_accumulation",
             "optimization.global_batch_size", "controllers.memory.zero_stage",
@@ -166,13 +169,17 @@ def _cores(cfg: JobConfig, world: int, batch: int, user: set[str]) -> list[dict[
     """Every degree / chunk / schedule / micro-batch combination of the world."""
     m = cfg.model
     out = []
-    for tp, pp in itertools.product(_options(cfg, user, "parallelism.tensor", _divisors(world)),
-                                    _options(cfg, user, "parallelism.pipeline",
-                                             _divisors(world))):
-        tp, pp = int(tp), int(pp)  # type: ignore[call-overload]
-        if world % (tp * pp) or pp > m.num_layers:
+    for tp, pp, cp in itertools.product(
+            _options(cfg, user, "parallelism.tensor", _divisors(world)),
+            _options(cfg, user, "parallelism.pipeline", _divisors(world)),
+            _options(cfg, user, "parallelism.context", _divisors(world))):
+        tp, pp, cp = int(tp), int(pp), int(cp)  # type: ignore[call-overload]
+        if world % (tp * pp * cp) or pp > m.num_layers:
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
+        # Each context mode, when the axis is there (the plan's rule refuses what does not run).
+        modes = (_options(cfg, user, "parallelism.context_mode", ["ring", "ulysses"])
+                 if cp > 1 else [cfg.parallelism.context_mode])
         if "parallelism.data" in user and cfg.parallelism.data not in (None, dp):
             continue
         if batch % dp:
@@ -183,7 +190,7 @@ def _cores(cfg: JobConfig, world: int, batch: int, user: set[str]) -> list[dict[
                        [v for v in (1, 2) if pp > 1 or v == 1])
         micro = _options(cfg, user, "optimization.micro_batch_size",
                          [b for b in _divisors(batch // dp) if b <= MAX_MICRO_BATCH])
-        for ep, vp, b in itertools.product(eps, vps, micro):
+        for ep, vp, b, mode in itertools.product(eps, vps, micro, modes):
             schedules = _options(cfg, user, "parallelism.schedule",
                                  [s.name for s in SCHEDULES] if pp > 1 else
                                  [cfg.parallelism.schedule])
@@ -192,6 +199,7 @@ def _cores(cfg: JobConfig, world: int, batch: int, user: set[str]) -> list[dict[
                 if rule is not None and rule.problem(pp, batch // (dp * int(b)), int(vp)):
                     continue  # the schedule's own rule (chunks per rank, micro-batches)
                 out.append({"parallelism.tensor": tp, "parallelism.pipeline": pp,
+                            "parallelism.context": cp, "parallelism.context_mode": mode,
                             "parallelism.data": dp, "parallelism.experts": ep,
                             "parallelism.virtual_stages": vp, "parallelism.schedule": schedule,
                             "optimization.micro_batch_size": b,

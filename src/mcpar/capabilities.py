@@ -13,6 +13,7 @@ value that works:
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 from mcpar.config import JobConfig
 from mcpar.errors import problem
@@ -149,3 +150,74 @@ def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
     # The stage's own rules (its registry entry).
     return [problem(LAYOUT_KEYS[field], text) for field, text in
             zero_stage_entry(zero_stage).problems(facts)]
+
+
+@dataclass(frozen=True)
+class ContextFacts:
+    """What context parallelism's rules read, as plain values: the plan has a job config, the
+    planner (``mcpar.sim.planner``) a layout and a model shape."""
+
+    cp: int
+    mode: str = "ring"
+    seq_len: int = 0
+    heads_per_tensor_rank: int = 1  # the query heads a tensor rank holds
+    zero_stage: int = 0
+    recompute: str = "none"
+    compression: str = "none"
+    topology: str = "flat"  # the config's spelling: flat | hierarchical | hybrid
+    dropout: bool = False
+    compile: bool = False
+    kind: str = ""  # the model kind, named when it has no context-parallel plan
+    has_plan: bool = True  # the family splits its attention and positions over the axis
+
+
+def context_layout_problems(f: ContextFacts) -> list[str]:
+    """Context parallelism's rules: the sequence's zigzag cut, Ulysses' head split, and every
+    combination not built yet (refused, never ignored). One rule set for ``mcpar check`` and
+    ``mcpar train`` (``plan.context_problems``) and the planners (``mcpar.sim.planner``,
+    ``parallelism.auto`` through the plan), so that a layout they choose is one that trains."""
+    cp = f.cp
+    if cp == 1:
+        return []
+    problems: list[str] = []
+    if f.seq_len % (2 * cp):
+        problems.append(problem(
+            "model.seq_len",
+            f"{f.seq_len} is not divisible by 2 x parallelism.context {cp} (the sequence is "
+            f"cut into 2 x {cp} chunks, rank i holding chunks i and {2 * cp - 1}-i); use a "
+            f"multiple of {2 * cp}",
+        ))
+    if f.mode == "ulysses" and f.heads_per_tensor_rank % cp:
+        problems.append(problem(
+            "parallelism.context_mode",
+            f"ulysses splits the {f.heads_per_tensor_rank} attention heads of a tensor rank "
+            f"over parallelism.context {cp}, which does not divide them; use context_mode "
+            f"'ring' or a context degree dividing {f.heads_per_tensor_rank}",
+        ))
+    if not f.has_plan:
+        problems.append(problem(
+            "parallelism.context",
+            f"model kind '{f.kind}' has no context-parallel plan (its attention and "
+            "positions are not split over the context axis); use parallelism.context 1",
+        ))
+    # What context parallelism does not combine with yet: (key, what would be wrong, the fix).
+    unsupported = [
+        (f.zero_stage > 0, "controllers.memory.zero_stage", "ZeRO sharding",
+         "use zero_stage 0"),
+        (f.recompute != "none", "controllers.memory.activation_checkpointing",
+         "activation recompute", "use 'none'"),
+        (f.compression != "none", "controllers.communication.compression",
+         "gradient compression", "use 'none'"),
+        (f.topology != "flat", "controllers.communication.topology",
+         "hierarchical gradient reduction", "use 'flat'"),
+        (f.dropout, "model.dropout", "dropout (each rank would draw its own masks)", "use 0"),
+        (f.compile, "training.compile", "torch.compile of the blocks", "set it to false"),
+    ]
+    for bad, key, what, fix in unsupported:
+        if bad:
+            problems.append(problem(
+                "parallelism.context",
+                f"context {cp} with {what} ({key}) is not supported yet; {fix}, or use "
+                "parallelism.context 1",
+            ))
+    return problems

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
+from mcpar.capabilities import ContextFacts, context_layout_problems
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.plan import (
     CommPlan,
@@ -295,55 +296,14 @@ def model_layout_problems(cfg: JobConfig, dp: int) -> list[str]:
 
 
 def context_problems(cfg: JobConfig) -> list[str]:
-    """Context parallelism's rules against the rest of the config: the sequence's zigzag cut,
-    Ulysses' head split, and every combination not built yet (refused, never ignored)."""
+    """Context parallelism's rules against the rest of the config (``capabilities.
+    context_layout_problems``, which the planner applies to its layouts too)."""
     par, model = cfg.parallelism, cfg.model
-    cp = par.context
-    if cp == 1:
-        return []
     mem, com = cfg.controllers.memory, cfg.controllers.communication
-    problems: list[str] = []
-    if model.seq_len % (2 * cp):
-        problems.append(problem(
-            "model.seq_len",
-            f"{model.seq_len} is not divisible by 2 x parallelism.context {cp} (the sequence is "
-            f"cut into 2 x {cp} chunks, rank i holding chunks i and {2 * cp - 1}-i); use a "
-            f"multiple of {2 * cp}",
-        ))
-    local_heads = model.num_heads // par.tensor
-    if par.context_mode == "ulysses" and local_heads % cp:
-        problems.append(problem(
-            "parallelism.context_mode",
-            f"ulysses splits the {local_heads} attention heads of a tensor rank over "
-            f"parallelism.context {cp}, which does not divide them; use context_mode 'ring' or "
-            f"a context degree dividing {local_heads}",
-        ))
-    # What context parallelism does not combine with yet: (key, what would be wrong, the fix).
-    unsupported = [
-        (mem.zero_stage > 0, "controllers.memory.zero_stage", "ZeRO sharding",
-         "use zero_stage 0"),
-        (mem.activation_checkpointing != "none", "controllers.memory.activation_checkpointing",
-         "activation recompute", "use 'none'"),
-        (com.compression != "none", "controllers.communication.compression",
-         "gradient compression", "use 'none'"),
-        (com.topology != "flat", "controllers.communication.topology",
-         "hierarchical gradient reduction", "use 'flat'"),
-        (model.dropout > 0, "model.dropout", "dropout (each rank would draw its own masks)",
-         "use 0"),
-        (cfg.training.compile, "training.compile", "torch.compile of the blocks",
-         "set it to false"),
-    ]
-    if getattr(model.family, "context_parallel", None) is None:
-        problems.append(problem(
-            "parallelism.context",
-            f"model kind '{model.kind}' has no context-parallel plan (its attention and "
-            "positions are not split over the context axis); use parallelism.context 1",
-        ))
-    for bad, key, what, fix in unsupported:
-        if bad:
-            problems.append(problem(
-                "parallelism.context",
-                f"context {cp} with {what} ({key}) is not supported yet; {fix}, or use "
-                "parallelism.context 1",
-            ))
-    return problems
+    return context_layout_problems(ContextFacts(
+        cp=par.context, mode=par.context_mode, seq_len=model.seq_len,
+        heads_per_tensor_rank=model.num_heads // par.tensor,
+        zero_stage=mem.zero_stage, recompute=mem.activation_checkpointing,
+        compression=com.compression, topology=com.topology, dropout=model.dropout > 0,
+        compile=cfg.training.compile, kind=model.kind,
+        has_plan=getattr(model.family, "context_parallel", None) is not None))

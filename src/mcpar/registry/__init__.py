@@ -19,10 +19,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import AfterValidator
 
-# A layout field (the simulator's Layout spells them so) -> its config key. The context degree
-# ("cp") is the simulator's only: no config key sets it, so its problems keep the layout's name.
+# A layout field (the simulator's Layout spells them so) -> its config key.
 LAYOUT_KEYS = {
     "tp": "parallelism.tensor", "pp": "parallelism.pipeline",
+    "cp": "parallelism.context", "context_mode": "parallelism.context_mode",
     "vp": "parallelism.virtual_stages", "dp": "parallelism.data", "ep": "parallelism.experts",
     "seq_parallel": "parallelism.sequence_parallel",
     "schedule": "parallelism.schedule",

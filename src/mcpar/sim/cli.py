@@ -50,6 +50,7 @@ from mcpar.sim.planner import (
 )
 from mcpar.sim.runs import predict_runs, read_runs_partial, write_predictions
 from mcpar.sim.workload import MODEL_PRESETS, Layout, ModelPreset, ModelShape, model_preset
+from mcpar.topology import replica_ranks
 
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # `simulate --runs` with some rows refused and the others predicted and written: exit 0 (each
@@ -139,7 +140,8 @@ def _local_world(cfg: JobConfig, cluster: Cluster) -> Cluster:
     if not cluster.accel.is_cpu:
         return cluster
     par = cfg.parallelism
-    return replace(cluster, num_gpus=(par.data or 1) * par.tensor * par.pipeline)
+    return replace(cluster, num_gpus=(par.data or 1) * replica_ranks(par.tensor, par.pipeline,
+                                                                      par.context))
 
 
 # --- simulate -----------------------------------------------------------------------------------

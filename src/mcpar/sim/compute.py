@@ -33,6 +33,15 @@ ACT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
 HIDDEN_TENSORS_FWD = 2 * 2 + 2 * 3.5
 SCORE_TENSORS_FWD, SCORE_TENSORS_BWD = 4.5, 5.5
 FLASH_BWD_FACTOR = 2.5
+# mcpar's ring blocks (``parallel/ring_attention.py``), eager fp32 ops over each block's scores,
+# in score-sized reads + writes beyond the GEMMs' own, counted from the code: forward, the
+# scale (2), the log-sum-exp (3: its max and its sum of exponentials) and the probabilities
+# (4: subtract, exponentiate); backward, the probabilities again (6) and dS = P (dP - D) scale
+# (7); the own block's causal mask adds its construction and the fill (3, each pass).
+RING_SCORE_PASSES_FWD, RING_SCORE_PASSES_BWD, RING_MASK_PASSES = 9.0, 13.0, 3.0
+# Ulysses' reorders per pass, in [tokens, hidden / tp] tensors: Q, K, V and the output each
+# copied before their all-to-all (contiguous) and after it (the chunks put in order).
+ULYSSES_COPIES = 8
 # Busiest expert-parallel rank's tokens over the mean: routers balanced by an auxiliary loss
 # still leave a max/mean load around 1.1 (MaxVio of about 0.1 in Wang et al. 2024).
 MOE_LOAD_IMBALANCE = 1.1
@@ -158,7 +167,9 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     # Attention projections.
     proj = rl.gemm(tok, h / t + 2 * kv_local, h) + rl.gemm(tok, h, h / t)
     # Attention core.
-    if lay.attention_kind == "flash":
+    if lay.cp > 1 and lay.context_mode == "ring":
+        core_f, core_b = ring_core_times(m, lay, cluster, rl)
+    elif lay.attention_kind == "flash":
         flops = 2.0 * tok * m.seq_len * h / t  # 4 T s h over the causal half
         core_f = flops / rl.attn_flops
         core_b = FLASH_BWD_FACTOR * core_f
@@ -225,13 +236,14 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         out.add("tp_comm", passes * 2 * all_reduce(msg, tp_group(lay), cluster, eff.network,
                                                    "flat"))
 
-    # Context parallelism: a ring that passes each rank's K/V block around (cp - 1 steps),
-    # overlapped with the attention blocks it feeds; backward passes K/V and their gradients.
+    # Context parallelism (docs/cost_model.md, "Context parallelism").
     if lay.cp > 1:
-        ring_f = (lay.cp - 1) * p2p(2 * tok * kv_local * rl.act_bytes, Group(lay.cp, lay.tp),
-                                    cluster, eff.network)
-        exposed_f = max(0.0, ring_f - core_f)
-        out.add("cp_comm", exposed_f * (passes - 1) + max(0.0, 2 * ring_f - core_b))
+        out.add("cp_comm", context_exposed(m, lay, cluster, eff, rl, core_f, core_b, passes))
+        if lay.context_mode == "ulysses":  # the head/sequence reorders around each all-to-all
+            copies = rl.stream(ULYSSES_COPIES * tok * h / t * rl.act_bytes)
+            out.fwd += copies
+            out.bwd += copies
+            out.add("elementwise", 2 * copies)
 
     # Expert parallelism: dispatch and combine all-to-alls of the routed tokens, per pass; the
     # tensor ranks each send their 1/tp share.
@@ -241,6 +253,73 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         a2a = 2 * all_to_all(routed_bytes, ep_group, cluster, eff.network)
         out.add("ep_comm", passes * a2a)
     return out
+
+
+def ring_core_times(m: ModelShape, lay: Layout, cluster: Cluster,
+                    rl: Roofline) -> tuple[float, float]:
+    """(forward, backward) seconds of mcpar's ring blocks (``parallel/ring_attention.py``) on one
+    rank: its own 2c x 2c block with the causal mask applied to full scores, and cp - 1 dense
+    c x 2c blocks (c = seq / 2cp), each a math kernel in fp32 (scores written out, log-sum-exp,
+    probabilities, the online merge); the backward recomputes each block's probabilities from
+    the saved log-sum-exp, then dV, dP, dQ and dK."""
+    acc = _fp32(rl, cluster, lay)
+    dh = m.head_dim
+    c = m.seq_len / (2 * lay.cp)
+    batch = lay.micro_batch * m.heads / lay.tp
+    forward = backward = 0.0
+    for rows, count, mask in ((2 * c, 1, RING_MASK_PASSES), (c, lay.cp - 1, 0.0)):
+        qk = acc.gemm(rows, 2 * c, dh, batch * count)  # the scores
+        pv = acc.gemm(rows, dh, 2 * c, batch * count)  # probabilities x V (and its adjoints)
+        scores = batch * count * rows * 2 * c * 4
+        forward += qk + pv + acc.stream((RING_SCORE_PASSES_FWD + mask) * scores)
+        backward += qk + 4 * pv + acc.stream((RING_SCORE_PASSES_BWD + mask) * scores)
+    return forward, backward
+
+
+def _fp32(rl: Roofline, cluster: Cluster, lay: Layout) -> Roofline:
+    """``rl`` for fp32 operands: the ring accumulates in fp32 whatever the layout's precision,
+    so its GEMMs run at the accelerator's fp32 peak (a GPU's is TF32, half its 16-bit peak: see
+    docs/cost_model.md) and its element-wise work moves 4-byte scores."""
+    peaks = cluster.accel.peak_flops
+    scale = peaks["fp32"] / peaks[lay.precision] if (
+        "fp32" in peaks and lay.precision in peaks) else 1.0
+    return Roofline(rl.gemm_flops * scale, rl.attn_flops * scale, rl.mem_bw, 4, rl.mask_rate)
+
+
+def context_exposed(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
+                    rl: Roofline, core_f: float, core_b: float, passes: int) -> float:
+    """Seconds the context axis's traffic adds to one layer's passes (forward, backward, and
+    the forward again under full recompute: ``passes``), by ``lay.context_mode``."""
+    n, t = lay.cp, lay.tp
+    group = Group(n, t)
+    tok = tokens_per_gpu(m, lay)
+    local = tok * m.hidden / t  # elements of one [tokens, heads / tp, head_dim] tensor
+    if lay.context_mode == "ulysses":
+        # Q, K, V (K and V expanded to the query heads) to head shards and the output back:
+        # four all-to-alls per pass, nothing to hide them behind.
+        return passes * 4 * all_to_all(local * rl.act_bytes, group, cluster, eff.network)
+    if lay.context_mode == "flash_ring":
+        # A published ring: the key-value heads' K/V around (n - 1 steps), overlapped with
+        # the blocks as a whole; backward, K/V and their gradients likewise.
+        kv_local = max(m.kv_heads / t, 1.0) * m.head_dim
+        ring_f = (n - 1) * p2p(2 * tok * kv_local * rl.act_bytes, group, cluster, eff.network)
+        exposed_f = max(0.0, ring_f - core_f)
+        return exposed_f * (passes - 1) + max(0.0, 2 * ring_f - core_b)
+    # mcpar's ring: K and V (expanded to the query heads, in the inputs' dtype) stacked in one
+    # message per step, posted before each block and waited after it, so each transfer hides
+    # behind one block: the own block (2 of the n + 1 block units of work, its full scores
+    # masked) at step 0, a dense block (1 unit) after. Backward: n steps; each block's fp32
+    # dK/dV is sent on after the block is computed and waited at once (exposed), behind the
+    # K/V still in flight on the same link.
+    kv = p2p(2 * local * rl.act_bytes, group, cluster, eff.network)
+    dkv = p2p(2 * local * 4, group, cluster, eff.network)
+
+    def hidden_behind(unit: float) -> float:
+        return max(0.0, kv - 2 * unit) + (n - 2) * max(0.0, kv - unit)
+
+    forward = hidden_behind(core_f / (n + 1))
+    backward = hidden_behind(core_b / (n + 1)) + n * dkv
+    return forward * (passes - 1) + backward
 
 
 def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,

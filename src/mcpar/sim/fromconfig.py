@@ -64,7 +64,8 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
     device = run_device_type(cfg.training.device) if dropout else "cuda"
     attention = "math" if attention_kernel(device, dropout) == "math" else "auto"
     return Layout(
-        tp=tp, pp=pp, vp=par.virtual_stages, cp=par.context, dp=dp, ep=par.experts,
+        tp=tp, pp=pp, vp=par.virtual_stages, cp=par.context,
+        context_mode=par.context_mode if preset is None else "flash_ring", dp=dp, ep=par.experts,
         zero_stage=mem.zero_stage, seq_parallel=par.sequence_parallel,
         global_batch=global_batch, micro_batch=opt.micro_batch_size,
         recompute=mem.activation_checkpointing,

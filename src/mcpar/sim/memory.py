@@ -234,10 +234,38 @@ def activation_bytes_per_layer(m: ModelShape, lay: Layout,
         replaced = a * qkv
     else:  # the flash kernel's fp32 log-sum-exp per query and head
         core = 4 * lay.micro_batch * m.heads / t * m.seq_len / lay.cp
+    core += context_core_bytes(lay, a, x / t)
     # The recompute policy's entry says what of the layer's set stays saved.
     return RECOMPUTE_POLICIES.get(lay.recompute).saved(LayerActivations(
         block_input=resid * x / sp, outside=outside, attention=attention, mlp=mlp,
         weight_copies=copies, core=core, core_output=a * x / t, core_replaces=replaced))
+
+
+def context_core_bytes(lay: Layout, a: float, local: float) -> float:
+    """What mcpar's ring keeps beyond the flash kernel's log-sum-exp (which it keeps too), per
+    layer and micro-batch; ``local``: elements of one [tokens, heads / tp, head_dim] tensor.
+    The ring saves its fp32 output (the merge's accumulator); under 16-bit inputs the copy it
+    returns is the core's output, a second tensor. Ulysses' local kernel keeps what it keeps
+    without context parallelism (measured: the same saved bytes as the ring's at fp32)."""
+    if lay.cp == 1 or lay.context_mode != "ring" or a >= 4:
+        return 0.0
+    return 4 * local
+
+
+def context_workspace_bytes(m: ModelShape, lay: Layout) -> float:
+    """The largest working set of one layer's context attention, beside what the layers keep:
+    the ring's backward at its own block (step 0): that block's fp32 scores, probabilities, and
+    the gradients of both (2c x 2c per head), the fp32 dK/dV accumulator and the one arriving,
+    the stacked K/V and the block arriving, and fp32 Q, dO and dQ. Ulysses' backward: the
+    all-to-all's input and output of dQ, dK and dV. Nothing without context parallelism."""
+    if lay.cp == 1 or lay.context_mode == "flash_ring":
+        return 0.0
+    a = ACT_BYTES[lay.precision]
+    local = lay.micro_batch * m.seq_len / lay.cp * m.hidden / lay.tp
+    if lay.context_mode == "ulysses":
+        return 6 * a * local
+    own_block = lay.micro_batch * m.heads / lay.tp * (m.seq_len / lay.cp) ** 2
+    return 4 * 4 * own_block + 2 * 2 * 4 * local + 2 * 2 * a * local + 3 * 4 * local
 
 
 def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
@@ -308,7 +336,8 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
         # Micro-batches in flight per layer of this rank (layers are alike).
         flight = layers_in_flight(m, lay, r) / len(held) if held else 0.0
         kept = sum(per_mode[mode][0] for mode in held) * flight
-        working = max((per_mode[mode][1] for mode in held), default=0.0)
+        working = max(max((per_mode[mode][1] for mode in held), default=0.0),
+                      context_workspace_bytes(m, lay) if held else 0.0)
         out.append(kept + working
                    + (embedding_activation_bytes(m, lay, weights16) * flight if r == 0 else 0.0)
                    + (head_activation_bytes(m, lay, weights16, head_held)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mcpar.capabilities import zero_layout_problems
+from mcpar.capabilities import ContextFacts, context_layout_problems, zero_layout_problems
 from mcpar.errors import UserError, problem
 from mcpar.registry.codec import CODECS, LAYOUT_KEYS, codec_problems
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
@@ -36,7 +36,7 @@ from mcpar.sim.workload import (
 
 MAX_MICRO_BATCH = 32
 MAX_VP = 8
-MIN_TOKENS_PER_CP_RANK = 2048  # ring attention pays off on long sequences only
+MIN_TOKENS_PER_CP_RANK = 2048  # context parallelism is searched on long sequences only
 # Bounds that keep `mcpar plan` within seconds. Pricing a core costs ~0.4 ms; the number of
 # cores is set by the divisors of the layers, experts, GPU count and global batch, not by the
 # GPU count's size (measured: mixtral-8x7b, global batch 8n, 8148 cores from 2^11 to 2^20 GPUs,
@@ -85,6 +85,7 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] = (1, 2, 4, 8)
+    context_modes: tuple[str, ...] = ("ring", "ulysses")  # mcpar's (cp > 1)
     micro_batch: tuple[int, ...] | None = None
     sequence_parallel: bool = True  # with tp > 1
     schedules: tuple[str, ...] | None = None  # pipeline schedules; None: every registered one
@@ -133,7 +134,7 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                 for vp in _divisors(m.layers // pp):
                     if vp > MAX_VP or (vp > 1 and pp == 1):
                         continue
-                    eps = [e for e in _divisors(m.experts) if (dp * cp) % e == 0] \
+                    eps = [e for e in _divisors(m.experts) if dp % e == 0] \
                         if m.is_moe else [1]
                     for ep in eps:
                         for b in range(1, min(per_rank, MAX_MICRO_BATCH) + 1):
@@ -142,19 +143,50 @@ def core_layouts(m: ModelShape, cluster: Cluster, global_batch: int, precision: 
                                 continue
                             for schedule in _schedules(space, pp, vp, per_rank // b):
                                 for rc in policies:
-                                    yield Layout(
+                                    lay = Layout(
                                         tp=tp, pp=pp, vp=vp, cp=cp, dp=dp, ep=ep,
                                         seq_parallel=space.sequence_parallel and tp > 1,
                                         global_batch=global_batch, micro_batch=b,
                                         recompute=rc, precision=precision,
                                         attention=attention, schedule=schedule)
+                                    yield from _context_cores(m, lay, space)
 
 
-def train_problems(lay: Layout) -> list[str]:
-    """What ``mcpar train`` would refuse in `lay`'s ZeRO, store and codec settings: the rules of
-    ``mcpar.capabilities.zero_layout_problems``, which train applies too, so that a ranked
-    layout is one that trains. mcpar has no context axis: its data axis is dp (a cp > 1 layout
-    is priced, but ZeRO over dp = 1 is refused as train would refuse it)."""
+def _context_cores(m: ModelShape, lay: Layout, space: SearchSpace) -> Iterator[Layout]:
+    """`lay` itself without context parallelism; with it, one core per context mode that the
+    runtime's rule (``context_problems``) accepts (a ZeRO stage, a codec or a topology it
+    refuses is the variants' to drop: ``train_problems``)."""
+    if lay.cp == 1:
+        yield lay
+        return
+    for mode in space.context_modes:
+        core = lay.with_(context_mode=mode)
+        if not context_problems(m, core.with_(zero_stage=0, compression="none",
+                                              topology="flat")):
+            yield core
+
+
+def context_problems(m: ModelShape, lay: Layout) -> list[str]:
+    """The runtime's context-parallel rule (``capabilities.context_layout_problems``, which
+    ``mcpar check`` and ``mcpar train`` apply) on a layout. Every mcpar family has a
+    context-parallel plan, and ``training.compile`` is not a layout's (off)."""
+    if lay.cp == 1:
+        return []
+    return context_layout_problems(ContextFacts(
+        cp=lay.cp, mode=lay.context_mode, seq_len=m.seq_len,
+        heads_per_tensor_rank=m.heads // lay.tp, zero_stage=lay.zero_stage,
+        recompute=lay.recompute,
+        compression=lay.compression, topology=CONFIG_TOPOLOGY.get(lay.topology, lay.topology),
+        dropout=m.dropout, kind=m.name))
+
+
+def train_problems(lay: Layout, m: ModelShape | None = None) -> list[str]:
+    """What ``mcpar train`` would refuse in `lay`'s ZeRO, store, codec and context settings:
+    the rules of ``mcpar.capabilities`` (``zero_layout_problems``, ``context_layout_problems``),
+    which train applies too, so that a ranked layout is one that trains. The context rule reads
+    the model: `m` is needed when cp > 1."""
+    if lay.cp > 1 and m is None:
+        raise ValueError("train_problems of a cp > 1 layout needs the model shape")
     problems = zero_layout_problems(
         lay.zero_stage, lay.dp, pp=lay.pp, vp=lay.vp, topology=CONFIG_TOPOLOGY[lay.topology],
         allocation=lay.allocation, weight_gather=lay.weight_gather,
@@ -163,6 +195,8 @@ def train_problems(lay: Layout) -> list[str]:
         # capabilities.expert_problems: expert weights are reduced uncompressed.
         problems.append(problem("controllers.communication.compression",
                                 "not applied with parallelism.experts > 1"))
+    if m is not None:
+        problems += context_problems(m, lay)
     # The codec's own rules (its registry entry), as train applies them.
     return problems + [problem(LAYOUT_KEYS[field], text) for field, text in
                        codec_problems(lay.compression, exchange_facts(lay))]
@@ -195,9 +229,11 @@ def all_variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Itera
                             yield lay
 
 
-def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool) -> Iterator[Layout]:
+def _variants(core: Layout, space: SearchSpace, multi_node_dp: bool,
+              m: ModelShape | None = None) -> Iterator[Layout]:
     """The variants `mcpar train` accepts."""
-    return (lay for lay in all_variants(core, space, multi_node_dp) if not train_problems(lay))
+    return (lay for lay in all_variants(core, space, multi_node_dp)
+            if not train_problems(lay, m))
 
 
 def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
@@ -257,7 +293,7 @@ def plan(m: ModelShape, cluster: Cluster, global_batch: int, precision: str,
             break
         multi_node = core_layout.tp * core_layout.dp * core_layout.cp > cluster.gpus_per_node
         variants = ([core_layout] if core_layout in extra
-                    else _variants(core_layout, space, multi_node))
+                    else _variants(core_layout, space, multi_node, m))
         for lay in variants:
             if lay in seen:
                 continue

@@ -33,6 +33,11 @@ TOPOLOGY = ("flat", "hierarchical", "auto")
 # math: the CPU composite scaled_dot_product_attention falls back to under dropout
 # (``device_kernels.py``), which keeps its fp32 scores like an unfused kernel.
 ATTENTION = ("auto", "flash", "unfused", "math")
+# How attention runs over the context axis (cp > 1). 'ring' and 'ulysses' are mcpar's
+# (``parallelism.context_mode``); 'flash_ring' is a published stack's ring (Transformer
+# Engine's, under Megatron/NeMo): flash blocks, the key-value heads on the wire, dK/dV passed on
+# while the next block computes. docs/cost_model.md ("Context parallelism").
+CONTEXT_MODES = ("ring", "ulysses", "flash_ring")
 DEVICES = ("cuda", "cpu")
 
 
@@ -44,6 +49,7 @@ class Layout:
     pp: int = 1
     vp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     cp: int = 1
+    context_mode: str = "flash_ring"  # see CONTEXT_MODES; only read when cp > 1
     dp: int = 1
     ep: int = 1
     zero_stage: int = 0
@@ -116,7 +122,7 @@ class Layout:
         if self.vp > 1:
             text += f" vp{self.vp}"
         if self.cp > 1:
-            text += f" cp{self.cp}"
+            text += f" cp{self.cp}" + ("-ulysses" if self.context_mode == "ulysses" else "")
         text += f" dp{self.dp}"
         if self.ep > 1:
             text += f" ep{self.ep}"
@@ -211,8 +217,14 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if m.seq_len % lay.cp or (m.seq_len // lay.cp) % (lay.tp if lay.seq_parallel else 1):
         bad("cp", f"seq_len {m.seq_len} does not split over cp {lay.cp}"
                   + (f" x tp {lay.tp}" if lay.seq_parallel else ""))
-    if lay.cp > 1 and lay.attention in ("unfused", "math"):
-        bad("cp", "context parallelism exchanges key/value blocks inside a flash-style kernel")
+    if lay.cp > 1 and lay.context_mode not in CONTEXT_MODES:
+        bad("context_mode", f"{lay.context_mode!r} is not one of {CONTEXT_MODES}")
+    elif lay.cp > 1 and lay.context_mode == "flash_ring" and lay.attention in ("unfused",
+                                                                                "math"):
+        # mcpar's ring runs its own blocks and Ulysses the local kernel: only the published
+        # ring needs a flash-style kernel.
+        bad("cp", "a published stack's ring exchanges key/value blocks inside a flash-style "
+                  "kernel")
     if (lay.dp * lay.cp) % lay.ep:
         bad("ep", f"expert degree {lay.ep} does not divide dp x cp = {lay.dp * lay.cp}")
     if lay.ep > 1 and not m.is_moe:

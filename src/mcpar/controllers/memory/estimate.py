@@ -81,8 +81,7 @@ def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
     """The cost model's breakdown for a resolved config (no device reserve). The node size
     (``cluster.ranks_per_node``) sizes the parameter store's node-local copy; when it is left to
     detection, the estimate takes the most that copy can cost (one rank per node)."""
-    world = dims.dp * dims.tp * dims.pp
-    layout = config_layout(cfg, world)
+    layout = config_layout(cfg, dims.world_size)  # data x tensor x pipeline x context
     return memory_per_gpu(config_model(cfg), layout, reserved=0.0,
                           gpus_per_node=cfg.cluster.ranks_per_node, offload=config_offload(cfg),
                           layer_recompute=layer_modes(cfg))
