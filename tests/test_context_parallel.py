@@ -19,7 +19,7 @@ from mcpar.config import load_config
 from mcpar.errors import UserError
 from mcpar.launch.env import DistEnv, find_free_port
 from mcpar.parallel.context import shard_sequence, zigzag_positions
-from mcpar.parallel.ring_attention import ring_attention
+from mcpar.parallel.ring_attention import KV_TAG, ring_attention, visible
 from mcpar.parallel.ulysses import ulysses_attention
 from mcpar.plan import resolve_plan
 from mcpar.topology import ParallelDims
@@ -55,6 +55,75 @@ def test_zigzag_balances_the_causal_work() -> None:
     plain = [int((torch.arange(r * seq // n, (r + 1) * seq // n) + 1).sum()) for r in range(n)]
     assert len(set(zig)) == 1
     assert plain[-1] / plain[0] > 5
+
+
+def _causal_scores(layout: str, rank: int, n: int, half: int) -> int:
+    """Scores the causal mask keeps among the blocks ``visible`` gives ``rank`` (the ring's
+    own rule for what each block computes)."""
+    total = 0
+    for source in range(n):
+        seen = visible(layout, rank, source, half)
+        if seen is not None:
+            rows, cols, causal = seen
+            r, c = len(range(2 * half)[rows]), len(range(2 * half)[cols])
+            total += r * (r + 1) // 2 if causal else r * c
+    return total
+
+
+def test_the_ring_gives_every_zigzag_rank_the_same_causal_work() -> None:
+    """Per rank, the causal scores of its blocks: equal under the zigzag; under a plain split
+    they grow with the rank (4 ranks of 16 tokens: rank 3's are 904 against rank 0's 136)."""
+    n, half = 4, 8
+    zig = [_causal_scores("zigzag", r, n, half) for r in range(n)]
+    plain = [_causal_scores("contiguous", r, n, half) for r in range(n)]
+    assert len(set(zig)) == 1
+    assert sum(zig) == sum(plain) == (2 * n * half) * (2 * n * half + 1) // 2  # the whole mask
+    assert plain == [136, 392, 648, 904]
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _LocalRing:
+    """The ring's messages without other ranks: each K/V receive is a copy of the block this
+    rank holds at that step (forward only: no gradient ring)."""
+
+    def __init__(self, rank: int, blocks: list[torch.Tensor]):
+        self.rank, self.blocks, self.step = rank, blocks, 0
+
+    def axis_size(self, axis: str) -> int:
+        return len(self.blocks)
+
+    def axis_rank(self, axis: str) -> int:
+        return self.rank
+
+    def send(self, *args: object, **kwargs: object) -> _Done:
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: int) -> _Done:
+        assert tag == KV_TAG
+        self.step += 1
+        tensor.copy_(self.blocks[(self.rank - self.step) % len(self.blocks)])
+        return _Done()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_each_ring_layout_masks_its_blocks_like_full_causal_attention(layout: str) -> None:
+    """Every rank's forward, its blocks arriving as the ring would send them: the zigzag and
+    the plain split (the bench's baseline) both equal full causal attention on their rows."""
+    seq, n = 32, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    shards = [zigzag_positions(seq, r, n) if layout == "zigzag"
+              else torch.arange(r * seq // n, (r + 1) * seq // n) for r in range(n)]
+    blocks = [torch.stack([k[:, :, p], v[:, :, p]]) for p in shards]
+    for rank, pos in enumerate(shards):
+        got = ring_attention(q[:, :, pos], k[:, :, pos], v[:, :, pos],
+                             _LocalRing(rank, blocks), layout=layout)  # type: ignore[arg-type]
+        torch.testing.assert_close(got, want[:, :, pos], rtol=0, atol=1e-12)
 
 
 # --- attention over the ring, against full attention --------------------------------------

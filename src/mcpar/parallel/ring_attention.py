@@ -16,6 +16,9 @@ useful, and the useful half is a rectangle, never a triangle:
 
 So every rank computes one causal 2c x 2c block and ``n - 1`` dense c x 2c blocks: the same work
 on every rank (a plain split would give the last rank ``2n - 1`` times the first one's).
+``layout="contiguous"`` runs that plain split (rank ``i`` holding the ``i``-th of ``n`` pieces):
+the block of a lower rank is seen whole, a higher rank's not at all. No config key reaches it; it
+is there so ``bench/context_parallel.py`` can time the imbalance the zigzag removes.
 
 Partial results are merged with the log-sum-exp of each query row (online softmax), in fp32 (or
 the inputs' wider type). The backward pass (a custom autograd function) recomputes each block's
@@ -80,10 +83,17 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(new_lse)
 
 
-def _visible(kind: str, half: int) -> tuple[slice, slice, bool]:
-    """(query rows, key columns, causal) of what a block kind sees; ``half``: c tokens."""
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def visible(layout: str, rank: int, source: int, half: int) -> tuple[slice, slice, bool] | None:
+    """(query rows, key columns, causal) of the block of ``source`` that the queries of ``rank``
+    see, or None when they see none of it; ``half``: c tokens (half a rank's shard)."""
+    kind = block_kind(rank, source)
     if kind == OWN:
         return slice(None), slice(None), True
+    if layout == "contiguous":
+        return (slice(None), slice(None), False) if kind == LOWER else None
     if kind == LOWER:
         return slice(None), slice(0, half), False
     return slice(half, None), slice(None), False
@@ -115,11 +125,14 @@ class _Ring:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded q, k, v [batch, heads, 2c, head_dim] over the ring."""
+    """Causal attention of zigzag-sharded (or, for the bench, contiguous) q, k, v
+    [batch, heads, 2c, head_dim] over the ring."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                comm: Communicator, axis: str) -> torch.Tensor:
+                comm: Communicator, axis: str, layout: str) -> torch.Tensor:
+        if layout not in LAYOUTS:
+            raise ValueError(f"ring layout {layout!r} is not one of {LAYOUTS}")
         ring = _Ring(comm, axis)
         scale = q.shape[-1] ** -0.5
         half = q.shape[-2] // 2
@@ -127,13 +140,17 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             pending = ring.shift(kv, KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _visible(block_kind(ring.rank, ring.source(step)), half)
-            block_out, block_lse = _attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                           scale, causal)
+            seen = visible(layout, ring.rank, ring.source(step), half)
+            if seen is None:
+                block_out = block_lse = None
+            else:
+                rows, cols, causal = seen
+                block_out, block_lse = _attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                               scale, causal)
             if out is None:  # step 0: the own block, which every row sees (itself at least)
                 out, lse = block_out, block_lse
-            else:
-                assert lse is not None
+            elif block_out is not None:
+                assert lse is not None and block_lse is not None
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 send, recv, kv = pending
@@ -141,7 +158,7 @@ class RingAttention(torch.autograd.Function):
                 recv.wait()
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.axis = comm, axis
+        ctx.comm, ctx.axis, ctx.layout = comm, axis, layout
         return out.to(q.dtype)
 
     @staticmethod
@@ -159,16 +176,18 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for step in range(ring.size):
             pending = ring.shift(kv, KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _visible(block_kind(ring.rank, ring.source(step)), half)
-            k_blk, v_blk = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
-            q_rows, dout_rows = qf[:, :, rows], dout[:, :, rows]
-            probs = torch.exp(_scores(q_rows, k_blk, scale, causal)
-                              - lse[:, :, rows].unsqueeze(-1))
-            dkv[1][:, :, cols] += torch.matmul(probs.transpose(-1, -2), dout_rows)
-            dprobs = torch.matmul(dout_rows, v_blk.transpose(-1, -2))
-            dscores = probs * (dprobs - delta[:, :, rows].unsqueeze(-1)) * scale
-            dq[:, :, rows] += torch.matmul(dscores, k_blk)
-            dkv[0][:, :, cols] += torch.matmul(dscores.transpose(-1, -2), q_rows)
+            seen = visible(ctx.layout, ring.rank, ring.source(step), half)
+            if seen is not None:
+                rows, cols, causal = seen
+                k_blk, v_blk = kv[0][:, :, cols].to(acc), kv[1][:, :, cols].to(acc)
+                q_rows, dout_rows = qf[:, :, rows], dout[:, :, rows]
+                probs = torch.exp(_scores(q_rows, k_blk, scale, causal)
+                                  - lse[:, :, rows].unsqueeze(-1))
+                dkv[1][:, :, cols] += torch.matmul(probs.transpose(-1, -2), dout_rows)
+                dprobs = torch.matmul(dout_rows, v_blk.transpose(-1, -2))
+                dscores = probs * (dprobs - delta[:, :, rows].unsqueeze(-1)) * scale
+                dq[:, :, rows] += torch.matmul(dscores, k_blk)
+                dkv[0][:, :, cols] += torch.matmul(dscores.transpose(-1, -2), q_rows)
             # This block's gradient goes on with the block; the previous rank's arrives for the
             # next step (after the last step: this rank's own block, complete).
             grad_send, grad_recv, dkv_next = ring.shift(dkv, GRAD_TAG)
@@ -179,10 +198,11 @@ class RingAttention(torch.autograd.Function):
             grad_send.wait()
             grad_recv.wait()
             dkv = dkv_next
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-                   axis: str = "cp") -> torch.Tensor:
-    """Causal attention over the context group of zigzag-sharded q, k, v [b, h, 2c, d]."""
-    return RingAttention.apply(q, k, v, comm, axis)
+                   axis: str = "cp", layout: str = "zigzag") -> torch.Tensor:
+    """Causal attention over the context group of zigzag-sharded q, k, v [b, h, 2c, d]
+    (``layout="contiguous"``: rank i holding the i-th of n pieces, for the bench)."""
+    return RingAttention.apply(q, k, v, comm, axis, layout)
