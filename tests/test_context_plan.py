@@ -98,8 +98,8 @@ def test_memory_holds_a_shard_of_tokens_and_the_ring_keeps_its_block_workspace()
 
 
 def test_the_planner_reads_the_runtimes_context_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every cp > 1 layout the planner ranks passes the runtime's rule (no sequence
-    parallelism, ZeRO, recompute, codec or hierarchical topology beside it); and the planner
+    """Every cp > 1 layout the planner ranks passes the runtime's rule (no ZeRO, recompute,
+    codec or hierarchical topology beside it; sequence parallelism composes); and the planner
     consults that rule rather than a copy: with the rule relaxed, it ranks what it then
     allows."""
     cluster = dataclasses.replace(cluster_preset("h100x64", ACC), num_gpus=8)
@@ -114,12 +114,10 @@ def test_the_planner_reads_the_runtimes_context_rule(monkeypatch: pytest.MonkeyP
     assert context, layouts[:5]
     for lay in context:
         assert not train_problems(lay, LONG)
-        assert (lay.seq_parallel, lay.zero_stage, lay.recompute, lay.compression) == (
-            False, 0, "none", "none")
+        assert (lay.zero_stage, lay.recompute, lay.compression) == (0, "none", "none")
     monkeypatch.setattr(planner_module, "context_layout_problems", lambda facts: [])
     relaxed = [lay for lay in ranked() if lay.cp > 1]
-    assert any(lay.zero_stage > 0 or lay.recompute != "none" or lay.seq_parallel
-               for lay in relaxed)
+    assert any(lay.zero_stage > 0 or lay.recompute != "none" for lay in relaxed)
 
 
 @pytest.mark.parametrize("settings", [

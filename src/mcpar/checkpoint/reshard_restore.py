@@ -49,6 +49,7 @@ from mcpar.checkpoint.saved_state import (
 )
 from mcpar.errors import UserError, problem
 from mcpar.models.spec import get_model_spec
+from mcpar.registry.codec import CODECS
 
 # Layout keys the resharder follows; a checkpoint recording another one (a later version's
 # axis) is refused before launch, naming it.
@@ -70,9 +71,11 @@ def restarted_state(meta: dict[str, Any]) -> list[str]:
     """The per-rank state of a checkpoint that a reshard cannot carry (for the load's log)."""
     out = ["rng"]
     config = meta.get("config", {})
-    if (config.get("optimization", {}).get("optimizer") == "onebit_adam"
-            or config.get("controllers", {}).get("communication", {}).get("compression")
-            in ("1bit", "powersgd")):
+    # The codec's entry says whether it keeps per-rank error feedback (1-bit Adam is the 1bit
+    # codec, asked by the optimizer key).
+    codec = ("1bit" if config.get("optimization", {}).get("optimizer") == "onebit_adam"
+             else config.get("controllers", {}).get("communication", {}).get("compression"))
+    if codec in CODECS and CODECS.get(codec).error_state_bytes(1.0, 2) > 0:
         out.append("compression_errors")
     if (meta["layout"].get("experts", 1) > 1
             and config.get("controllers", {}).get("compute", {}).get("scheduler", "static")
