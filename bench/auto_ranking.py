@@ -49,7 +49,8 @@ MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "mo
          "training.eval_batches=1", "training.progress=false", "parallelism.auto=true"]
 
 # Every searched key the layouts below do not set themselves: a layout is then priced alone.
-BASE = {"parallelism.tensor": 1, "parallelism.pipeline": 1, "parallelism.data": 4,
+BASE = {"parallelism.tensor": 1, "parallelism.pipeline": 1, "parallelism.context": 1,
+        "parallelism.context_mode": "ring", "parallelism.data": 4,
         "parallelism.virtual_stages": 1, "parallelism.schedule": "1f1b",
         "optimization.micro_batch_size": 8, "optimization.gradient_accumulation": 1,
         "controllers.memory.zero_stage": 0, "controllers.memory.activation_checkpointing": "none",

@@ -127,9 +127,14 @@ def _prepare_run_dir(run_dir: Path, plan: JobPlan, resume: bool = False) -> RunD
         if resume:
             repair_logs(run_dir)  # a torn last line of a killed run's logs
         config_path = run_dir / "config.yaml"  # the resolved config
+        # Written aside and renamed: a reader (a second train, a resume) never sees it half
+        # written, and a failed write leaves the run's earlier config in place.
+        partial = config_path.with_name(config_path.name + ".tmp")
         try:
-            config_path.write_text(to_yaml(cfg))
+            partial.write_text(to_yaml(cfg))
+            os.replace(partial, config_path)
         except OSError as err:  # e.g. a full disk: name the file (a write error carries none)
+            partial.unlink(missing_ok=True)
             raise OSError(err.errno, err.strerror, str(config_path)) from None
     except BaseException:
         lock.release()

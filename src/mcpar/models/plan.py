@@ -102,14 +102,16 @@ class ContextParallelPlan:
     inside a block) with a ``positions`` buffer, the absolute positions of the tokens they see
     (None there: 0..seq-1); context parallelism sets it to the positions of this rank's shard.
     ``routed_layer``: a block's routed (MoE) layer, whose per-sequence routing statistics are
-    summed over the context ranks (its ``context_shards`` and ``sum_over_context``); None in a
-    dense model.
+    summed over the context ranks; None in a dense model. ``join_routing(layer, shards, sum)``
+    (the family's function, named) tells that layer the number of context ranks and the
+    in-place sum over them.
     """
 
     attention_core: str
     embedding_positions: str | None = None
     block_positions: str | None = None
     routed_layer: str | None = None
+    join_routing: LazyFunction | None = None
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,6 @@ def apply_context_parallel(chunk: nn.Module, plan: Any, comm: Communicator,
             _resolve(block, plan.block_positions).positions = positions.clone()
         _replace(block, plan.attention_core, ContextAttentionCore(comm, mode))
         if plan.routed_layer is not None:
-            routed = _resolve(block, plan.routed_layer)
-            routed.context_shards = cp
-            routed.sum_over_context = lambda t: comm.all_reduce(t, axis="cp")
+            assert plan.join_routing is not None, "a routed layer needs its join_routing"
+            plan.join_routing(_resolve(block, plan.routed_layer), cp,
+                              lambda t: comm.all_reduce(t, axis="cp"))

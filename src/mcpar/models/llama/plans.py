@@ -19,7 +19,9 @@ from mcpar.models.plan import (
 LLAMA_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core", block_positions="attn")
 # The MoE form's blocks also sum their routing statistics over the context ranks.
 LLAMA_MOE_CONTEXT_PARALLEL = ContextParallelPlan(attention_core="attn.core",
-                                                 block_positions="attn", routed_layer="mlp")
+                                                 block_positions="attn", routed_layer="mlp",
+                                                 join_routing=LazyFunction(
+                                                     "mcpar.models.moe.model:join_context_routing"))
 LLAMA_ATTENTION_TENSOR_PARALLEL = BlockPlan(
     column=(ColumnParallel("attn.qkv"),),  # whole kv groups per rank (layout above)
     row=("attn.proj",),

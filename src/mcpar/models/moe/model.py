@@ -291,3 +291,11 @@ def build_moe(cfg: ModelConfig, seed: int) -> GPT:
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def join_context_routing(layer: MoELayer, shards: int,
+                         sum_over_context: Callable[[torch.Tensor], None]) -> None:
+    """Context parallelism's hook (``ContextParallelPlan.join_routing``): `layer` sees 1/`shards`
+    of every sequence, and `sum_over_context` sums a tensor in place over the context ranks."""
+    layer.context_shards = shards
+    layer.sum_over_context = sum_over_context

@@ -28,7 +28,9 @@ MOE_TENSOR_PARALLEL = TensorParallelPlan(
     output=GPT_TENSOR_PARALLEL.output,
 )
 # Context parallelism: GPT's, with the block's MoE layer summing its routing statistics.
-MOE_CONTEXT_PARALLEL: ContextParallelPlan = replace(GPT_CONTEXT_PARALLEL, routed_layer="mlp")
+JOIN_ROUTING = LazyFunction("mcpar.models.moe.model:join_context_routing")
+MOE_CONTEXT_PARALLEL: ContextParallelPlan = replace(GPT_CONTEXT_PARALLEL, routed_layer="mlp",
+                                                    join_routing=JOIN_ROUTING)
 MOE_EXPERTS = ExpertPlan(
     # Named, not imported: the entry holding this plan loads without torch (`mcpar check`).
     layers=LazyFunction("mcpar.models.moe.model:moe_layers"),
