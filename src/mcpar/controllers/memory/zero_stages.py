@@ -24,9 +24,10 @@ class ShardedOptimizer(ZeroStage):
     def problems(self, facts: ZeroFacts) -> list[tuple[str, str]]:
         out = super().problems(facts)
         if facts.dp * facts.cp == 1:
-            out.append(("zero_stage", f"{self.stage} shards over the data (and context) ranks "
-                        "and this layout has data 1 and context 1, so nothing would be "
-                        "sharded; use more data-parallel ranks or zero_stage 0"))
+            out.append(("zero_stage", f"{self.stage} shards over the data-parallel ranks "
+                        "(data x context) and this layout has data 1 and context 1, so "
+                        "nothing would be sharded; use more data-parallel ranks or "
+                        "zero_stage 0"))
         if facts.topology != "flat":
             out.append(("topology", f"{facts.topology!r}: ZeRO's collectives run flat over the "
                         "data axis (the node-aware variant is controllers.memory.allocation "
