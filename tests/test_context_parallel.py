@@ -234,6 +234,10 @@ RUNS_4 = {
                     "parallelism.experts=2", "optimization.gradient_accumulation=1"],
     "cp2_pp2": ["parallelism.context=2", "parallelism.pipeline=2"],
     "cp2_dp2_zero1": CP2_DP2_ZERO1,  # 4 shards
+    # ZeRO-3 with experts: dense shards over data x context (4), expert ones over 'edp' (2).
+    "moe_cp2_ep2_zero3": [*MOE, "parallelism.context=2", "parallelism.data=2",
+                          "parallelism.experts=2", "optimization.gradient_accumulation=1",
+                          "controllers.memory.zero_stage=3"],
 }
 REFERENCE = {"gpt": [], "llama": LLAMA, "moe": MOE}
 
