@@ -43,6 +43,9 @@ LAYOUTS = {
                   "optimization.micro_batch_size=8"],
     "data2_tensor2": ["parallelism.data=2", "parallelism.tensor=2",
                       "optimization.micro_batch_size=8"],
+    # ZeRO-3's shards cut over data x context (2 at data 1): each context rank saves and
+    # restores its own, through the store's gathers.
+    "context2_zero3": ["parallelism.context=2", "controllers.memory.zero_stage=3"],
     # Resumed past the freeze step: momentum, frozen variance and both error buffers restored,
     # with the momentum exchanged bucket by bucket from the backward pass (no clipping).
     "onebit_adam": ["parallelism.data=2", "controllers.communication.compression=1bit",

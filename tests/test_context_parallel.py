@@ -214,7 +214,14 @@ RUNS_2 = {
     "cp2_ring": ["parallelism.context=2"],
     "cp2_ulysses": ["parallelism.context=2", "parallelism.context_mode=ulysses"],
     "llama_cp2": [*LLAMA, "parallelism.context=2"],
+    # ZeRO shards over data x context: 2 shards at data 1. Stage 3 saves at steps 5 and 10.
+    "cp2_zero1": ["parallelism.context=2", "controllers.memory.zero_stage=1"],
+    "cp2_zero2": ["parallelism.context=2", "controllers.memory.zero_stage=2"],
+    "cp2_zero3": ["parallelism.context=2", "controllers.memory.zero_stage=3",
+                  "optimization.checkpoint.interval=5"],
 }
+CP2_DP2_ZERO1 = ["parallelism.context=2", "parallelism.data=2",
+                 "optimization.gradient_accumulation=1", "controllers.memory.zero_stage=1"]
 RUNS_4 = {
     "cp4_ring": ["parallelism.context=4"],
     "cp2_dp2": ["parallelism.context=2", "parallelism.data=2",
@@ -226,6 +233,11 @@ RUNS_4 = {
     "moe_cp2_ep2": [*MOE, "parallelism.context=2", "parallelism.data=2",
                     "parallelism.experts=2", "optimization.gradient_accumulation=1"],
     "cp2_pp2": ["parallelism.context=2", "parallelism.pipeline=2"],
+    "cp2_dp2_zero1": CP2_DP2_ZERO1,  # 4 shards
+    # ZeRO-3 with experts: dense shards over data x context (4), expert ones over 'edp' (2).
+    "moe_cp2_ep2_zero3": [*MOE, "parallelism.context=2", "parallelism.data=2",
+                          "parallelism.experts=2", "optimization.gradient_accumulation=1",
+                          "controllers.memory.zero_stage=3"],
 }
 REFERENCE = {"gpt": [], "llama": LLAMA, "moe": MOE}
 
@@ -233,6 +245,9 @@ REFERENCE = {"gpt": [], "llama": LLAMA, "moe": MOE}
 # Saved at context 2 (steps 5 and 10), resumed from step 5 at context 1 and 4.
 SAVE = ["parallelism.context=2", "optimization.checkpoint.interval=5"]
 RESUMED = {1: "resume_cp1", 4: "resume_cp4"}
+# ZeRO-3's step-5 checkpoint at context 2 (2 shards), resumed at context 1 without ZeRO and at
+# context 2 x data 2 with ZeRO-1 (4 shards).
+ZERO_RESUMED = {1: ("zero3_resume_cp1", []), 4: ("zero3_resume_cp2_dp2_zero1", CP2_DP2_ZERO1)}
 
 
 def _train_runs(rank: int, port: int, root: str, runs: dict[str, list[str]], world: int,
@@ -261,11 +276,16 @@ def _runs(root: Path, runs: dict[str, list[str]], world: int, resume: tuple[str,
 def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cp_parity")
     _runs(root, {**RUNS_2, "saved_cp2": SAVE}, 2)
-    for target in RESUMED.values():  # the step-5 checkpoint alone, in a run of its own
-        shutil.copytree(root / "saved_cp2" / "checkpoints" / "step-5",
-                        root / target / "checkpoints" / "step-5")
-    _runs(root, {**REFERENCE, RESUMED[1]: []}, 1, resume=(RESUMED[1],))
-    _runs(root, {**RUNS_4, RESUMED[4]: ["parallelism.context=4"]}, 4, resume=(RESUMED[4],))
+    for saved, targets in (("saved_cp2", RESUMED.values()),
+                           ("cp2_zero3", [name for name, _ in ZERO_RESUMED.values()])):
+        for target in targets:  # the step-5 checkpoint alone, in a run of its own
+            shutil.copytree(root / saved / "checkpoints" / "step-5",
+                            root / target / "checkpoints" / "step-5")
+    zero1, zero4 = ZERO_RESUMED[1], ZERO_RESUMED[4]
+    _runs(root, {**REFERENCE, RESUMED[1]: [], zero1[0]: zero1[1]}, 1,
+          resume=(RESUMED[1], zero1[0]))
+    _runs(root, {**RUNS_4, RESUMED[4]: ["parallelism.context=4"], zero4[0]: zero4[1]}, 4,
+          resume=(RESUMED[4], zero4[0]))
     return root
 
 
@@ -337,7 +357,8 @@ CP2 = [*TINY, "parallelism.context=2"]
     (["model.kind=moe", "model.num_experts=2", "parallelism.tensor=2",
       "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel: is not supported "
      "with model.kind 'moe'"),
-    (["controllers.memory.zero_stage=1", "parallelism.data=2"], "(controllers.memory.zero_stage)"),
+    (["controllers.memory.zero_stage=3", "controllers.memory.allocation=topology_aware"],
+     "(controllers.memory.allocation)"),
     (["controllers.memory.activation_checkpointing=full"], "activation recompute"),
     (["controllers.communication.compression=fp16", "parallelism.data=2"],
      "(controllers.communication.compression)"),
@@ -363,12 +384,12 @@ def test_check_exits_2_with_one_line_naming_the_key(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "cp.yaml"
     config.write_text("parallelism: {context: 2, data: 2}\n"
-                      "controllers: {memory: {zero_stage: 1}}\n")
+                      "controllers: {memory: {zero_stage: 3, allocation: topology_aware}}\n")
     proc = run_cli_in_process(capsys, "check", str(config))
     code, err = proc.returncode, proc.stderr
     assert code == 2
     lines = [line for line in err.splitlines() if "parallelism.context" in line]
-    assert len(lines) == 1 and "use zero_stage 0" in lines[0], err
+    assert len(lines) == 1 and "use 'default'" in lines[0], err
     assert "Traceback" not in err
 
 
@@ -381,6 +402,49 @@ def test_a_checkpoint_saved_at_context_2_resumes_at_context_1_and_4(parity_runs:
                        .read_text())
     assert saved["config"]["parallelism"]["context"] == 2
     for target in RESUMED.values():
+        records = _records(parity_runs / target)
+        assert [r["step"] for r in records] == list(range(6, STEPS + 1)), target
+        for record in records:
+            assert abs(record["loss"] - reference[record["step"]]) <= 1e-5, (target, record)
+
+
+# --- ZeRO over data x context ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "shards"), [("cp2_zero1", 2), ("cp2_zero2", 2),
+                                               ("cp2_zero3", 2), ("cp2_dp2_zero1", 4)])
+def test_zero_shards_over_the_data_and_context_ranks(parity_runs: Path, name: str,
+                                                     shards: int) -> None:
+    """The context ranks are replicas: ZeRO's shards are cut over data x context ('dp_cp'), so
+    at data 1 context 2 each rank holds half the AdamW state (stage 2: and of the gradients;
+    stage 3: and of the parameters), as measured from the tensors and as the plan estimated;
+    clipping sums the shards' norms over the same group (the gradient norm of one process)."""
+    plan = json.loads((parity_runs / name / "plan.json").read_text())
+    dense = plan["memory_placement"]["groups"][0]
+    assert (dense["axis"], dense["degree"]) == ("dp_cp", shards)
+    full = json.loads((parity_runs / "gpt" / "summary.json").read_text())["model_state_bytes"]
+    held = json.loads((parity_runs / name / "summary.json").read_text())["model_state_bytes"]
+    stage = plan["memory_placement"]["zero_stage"]
+    for row, sharded in (("optimizer state", True), ("gradients", stage >= 2),
+                         ("parameters", stage == 3)):
+        want = full[row] / shards if sharded else full[row]
+        # Within the padding to a multiple of the shards and AdamW's per-piece step counters.
+        assert abs(held[row] - want) <= 0.01 * want, (row, held, full)
+        assert abs(held[row] - plan["memory"][row]) <= 0.01 * want, (row, held, plan["memory"])
+    reference = _records(parity_runs / "gpt")
+    for ref, rec in zip(reference, _records(parity_runs / name), strict=True):
+        assert abs(rec["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], rec["step"]
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_at_context_2_resumes_at_context_1_and_data_2(
+        parity_runs: Path) -> None:
+    """ZeRO-3's shards at context 2 (2 per bucket, over data x context) go on at context 1
+    without ZeRO and at context 2 x data 2 with ZeRO-1 (4 shards): the single process's
+    losses."""
+    reference = {r["step"]: r["loss"] for r in _records(parity_runs / "gpt")}
+    for target, _ in ZERO_RESUMED.values():
         records = _records(parity_runs / target)
         assert [r["step"] for r in records] == list(range(6, STEPS + 1)), target
         for record in records:

@@ -22,7 +22,7 @@ from mcpar.sim.compute import layer_times, ring_core_times
 from mcpar.sim.costmodel import rank_roofline
 from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
 from mcpar.sim.hardware import cluster_preset, load_accelerators
-from mcpar.sim.memory import activation_bytes_per_layer, context_workspace_bytes
+from mcpar.sim.memory import activation_bytes_per_layer, context_workspace_bytes, memory_per_gpu
 from mcpar.sim.params import GPU_EFFICIENCY
 from mcpar.sim.planner import SearchSpace, plan, train_problems
 from mcpar.sim.workload import Layout, ModelShape, layout_problems
@@ -98,10 +98,10 @@ def test_memory_holds_a_shard_of_tokens_and_the_ring_keeps_its_block_workspace()
 
 
 def test_the_planner_reads_the_runtimes_context_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every cp > 1 layout the planner ranks passes the runtime's rule (no ZeRO, recompute,
-    codec or hierarchical topology beside it; sequence parallelism composes); and the planner
-    consults that rule rather than a copy: with the rule relaxed, it ranks what it then
-    allows."""
+    """Every cp > 1 layout the planner ranks passes the runtime's rule (no recompute, codec or
+    hierarchical topology beside it; sequence parallelism composes, and ZeRO shards over data
+    x context, so their variants are ranked too); and the planner consults that rule rather
+    than a copy: with the rule relaxed, it ranks what it then allows."""
     cluster = dataclasses.replace(cluster_preset("h100x64", ACC), num_gpus=8)
     space = SearchSpace(cp=(1, 2, 4), tp=(1, 2))
 
@@ -114,16 +114,49 @@ def test_the_planner_reads_the_runtimes_context_rule(monkeypatch: pytest.MonkeyP
     assert context, layouts[:5]
     for lay in context:
         assert not train_problems(lay, LONG)
-        assert (lay.zero_stage, lay.recompute, lay.compression) == (0, "none", "none")
+        assert (lay.recompute, lay.compression) == ("none", "none")
+    assert {lay.zero_stage for lay in context} > {0}, context  # ZeRO composes with context
     monkeypatch.setattr(planner_module, "context_layout_problems", lambda facts: [])
     relaxed = [lay for lay in ranked() if lay.cp > 1]
-    assert any(lay.zero_stage > 0 or lay.recompute != "none" for lay in relaxed)
+    assert any(lay.recompute != "none" or lay.compression != "none" for lay in relaxed)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_memory_estimate_shards_zero_state_over_data_x_context(stage: int) -> None:
+    """`mcpar check`'s estimate (the plan's) and the cost model's: under ZeRO the sharded state
+    is divided by data x context, so context 2 x data 2 holds what data 4 holds, a quarter of
+    the unsharded state; without the context axis in the divisor it would hold a half."""
+    zero = f"controllers.memory.zero_stage={stage}"
+
+    def estimate(world: int, *settings: str) -> dict[str, int]:
+        cfg = load_config(None, [*TINY, "model.seq_len=64", *settings])
+        return resolve_plan(cfg, world).to_json()["memory"]
+
+    full = estimate(1)
+    cp2_dp2 = estimate(4, "parallelism.context=2", "parallelism.data=2", zero)
+    dp4 = estimate(4, "parallelism.data=4", zero)
+    rows = ["optimizer state", "gradients", "parameters"][:stage]
+    for row in rows:
+        assert cp2_dp2[row] == dp4[row] == full[row] / 4, (row, cp2_dp2, full)
+    for row in ["optimizer state", "gradients", "parameters"][stage:]:
+        assert cp2_dp2[row] == full[row]  # what the stage does not shard
+    plan = resolve_plan(load_config(None, [*TINY, "model.seq_len=64", "parallelism.context=2",
+                                           zero]), 2)
+    assert plan.to_json()["memory"]["optimizer state"] == full["optimizer state"] / 2
+    lay = Layout(tp=1, pp=1, cp=4, dp=2, global_batch=8, micro_batch=1, precision="bf16",
+                 zero_stage=stage)
+    sharded = memory_per_gpu(LONG, lay)
+    flat = memory_per_gpu(LONG, lay.with_(cp=1, dp=8))
+    unsharded = memory_per_gpu(LONG, lay.with_(zero_stage=0))
+    assert sharded.optimizer == flat.optimizer == pytest.approx(unsharded.optimizer / 8)
 
 
 @pytest.mark.parametrize("settings", [
     ["parallelism.context_mode=ulysses"],
     ["parallelism.context_mode=ulysses", "model.num_heads=1", "model.hidden_size=32"],
     ["controllers.memory.zero_stage=1"],
+    ["controllers.memory.zero_stage=3", "controllers.memory.allocation=topology_aware",
+     "cluster.ranks_per_node=1"],
     ["controllers.memory.activation_checkpointing=selective"],
     ["controllers.communication.compression=bf16"],
     ["controllers.communication.topology=hierarchical", "cluster.ranks_per_node=1"],

@@ -76,7 +76,8 @@ def _one_process_step(fuse: bool = False, span: int = 1
     chunk = cut_model(spec.build(cfg.model, 0), [(0, 4)], 0, spec.pieces)
     comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
     names, groups, unit_of_group = unit_groups([chunk])
-    sync = DataParallelGradSync([p for g in groups for p in g], shards=((1, 0), (1, 0)),
+    sync = DataParallelGradSync([p for g in groups for p in g],
+                                shards=(("dp", 1, 0), ("edp", 1, 0)),
                                 release_grads=True, groups=groups)
     store = ParameterStore(comm, [chunk], sync.buckets, names, unit_of_group, span=span)
     store.fuse = fuse

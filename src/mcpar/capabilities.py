@@ -134,7 +134,7 @@ def expert_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
+def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1, cp: int = 1,
                          topology: str = "flat",
                          allocation: str = "default", weight_gather: str = "none",
                          scheduler: str = "static", splits_backward: bool = False) -> list[str]:
@@ -144,7 +144,7 @@ def zero_layout_problems(zero_stage: int, dp: int, *, pp: int = 1, vp: int = 1,
     ``mcpar train`` (through ``controllers/memory/zero_plan.py``) and the planner
     (``mcpar.sim.planner``), so that a layout the planner ranks is one that trains. Arguments
     are plain values: the planner has layouts, not job configs."""
-    facts = ZeroFacts(dp, pp=pp, vp=vp, topology=topology, allocation=allocation,
+    facts = ZeroFacts(dp, pp=pp, vp=vp, cp=cp, topology=topology, allocation=allocation,
                       weight_gather=weight_gather, scheduler=scheduler,
                       splits_backward=splits_backward)
     # The stage's own rules (its registry entry).
@@ -162,6 +162,7 @@ class ContextFacts:
     seq_len: int = 0
     heads_per_tensor_rank: int = 1  # the query heads a tensor rank holds
     zero_stage: int = 0
+    allocation: str = "default"  # 'topology_aware': ZeRO-3's node-local cache
     recompute: str = "none"
     compression: str = "none"
     topology: str = "flat"  # the config's spelling: flat | hierarchical | hybrid
@@ -202,8 +203,11 @@ def context_layout_problems(f: ContextFacts) -> list[str]:
         ))
     # What context parallelism does not combine with yet: (key, what would be wrong, the fix).
     unsupported = [
-        (f.zero_stage > 0, "controllers.memory.zero_stage", "ZeRO sharding",
-         "use zero_stage 0"),
+        # ZeRO shards over data x context ('dp_cp'), but the store's node cache splits the
+        # data axis alone by node.
+        (f.zero_stage == 3 and f.allocation == "topology_aware",
+         "controllers.memory.allocation", "the hierarchical parameter store's node cache",
+         "use 'default'"),
         (f.recompute != "none", "controllers.memory.activation_checkpointing",
          "activation recompute", "use 'none'"),
         (f.compression != "none", "controllers.communication.compression",

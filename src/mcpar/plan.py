@@ -303,7 +303,8 @@ def context_problems(cfg: JobConfig) -> list[str]:
     return context_layout_problems(ContextFacts(
         cp=par.context, mode=par.context_mode, seq_len=model.seq_len,
         heads_per_tensor_rank=model.num_heads // par.tensor,
-        zero_stage=mem.zero_stage, recompute=mem.activation_checkpointing,
+        zero_stage=mem.zero_stage, allocation=mem.allocation,
+        recompute=mem.activation_checkpointing,
         compression=com.compression, topology=com.topology, dropout=model.dropout > 0,
         compile=cfg.training.compile, kind=model.kind,
         has_plan=getattr(model.family, "context_parallel", None) is not None))

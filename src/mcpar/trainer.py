@@ -318,7 +318,8 @@ class Trainer:
         if self.plan.sequence_parallel:
             sync_sequence_parallel_grads(self.update_params, self.comm)
         grad_norm = clip_grad_norm(self.update_params, self.cfg.optimization.grad_clip,
-                                   self.comm, data_sharded=self.plan.memory.data_sharded)
+                                   self.comm, data_sharded=self.plan.memory.data_sharded,
+                                   shard_axis=self.plan.memory.shard_axis)
         self.grad_exchange.after_clip()
         local_loss = sum(losses) / len(losses) if losses else None
         nonfinite = not math.isfinite(grad_norm) or (local_loss is not None

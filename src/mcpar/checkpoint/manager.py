@@ -18,7 +18,8 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-N/``, or ``optimization.c
   ``load_tensors`` and resume read them back by these keys.
 
   With ``strategy: full`` every rank writes its model and optimizer state (the ``-dp<d>`` suffix
-  keeps data-parallel replicas apart). With ``strategy: selective`` only data-parallel rank 0 of
+  keeps replicas apart: d is the rank's index on the MemoryController's shard axis, data x
+  context under context parallelism). With ``strategy: selective`` only data-parallel rank 0 of
   each (pipeline, tensor) coordinate writes them, since the other replicas hold the same bits
   (the gradient all-reduce makes every replica step identically); on load every replica reads
   the one copy. RNG states are per rank in both strategies: they differ between ranks.
@@ -153,6 +154,9 @@ def layout_of(plan: JobPlan) -> dict[str, int]:
     return {"data": plan.dp, "tensor": plan.tp, "pipeline": plan.pp, "experts": plan.ep,
             "virtual_stages": plan.virtual_stages, "world_size": plan.world_size,
             "zero_stage": plan.memory.zero_stage,
+            # Context ranks are replicas too (ZeRO's shards span data x context); recorded
+            # where there are any, so that layouts saved without the axis compare as before.
+            **({"context": plan.cp} if plan.cp > 1 else {}),
             **({"placement": placement} if placement != "round_robin" else {})}
 
 
@@ -230,6 +234,7 @@ class FaultRecoveryManager:
         cfg = self.cfg = plan.config
         # ZeRO: every replica owns a different shard of the optimizer state and saves it.
         self.sharded = plan.memory.data_sharded
+        self.shard_axis = plan.memory.shard_axis
         self.ckpt = cfg.optimization.checkpoint
         self.dir = checkpoint_dir(cfg, run_dir)
         self.dims = dims
@@ -278,7 +283,10 @@ class FaultRecoveryManager:
         if self.dims.ep > 1:
             # Expert groups hold different experts: one shard per expert-axis rank.
             coord += f"-ep{self.dims.axis_rank('ep')}"
-        return coord if strategy == "selective" else f"{coord}-dp{self.dims.axis_rank('dp')}"
+        # The replica's index among the dense parameters' replicas (ZeRO's shard axis: data x
+        # context under context parallelism), so that every ZeRO shard has one writer.
+        replica = self.dims.axis_rank(self.shard_axis)
+        return coord if strategy == "selective" else f"{coord}-dp{replica}"
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and persistent buffers by local name; a tied tensor once."""

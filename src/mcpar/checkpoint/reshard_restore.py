@@ -54,7 +54,7 @@ from mcpar.registry.codec import CODECS
 # Layout keys the resharder follows; a checkpoint recording another one (a later version's
 # axis) is refused before launch, naming it.
 RESHARDABLE = ("data", "tensor", "pipeline", "experts", "virtual_stages", "world_size",
-               "zero_stage", "placement")
+               "zero_stage", "placement", "context")
 
 
 def reshard_problems(meta: dict[str, Any]) -> list[str]:

@@ -154,8 +154,9 @@ class MemoryControllerConfig(_Section):
         64.0, gt=0.0, le=1e6, description="Offload: state per streamed group (MiB, at least "
         f"{MIN_OFFLOAD_BUFFER_MB}; below about 1 each group's fixed cost slows the step); nvme "
         "keeps two such buffers in host memory.")
-    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis: 0 "
-                            "none, 1 optimizer state, 2 also gradients, 3 also parameters.")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO sharding over the data axis (data "
+                            "x context under context parallelism): 0 none, 1 optimizer state, "
+                            "2 also gradients, 3 also parameters.")
     gather_mb: float = Field(1.0, ge=0.0, le=1e6, description="ZeRO-3: one parameter gather "
         "carries the fewest consecutive blocks holding this many MiB (small blocks: fewer, "
         "larger collectives; that many blocks plus one gathered at once). 0: one block each.")

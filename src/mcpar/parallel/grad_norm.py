@@ -6,8 +6,8 @@ of every parameter once: tensor-sharded parameters are summed over the tensor ax
 stages add up over the pipeline axis; expert-parallel weights add up over the expert axis (and
 the tensor axis, which splits their width). Data-parallel replicas already hold the same averaged
 gradients, so that axis is left alone, except under ZeRO (``data_sharded``), where each replica
-holds its own shard of them: the sums then add up over 'dp' (experts: over their replicas,
-'edp') too.
+holds its own shard of them: the sums then add up over the shards' axis ('dp', or 'dp_cp'
+under context parallelism; experts: over their replicas, 'edp') too.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from mcpar.parallel.tensor import is_tp_sharded
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
-                   comm: Communicator, data_sharded: bool = False) -> float:
+                   comm: Communicator, data_sharded: bool = False,
+                   shard_axis: str = "dp") -> float:
     """Scale gradients so that their global norm is at most `max_norm` (0 = don't clip).
+    ``shard_axis``: what ZeRO shards the dense gradients over ('dp', or 'dp_cp' under context
+    parallelism: the MemoryController's plan says).
 
     Returns the global norm before clipping.
     """
@@ -42,7 +45,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float,
     comm.all_reduce(total, axis="tp")
     total += sum_of_squares(replicated)
     if data_sharded:
-        comm.all_reduce(total, axis="dp")
+        comm.all_reduce(total, axis=shard_axis)
     if experts:
         # Expert weights are split over ep (different experts) and, under tp, by width.
         expert_total = sum_of_squares(experts)

@@ -20,6 +20,7 @@ class ZeroFacts:
 
     dp: int
     pp: int = 1
+    cp: int = 1  # context ranks hold the dense parameters too: the shards span dp x cp
     vp: int = 1
     topology: str = "flat"  # the data axis' all-reduce algorithm
     allocation: str = "default"  # 'topology_aware': the hierarchical parameter store

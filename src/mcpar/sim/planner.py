@@ -175,7 +175,7 @@ def context_problems(m: ModelShape, lay: Layout) -> list[str]:
     return context_layout_problems(ContextFacts(
         cp=lay.cp, mode=lay.context_mode, seq_len=m.seq_len,
         heads_per_tensor_rank=m.heads // lay.tp, zero_stage=lay.zero_stage,
-        recompute=lay.recompute,
+        allocation=lay.allocation, recompute=lay.recompute,
         compression=lay.compression, topology=CONFIG_TOPOLOGY.get(lay.topology, lay.topology),
         dropout=m.dropout, kind=m.name))
 
@@ -188,8 +188,9 @@ def train_problems(lay: Layout, m: ModelShape | None = None) -> list[str]:
     if lay.cp > 1 and m is None:
         raise ValueError("train_problems of a cp > 1 layout needs the model shape")
     problems = zero_layout_problems(
-        lay.zero_stage, lay.dp, pp=lay.pp, vp=lay.vp, topology=CONFIG_TOPOLOGY[lay.topology],
-        allocation=lay.allocation, weight_gather=lay.weight_gather,
+        lay.zero_stage, lay.dp, pp=lay.pp, vp=lay.vp, cp=lay.cp,
+        topology=CONFIG_TOPOLOGY[lay.topology], allocation=lay.allocation,
+        weight_gather=lay.weight_gather,
         splits_backward=splits_backward(lay.schedule, lay.pp))
     if lay.ep > 1 and lay.compression != "none":
         # capabilities.expert_problems: expert weights are reduced uncompressed.

@@ -25,8 +25,11 @@ def build_grad_exchange(plan: CommPlan, cfg: JobConfig, comm: CommunicationContr
     exchange: GradExchange
     if plan.strategy == "reduce_scatter":
         exchange = ReduceScatterExchange(comm)
+        # The buckets carry the MemoryController's shard axis ('dp', or 'dp_cp').
+        axis = next((b.axis for b in sync.buckets if not b.expert), "dp")
+        ranks = "data x context" if axis == "dp_cp" else "data-parallel"
         text = (f"gradient exchange: ZeRO stage {plan.zero_stage}, "
-                f"reduce-scatter over {comm.axis_size('dp')} data-parallel ranks")
+                f"reduce-scatter over {comm.axis_size(axis)} {ranks} ranks")
     else:
         entry = CODECS.get(plan.codec)
         if not isinstance(entry, RuntimeCodec):

@@ -49,8 +49,9 @@ import torch
 from mcpar.comm.communicator import CommHandle
 from mcpar.parallel.expert import is_expert_sharded
 
-# Under ZeRO: (degree, this rank's position) of the dense and of the expert reduce-scatter.
-ShardSpec = tuple[tuple[int, int], tuple[int, int]]
+# Under ZeRO: (axis, degree, this rank's position) of the dense and of the expert
+# reduce-scatter (the MemoryController's plan decides the dense axis: 'dp', or 'dp_cp').
+ShardSpec = tuple[tuple[str, int, int], tuple[str, int, int]]
 
 
 class BucketExchange(Protocol):
@@ -77,6 +78,7 @@ class GradBucket:
     launched: bool = False
     param_ids: set[int] = field(default_factory=set)
     expert: bool = False  # expert-parallel parameters: reduced over 'edp', not 'dp'
+    dense_axis: str = "dp"  # ZeRO's axis of a dense bucket ('dp_cp' under context parallelism)
     offsets: list[int] = field(default_factory=list)  # each parameter's place in the buffer
     numel: int = 0  # the buffer's length, padded to a multiple of ``degree``
     degree: int = 1  # ranks the bucket is reduce-scattered over (ZeRO), else 1
@@ -87,7 +89,7 @@ class GradBucket:
 
     @property
     def axis(self) -> str:
-        return "edp" if self.expert else "dp"
+        return "edp" if self.expert else self.dense_axis
 
 
 class DataParallelGradSync:
@@ -98,8 +100,8 @@ class DataParallelGradSync:
                  overlap: bool = True, shards: ShardSpec | None = None,
                  release_grads: bool = False,
                  groups: list[list[torch.nn.Parameter]] | None = None):
-        """``shards``: under ZeRO, the (degree, this rank's position) of the dense buckets'
-        reduce-scatter and of the expert buckets'; None for all-reduce. ``release_grads``:
+        """``shards``: under ZeRO, the (axis, degree, this rank's position) of the dense
+        buckets' reduce-scatter and of the expert buckets'; None for all-reduce. ``release_grads``:
         ZeRO stages 2 and 3 (see the module's docstring). ``groups``: the buckets' parameters,
         in launch order (stage 3: one per layer and kind); default: cut by size."""
         self.overlap = overlap
@@ -151,7 +153,7 @@ class DataParallelGradSync:
         buckets = []
         for index, group in enumerate(groups):
             expert = is_expert_sharded(group[0])
-            degree, rank = (1, 0) if shards is None else shards[1 if expert else 0]
+            axis, degree, rank = ("dp", 1, 0) if shards is None else shards[1 if expert else 0]
             offsets = [0]
             for p in group:
                 offsets.append(offsets[-1] + p.numel())
@@ -169,7 +171,8 @@ class DataParallelGradSync:
                 shard = (buffer.view(degree, size)[rank] if views else
                          torch.zeros(size, **kind))
             buckets.append(GradBucket(group, buffer, index, param_ids={id(p) for p in group},
-                                      expert=expert, offsets=offsets[:-1], numel=numel,
+                                      expert=expert, dense_axis="dp" if expert else axis,
+                                      offsets=offsets[:-1], numel=numel,
                                       degree=degree, shard=shard))
         return buckets
 

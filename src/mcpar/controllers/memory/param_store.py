@@ -1,5 +1,6 @@
-"""ZeRO stage 3 and the hierarchical parameter store: parameters sharded over the data axis,
-gathered per layer just before use and freed after.
+"""ZeRO stage 3 and the hierarchical parameter store: parameters sharded over the data axis (data
+x context under context parallelism: each bucket's axis), gathered per layer just before use and
+freed after.
 
 Why hand-written
     FSDP2 (``fully_shard``) gathers per module too, but on its own streams and groups with its
@@ -315,9 +316,10 @@ class ParameterStore:
         (the inter-node stage compressed per ``grad_codec``). Frees the unit's parameters once
         all its buckets are launched (its backward is done)."""
         assert bucket.scatter_out is not None
-        dp = self.comm.axis_size("dp")
-        if dp > 1:
-            bucket.buffer.div_(dp)  # the data degree, for expert buckets too (as an all-reduce)
+        # The dense replicas' count (data x context), for expert buckets too (as an all-reduce).
+        replicas = self.comm.axis_size(self.comm.dims.grad_axis)
+        if replicas > 1:
+            bucket.buffer.div_(replicas)
         out, buffer = bucket.scatter_out, bucket.buffer
         handle: CommHandle
         if self.fuse and not bucket.expert:

@@ -201,7 +201,7 @@ def _axes(cfg: JobConfig, dims: ParallelDims, device_type: str) -> tuple[list[in
     fixed = sorted(k for k in ("zero_stage", "offload", "activation_checkpointing",
                                "recompute_blocks") if k in user)
     stages = [mem.zero_stage]
-    if "zero_stage" not in user and dims.dp > 1:
+    if "zero_stage" not in user and dims.dp_cp > 1:
         stages = [z.stage for z in ZERO_STAGES
                   if not zero_problems(with_settings(cfg, {"zero_stage": z.stage}), dims.dp)]
     offloads = [mem.offload] if "offload" in user else \
@@ -266,7 +266,7 @@ def ranking_cluster(device_type: str, world: int) -> tuple[Cluster, str]:
 
 
 def _step_s(cfg: JobConfig, dims: ParallelDims, cluster: Cluster) -> float:
-    world = dims.dp * dims.tp * dims.pp
+    world = dims.world_size
     layout = config_layout(cfg, world)
     if layout.precision not in cluster.accel.peak_flops:  # a CPU's profile has fp32 alone
         layout = replace(layout, precision="fp32")
@@ -277,7 +277,7 @@ def search(cfg: JobConfig, dims: ParallelDims, device_type: str,
            machine: tuple[Cluster, str] | None = None) -> tuple[list[Plan], list[str]]:
     """Every plan of the search space, cheapest first (ties: fewer bytes), and the fixed keys;
     ranked on ``machine`` (default: ``ranking_cluster(device_type, ...)``)."""
-    cluster = (machine or ranking_cluster(device_type, dims.dp * dims.tp * dims.pp))[0]
+    cluster = (machine or ranking_cluster(device_type, dims.world_size))[0]
     stages, offloads, blocks, fixed = _axes(cfg, dims, device_type)
     layers = cfg.model.num_layers
     mem_offload = cfg.controllers.memory.offload
@@ -320,11 +320,11 @@ def place(cfg: JobConfig, dims: ParallelDims, local_world_size: int | None = Non
                      _blocks(cfg), 0.0, mem.per_rank, mem.offloaded)
         if device_type != "cuda":
             return Placement(given, 0.0, "none set", 0)
-        budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
+        budget, source = budget_bytes(cfg, local_world_size or dims.world_size)
         if mem.per_rank <= budget:
             return Placement(given, budget, source, 0)
-    budget, source = budget_bytes(cfg, local_world_size or dims.dp * dims.tp * dims.pp)
-    machine = ranking_cluster(device_type, dims.dp * dims.tp * dims.pp)
+    budget, source = budget_bytes(cfg, local_world_size or dims.world_size)
+    machine = ranking_cluster(device_type, dims.world_size)
     plans, fixed = search(cfg, dims, device_type, machine)
     fitting = [p for p in plans if p.peak_bytes <= budget]
     if not fitting:

@@ -21,7 +21,7 @@ from mcpar.config import JobConfig
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory, layer_modes
 from mcpar.controllers.memory.placement import Placement, with_settings
 from mcpar.controllers.memory.store_offload_plan import OffloadPlan, StorePlan
-from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement
+from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement, shard_axis
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
@@ -52,6 +52,9 @@ class MemoryPlan:
     budget_gb: float | None  # controllers.memory.memory_budget_gb (None: the device's capacity)
     estimate: MemoryEstimate  # the largest rank's
     holdings: MemoryPlacement  # what each rank holds of every parameter group
+    # The dense parameters' replicas, which ZeRO shards over: 'dp', or 'dp_cp' under context
+    # parallelism (``zero_plan.shard_axis``); the checkpoint's replica coordinate too.
+    shard_axis: str = "dp"
     budget: Placement | None = None  # the placement to the budget (None beside dynamic split)
     # The memory section's keys the plan decided (the run's config.yaml records them).
     settings: dict[str, object] = field(default_factory=dict, hash=False)
@@ -63,8 +66,8 @@ class MemoryPlan:
 
     @property
     def data_sharded(self) -> bool:
-        """Optimizer state (and gradients) sharded over the data axis: clipping sums the norm
-        over it, checkpoints save per data rank."""
+        """Optimizer state (and gradients) sharded over ``shard_axis``: clipping sums the norm
+        over it, checkpoints save per replica."""
         return self.zero.shards_optimizer
 
     @property
@@ -80,13 +83,14 @@ class MemoryPlan:
               device: torch.device) -> MemoryRuntime:
         """The memory runtime, in its order: offload (before the gradient buffers: with bf16 it
         makes the parameters bf16 copies), then the gradient sync (ZeRO: buckets
-        reduce-scattered into shards over the data axis, experts over their replicas; stage 3:
+        reduce-scattered into shards over ``shard_axis``, experts over their replicas; stage 3:
         the parameter store, which gathers each layer)."""
         from mcpar.controllers.communication.grad_sync import DataParallelGradSync
 
         offload = self.offload.build(params, run_dir, rank, device)
-        shards: ShardSpec = ((comm.axis_size("dp"), comm.axis_rank("dp")),
-                             (comm.axis_size("edp"), comm.axis_rank("edp")))
+        axis = self.shard_axis
+        shards: ShardSpec = ((axis, comm.axis_size(axis), comm.axis_rank(axis)),
+                             ("edp", comm.axis_size("edp"), comm.axis_rank("edp")))
         store, notes = None, []
         zero = self.zero
         if zero.shards_parameters:
@@ -178,7 +182,8 @@ def plan_memory(cfg: JobConfig, dims: ParallelDims, budget: Placement | None) ->
         consistency_interval=mem.consistency_interval,
         budget_gb=mem.memory_budget_gb,
         estimate=estimate_memory(cfg, dims),
-        holdings=plan_placement(cfg, dims.dp, dims.ep),
+        holdings=plan_placement(cfg, dims.dp, dims.ep, dims.cp),
+        shard_axis=shard_axis(dims.cp),
         budget=budget,
         settings=settings,
     )

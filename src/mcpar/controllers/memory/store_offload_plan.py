@@ -59,8 +59,10 @@ class StorePlan:
         per_gather = ("per layer" if span == 1 else
                       f"{span} blocks per gather ({span * block_bytes / 2**20:.2f} MiB, "
                       f"controllers.memory.gather_mb {self.gather_mb:g})")
+        axis = shards[0][0]
         text = (f"memory: ZeRO stage 3, {len(names)} units gathered {per_gather} over "
-                f"{comm.axis_size('dp')} data-parallel ranks")
+                f"{comm.axis_size(axis)} " + ("data x context" if axis == "dp_cp" else
+                                              "data-parallel") + " ranks")
         if self.node_cache:
             text += (f"; hierarchical parameter store: {comm.dims.dp_inter} node(s) x "
                      f"{comm.dims.dp_intra} rank(s), backward gathers inside the node, "

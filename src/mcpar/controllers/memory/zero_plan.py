@@ -1,6 +1,7 @@
 """The ZeRO stage's part of the MemoryController's plan: the rules a stage runs under for a config
-(``capabilities.zero_layout_problems``, shared with the planner) and what each rank holds of
-every parameter group under it (``plan.json``'s ``memory_placement``).
+(``capabilities.zero_layout_problems``, shared with the planner), the axis its shards are cut
+over (``shard_axis``) and what each rank holds of every parameter group under it
+(``plan.json``'s ``memory_placement``).
 """
 
 from __future__ import annotations
@@ -44,14 +45,24 @@ class MemoryPlacement:
         return lines
 
 
-def plan_placement(cfg: JobConfig, dp: int, ep: int) -> MemoryPlacement:
+def shard_axis(cp: int) -> str:
+    """The axis of the dense parameters' replicas, which ZeRO cuts its shards over (the
+    MemoryController's one decision of it: the gradient sync, the parameter store, clipping and
+    the checkpoint's replica coordinates read it from the plan). Context ranks hold the same
+    parameters as data ranks, so under context parallelism the shards span data x context
+    ('dp_cp', degree dp x cp), as the gradient all-reduce does; expert weights keep their own
+    replicas, 'edp', which span the context ranks already."""
+    return "dp_cp" if cp > 1 else "dp"
+
+
+def plan_placement(cfg: JobConfig, dp: int, ep: int, cp: int = 1) -> MemoryPlacement:
     """What each rank holds of every parameter group under ``cfg``'s ZeRO stage (and, at
     stage 3, the parameter store's copies)."""
     mem = cfg.controllers.memory
     stage, store = mem.zero_stage, mem.allocation == "topology_aware"
-    groups = [("dense", "dp", dp)]
+    groups = [("dense", shard_axis(cp), dp * cp)]
     if ep > 1:
-        groups.append(("experts", "edp", dp // ep))
+        groups.append(("experts", "edp", dp // ep * cp))
     placed = []
     for name, axis, n in groups:
         shard = f"a 1/{n} shard"
@@ -88,7 +99,7 @@ def zero_problems(cfg: JobConfig, dp: int) -> list[str]:
         # (capabilities.unsupported_settings): plans of the seed's own file stay checkable.
         return []
     return zero_layout_problems(
-        ctl.memory.zero_stage, dp, pp=par.pipeline, vp=par.virtual_stages,
+        ctl.memory.zero_stage, dp, pp=par.pipeline, vp=par.virtual_stages, cp=par.context,
         topology=ctl.communication.topology,
         allocation=ctl.memory.allocation, weight_gather=ctl.communication.weight_gather,
         scheduler=ctl.compute.scheduler,

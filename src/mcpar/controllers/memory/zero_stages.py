@@ -1,6 +1,7 @@
 """The built-in ZeRO stages, registered by number (the contract: ``mcpar.registry.zero``).
 
-Stage 0 replicates everything; 1 shards the AdamW state over the data axis (``zero.py``); 2 the
+Stage 0 replicates everything; 1 shards the AdamW state over the data axis (``zero.py``; data x
+context under context parallelism: ``zero_plan.shard_axis``); 2 the
 gradients too, reduce-scattered after every backward; 3 the parameters too, gathered per layer
 by the parameter store (``param_store.py``).
 """
@@ -22,10 +23,11 @@ class ShardedOptimizer(ZeroStage):
 
     def problems(self, facts: ZeroFacts) -> list[tuple[str, str]]:
         out = super().problems(facts)
-        if facts.dp == 1:
-            out.append(("zero_stage", f"{self.stage} shards over the data-parallel ranks and "
-                        "this layout has data 1, so nothing would be sharded; use more "
-                        "data-parallel ranks or zero_stage 0"))
+        if facts.dp * facts.cp == 1:
+            out.append(("zero_stage", f"{self.stage} shards over the data-parallel ranks "
+                        "(data x context) and this layout has data 1 and context 1, so "
+                        "nothing would be sharded; use more data-parallel ranks or "
+                        "zero_stage 0"))
         if facts.topology != "flat":
             out.append(("topology", f"{facts.topology!r}: ZeRO's collectives run flat over the "
                         "data axis (the node-aware variant is controllers.memory.allocation "
