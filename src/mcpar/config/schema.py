@@ -374,6 +374,29 @@ class WandbConfig(_Section):  # Weights & Biases sink of metrics.jsonl (the 'wan
     mode: Literal["offline", "online"] = Field("offline", description="offline: no network.")
 
 
+class ElasticConfig(_Section):  # training.elastic: a job that goes on with fewer nodes
+    min_world: int = Field(
+        ..., ge=1, le=MAX_DEGREE * MAX_DEGREE,
+        description="The fewest workers the job may go on with. When the launcher starts the "
+        "workers on a smaller world than the layout asks (torchrun --nnodes MIN:MAX after a "
+        "node is lost), the data degree shrinks to what the world holds (tensor, pipeline, "
+        "context and expert degrees kept) and the micro-batches per step grow so that the "
+        "global batch stays the same; the job resumes from its newest valid checkpoint, "
+        "resharded. Fewer workers, or a world the other degrees do not divide, is refused.",
+    )
+    wait_s: float = Field(
+        30.0, ge=1.0, le=MAX_TIMEOUT_S,
+        description="How long a collective waits for a peer before the peer counts as lost "
+        "(the process groups' timeout, when shorter than training.collective_timeout_s): the "
+        "failed workers exit and the launcher restarts them on the nodes that are left.",
+    )
+    grow: bool = Field(
+        True, description="Take a lost node back when it returns: a world that grows back to "
+        "the asked layout resumes it from the newest checkpoint (resharded). false refuses to "
+        "train on a world larger than the one the job shrank to.",
+    )
+
+
 class TrainingConfig(_Section):
     steps: int = Field(300, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
     seed: int = Field(
@@ -413,6 +436,9 @@ class TrainingConfig(_Section):
         "recompute; CPU: inductor's C++ backend, which needs a C++ compiler). The first step's "
         "compile time is logged as compile_s, apart from step_time_s.",
     )
+    elastic: ElasticConfig | None = Field(
+        None, description="Go on with fewer workers when a node is lost (off when unset); "
+        "e.g. {min_world: 2}.")
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
