@@ -52,7 +52,7 @@ from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worke
 from mcpar.errors import TrainingDiverged
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
-from mcpar.launch.env import DistEnv
+from mcpar.launch.env import DistEnv, rendezvous_args
 from mcpar.metrics import RunLogger, truncate_metrics, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
@@ -142,11 +142,10 @@ class Trainer:
         cfg = self.cfg
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
-            dist.init_process_group(
-                backend=info.backend, rank=env.rank, world_size=env.world_size,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                timeout=datetime.timedelta(seconds=self.plan.collective_timeout_s),
-            )
+            timeout = datetime.timedelta(seconds=self.plan.collective_timeout_s)
+            dist.init_process_group(backend=info.backend, rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout,
+                                    **rendezvous_args(env, timeout))  # type: ignore[arg-type]
         self.rank = env.rank if env else 0
         self.local_world_size = env.local_world_size if env else 1
         self.device = setup_worker(info, env.local_rank if env else 0, self.local_world_size)
