@@ -9,6 +9,7 @@ trains a different batch or a silently different layout.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_elastic_needs_a_global_batch_to_keep() -> None:
     assert resolve_plan(ok, 1).num_microbatches == 2
 
 
-def test_resize_record_names_both_layouts_and_refuses_growth_when_off() -> None:
+def test_resize_record_names_both_layouts() -> None:
     cfg = load_config(None, ELASTIC)
     full, shrunk = resolve_plan(cfg, 4), resolve_plan(cfg, 2)
     saved = full.config.model_dump(mode="json")
@@ -110,7 +111,13 @@ def test_resize_record_names_both_layouts_and_refuses_growth_when_off() -> None:
     assert resize_record(saved, 4, full.config, 4) is None
     back = resize_record(shrunk.config.model_dump(mode="json"), 2, full.config, 4)
     assert back is not None and back["direction"] == "grow"
-    no_grow = load_config(None, [*ELASTIC, "training.elastic.grow=false"])
-    with pytest.raises(UserError) as err:
-        resize_record(shrunk.config.model_dump(mode="json"), 2, no_grow, 4)
-    assert err.value.problems[0].startswith("training.elastic.grow:")
+    assert resize_record(saved, 4, load_config(None, ["parallelism.data=2"]), 2) is None
+
+
+def test_growing_back_into_a_running_job_is_refused_as_not_built(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("training: {elastic: {min_world: 1, grow: true}}\n")
+    result = run_cli_in_process(capsys, "check", str(config))
+    assert result.returncode == 2
+    assert "training.elastic.grow" in result.stderr and "not built" in result.stderr

@@ -9,9 +9,11 @@ and with it the sequences of every step (DESIGN §4), stays exactly the same. Th
 resumes from its newest valid checkpoint, resharded onto the new layout, and rank 0 appends an
 ``elastic`` record to recovery.jsonl (``resize_record``) naming both layouts and the step.
 
-A world that grows back to the asked layout (the node returned and the agents re-rendezvoused)
-is simply the layout the config asks: the checkpoint the smaller world saved is resharded onto
-it, and the same record says so.
+A job started again on the asked world after a shrink resumes the smaller world's checkpoint
+resharded, and the same record says so (``direction: grow``). Taking a returned node into the
+running job (``training.elastic.grow``) is not built: under torchrun a restart that is not a
+failure keeps the agent's restart count, so the workers of a returned node would rendezvous
+under another prefix than the survivors' (``launch.env.rendezvous_args``).
 """
 
 from __future__ import annotations
@@ -110,17 +112,10 @@ def elastic_layout(cfg: JobConfig,
 def resize_record(saved_config: dict[str, Any], saved_world: int, cfg: JobConfig,
                   world_size: int) -> dict[str, object] | None:
     """recovery.jsonl's ``elastic`` record when a checkpoint saved on ``saved_world`` workers
-    is resumed on another world under ``training.elastic`` (None otherwise); refuses, naming
-    ``training.elastic.grow``, a grown world when growing back is off."""
-    elastic = cfg.training.elastic
-    if elastic is None or saved_world == world_size:
+    is resumed on another world under ``training.elastic`` (None otherwise): a shrink, or a
+    job started again on more workers (``grow``)."""
+    if cfg.training.elastic is None or saved_world == world_size:
         return None
-    if world_size > saved_world and not elastic.grow:
-        raise UserError(problem(
-            "training.elastic.grow",
-            f"the checkpoint was saved on {saved_world} workers and this job has {world_size}; "
-            "set grow: true to take the returned workers back, or start on "
-            f"{saved_world} workers"))
     saved = JobConfig.model_validate(saved_config)
     return {"from": layout_fields(saved, saved_world), "to": layout_fields(cfg, world_size),
             "direction": "shrink" if world_size < saved_world else "grow"}

@@ -391,10 +391,20 @@ class ElasticConfig(_Section):  # training.elastic: a job that goes on with fewe
         "failed workers exit and the launcher restarts them on the nodes that are left.",
     )
     grow: bool = Field(
-        True, description="Take a lost node back when it returns: a world that grows back to "
-        "the asked layout resumes it from the newest checkpoint (resharded). false refuses to "
-        "train on a world larger than the one the job shrank to.",
+        False, description="Take a node that comes back into the running job (the agents "
+        "re-rendezvous on a larger world). Not built yet: true is refused. A job started again "
+        "on more workers resumes its newest checkpoint resharded onto the asked layout, as any "
+        "resume does.",
     )
+
+    @field_validator("grow")
+    @classmethod
+    def _grow_not_built(cls, grow: bool) -> bool:
+        if grow:
+            raise ValueError(
+                "taking a returned node back into a running job is not built yet; set it to "
+                "false (start the job again on all nodes to use them: it resumes resharded)")
+        return grow
 
 
 class TrainingConfig(_Section):
