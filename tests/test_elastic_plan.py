@@ -121,3 +121,30 @@ def test_growing_back_into_a_running_job_is_refused_as_not_built(
     result = run_cli_in_process(capsys, "check", str(config))
     assert result.returncode == 2
     assert "training.elastic.grow" in result.stderr and "not built" in result.stderr
+
+
+def test_workers_under_an_agent_store_rendezvous_under_their_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's c10d agent keeps one store for its life: a restarted world must not read the
+    # keys (gloo addresses) its predecessor wrote there.
+    import datetime
+
+    import torch.distributed as dist
+
+    from mcpar.launch.env import DistEnv, find_free_port, rendezvous_args
+
+    port = find_free_port()
+    env = DistEnv(0, 2, 0, 2, "127.0.0.1", port, "torchrun")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert rendezvous_args(env, datetime.timedelta(seconds=5)) == {
+        "init_method": f"tcp://127.0.0.1:{port}"}
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    stores = []
+    for start in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", start)
+        stores.append(rendezvous_args(env, datetime.timedelta(seconds=5))["store"])
+    stores[0].set("rank_0", "dead address")  # type: ignore[attr-defined]
+    assert not stores[1].check(["rank_0"])  # type: ignore[attr-defined]
+    assert agent.check(["mcpar/start0/world2/rank_0"])
