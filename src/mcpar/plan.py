@@ -35,6 +35,7 @@ from mcpar.controllers.memory.estimate import estimate_memory
 from mcpar.controllers.memory.placement import place, with_settings
 from mcpar.controllers.memory.plan import MemoryPlan, plan_memory, recompute_problems
 from mcpar.controllers.memory.zero_plan import zero_problems
+from mcpar.elastic import ElasticChange, elastic_layout
 from mcpar.errors import UserError, problem
 from mcpar.topology import ParallelDims, replica_ranks, split_dp_by_node
 
@@ -66,6 +67,16 @@ class JobPlan:
     auto: LayoutChoice | None = None  # parallelism.auto's choice (auto_layout.py), else None
     cp: int = 1  # context-parallel degree
     context_mode: str = "ring"  # how attention runs over the context axis (ring | ulysses)
+    elastic: ElasticChange | None = None  # training.elastic's re-plan for a smaller world
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """The process groups' timeout: under training.elastic, a lost peer is waited for
+        ``wait_s`` at most, so that the workers left fail fast and are restarted without it."""
+        training = self.config.training
+        if training.elastic is None:
+            return training.collective_timeout_s
+        return min(training.collective_timeout_s, training.elastic.wait_s)
 
     # The compute plan's batch and pipeline terms, which most readers of a plan want.
     @property
@@ -141,12 +152,17 @@ class JobPlan:
             "memory_placement": memory.holdings.to_json(),
             **({"memory_plan": memory.budget.to_json()} if memory.budget else {}),
             **({"auto": self.auto.to_json()} if self.auto is not None else {}),
+            **({"elastic": self.elastic.to_json()} if self.elastic is not None else {}),
         }
 
 
 def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
     """The plan of ``cfg`` on ``world_size`` workers (None: what the degrees multiply to, for
-    ``mcpar check``). Raises UserError listing every problem found."""
+    ``mcpar check``). Raises UserError listing every problem found.
+
+    Under ``training.elastic``, a world smaller than the layout asks is planned first with a
+    smaller data degree and more micro-batches, the global batch kept (``mcpar.elastic``)."""
+    cfg, elastic = elastic_layout(cfg, world_size)
     par, opt = cfg.parallelism, cfg.optimization
     problems: list[str] = []
     tp, pp, cp = par.tensor, par.pipeline, par.context
@@ -231,7 +247,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
         # The gradients' replicas: the data ranks, times the context ranks (which hold the
         # same parameters and see other tokens of the same sequences).
         communication=plan_communication(resolved, dp * cp, memory.zero_stage),
-        cp=cp, context_mode=par.context_mode,
+        cp=cp, context_mode=par.context_mode, elastic=elastic,
     )
 
 

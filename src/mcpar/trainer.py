@@ -52,7 +52,7 @@ from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worke
 from mcpar.errors import TrainingDiverged
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
-from mcpar.launch.env import DistEnv
+from mcpar.launch.env import DistEnv, rendezvous_args
 from mcpar.metrics import RunLogger, truncate_metrics, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
@@ -142,11 +142,10 @@ class Trainer:
         cfg = self.cfg
         info = select_device(cfg.training.device)
         if env is not None and not dist.is_initialized():
-            dist.init_process_group(
-                backend=info.backend, rank=env.rank, world_size=env.world_size,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                timeout=datetime.timedelta(seconds=cfg.training.collective_timeout_s),
-            )
+            timeout = datetime.timedelta(seconds=self.plan.collective_timeout_s)
+            dist.init_process_group(backend=info.backend, rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout,
+                                    **rendezvous_args(env, timeout))  # type: ignore[arg-type]
         self.rank = env.rank if env else 0
         self.local_world_size = env.local_world_size if env else 1
         self.device = setup_worker(info, env.local_rank if env else 0, self.local_world_size)
@@ -570,19 +569,19 @@ class Trainer:
 
 
 def run_worker(cfg: JobConfig, run_dir: Path, env: DistEnv, resume: bool = False,
-               stop_after: int | None = None) -> None:
+               stop_after: int | None = None, plan: JobPlan | None = None) -> None:
     """Train as one worker of a launched job, leave the process group cleanly, and exit.
 
     The worker resolves the plan of ``cfg`` (the run directory's config) on the job's world,
-    as the launcher did; faults are injected only where a test asked for them in the
-    environment.
+    as the launcher did (or takes the launcher's ``plan``, e.g. an elastic re-plan); faults
+    are injected only where a test asked for them in the environment.
 
     The exit skips interpreter finalization on purpose: gloo's worker threads can still hold
     completed work (tensors with Python references) whose destruction during finalization
     aborts the process (SIGABRT) after a run that succeeded. Every output is closed and flushed
     before this point.
     """
-    trainer = Trainer(resolve_job(cfg, env.world_size), run_dir, env, resume=resume,
+    trainer = Trainer(plan or resolve_job(cfg, env.world_size), run_dir, env, resume=resume,
                       stop_after=stop_after, faults=FaultInjector.from_env())
     # No closing barrier after a failure: a stalled or dead peer is often why this rank failed,
     # and waiting for it would report the barrier, one more timeout later, instead of the

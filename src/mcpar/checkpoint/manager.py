@@ -106,6 +106,7 @@ from mcpar.checkpoint.reshard_restore import (
     restore_resharded,
 )
 from mcpar.config import JobConfig
+from mcpar.elastic import resize_record
 from mcpar.errors import UserError, problem
 from mcpar.plan import JobPlan
 
@@ -534,11 +535,16 @@ class FaultRecoveryManager:
             problems = reshard_problems(meta)
             if problems:
                 raise UserError(problems)
+            # training.elastic: the job goes on with fewer (or again more) workers.
+            resized = resize_record(meta["config"], int(old["world_size"]), self.cfg,
+                                    self.layout["world_size"])
             restore_resharded(self, path, meta)
             self.stream.load_state_dict(meta["data_stream"])
             self.log.log("load", echo=True, step=step, path=str(path),
                          resharded_from=meta["layout"], resharded_to=self.layout,
                          restarted=restarted_state(meta))
+            if resized is not None:
+                self.log.log("elastic", echo=True, step=step, path=str(path), **resized)
             return step
         if missing:
             raise UserError(problem("--resume", f"checkpoint {path} lacks {missing[0]} (and "

@@ -231,7 +231,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         # Rank 0 owns the run directory for the job's life (run_worker ends the process).
         lock = _prepare_run_dir(run_dir, plan, resume) if env.rank == 0 else None
-        run_worker(plan.config, run_dir, env, resume=resume, stop_after=args.stop_after)
+        if plan.elastic is not None and env.rank == 0:
+            print(f"mcpar: {plan.elastic.report_line()}", flush=True)
+        run_worker(plan.config, run_dir, env, resume=resume, stop_after=args.stop_after,
+                   plan=plan)
         if lock is not None:
             lock.release()
         return 0
@@ -258,6 +261,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         remeasure_after_drift(cfg, run_dir)
         lock.release()
         return 0
+    if plan.elastic is not None:
+        print(f"mcpar: {plan.elastic.report_line()}", flush=True)
     print(f"mcpar: starting {world_size} workers; run dir {run_dir}", flush=True)
     argv = ["-m", WORKER_MODULE, str(run_dir)] + (["--resume"] if args.resume else [])
     if args.stop_after is not None:

@@ -33,6 +33,7 @@ from mcpar.config.schema import (
     ComputeControllerConfig,
     ControllersConfig,
     DataConfig,
+    ElasticConfig,
     JobConfig,
     MemoryControllerConfig,
     OptimizationConfig,
@@ -54,7 +55,8 @@ __all__ = [
     "MAX_DEGREE", "MAX_GLOBAL_BATCH", "MAX_LAYERS", "MAX_SEED", "MAX_STEPS", "MAX_TIMEOUT_S",
     "MAX_YAML_ALIASES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "CheckpointConfig", "ClusterConfig",
     "CommunicationControllerConfig", "ComputeControllerConfig", "ControllersConfig",
-    "DataConfig", "JobConfig", "MemoryControllerConfig", "ModelConfig", "OptimizationConfig",
-    "ParallelismConfig", "ProfileConfig", "TrainingConfig", "WandbConfig", "apply_overrides",
+    "DataConfig", "ElasticConfig", "JobConfig", "MemoryControllerConfig", "ModelConfig",
+    "OptimizationConfig", "ParallelismConfig", "ProfileConfig", "TrainingConfig", "WandbConfig",
+    "apply_overrides",
     "default_raw_config", "load_config", "load_yaml", "parse_config", "to_yaml",
 ]

@@ -63,6 +63,15 @@ def _range(field: FieldInfo) -> str:
     return f"{low}x{high}" if low or high else ""
 
 
+def _optional_section(annotation: object) -> type[BaseModel] | None:
+    """``Section | None``'s section; None for any other annotation."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and len(get_args(annotation)) == 2 and isinstance(args[0], type) \
+            and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
@@ -71,8 +80,15 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += _rows(annotation, key + ".")
             continue
-        default = field.get_default(call_default_factory=True)
-        rows.append(f"| `{key}` | {_type_name(annotation, field)} | `{default}` | {_range(field)} "
+        section = _optional_section(annotation)
+        if section is not None:  # a section that is off unless given (training.elastic)
+            rows.append(f"| `{key}` | {section.__name__} \\| None | `None` |  "
+                        f"| {field.description} |")
+            rows += _rows(section, key + ".")
+            continue
+        default = "required" if field.is_required() else \
+            f"`{field.get_default(call_default_factory=True)}`"
+        rows.append(f"| `{key}` | {_type_name(annotation, field)} | {default} | {_range(field)} "
                     f"| {field.description} |")
     return rows
 

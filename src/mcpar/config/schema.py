@@ -375,6 +375,39 @@ class WandbConfig(_Section):  # Weights & Biases sink of metrics.jsonl (the 'wan
     mode: Literal["offline", "online"] = Field("offline", description="offline: no network.")
 
 
+class ElasticConfig(_Section):  # training.elastic: a job that goes on with fewer nodes
+    min_world: int = Field(
+        ..., ge=1, le=MAX_DEGREE * MAX_DEGREE,
+        description="The fewest workers the job may go on with. When the launcher starts the "
+        "workers on a smaller world than the layout asks (torchrun --nnodes MIN:MAX after a "
+        "node is lost), the data degree shrinks to what the world holds (tensor, pipeline, "
+        "context and expert degrees kept) and the micro-batches per step grow so that the "
+        "global batch stays the same; the job resumes from its newest valid checkpoint, "
+        "resharded. Fewer workers, or a world the other degrees do not divide, is refused.",
+    )
+    wait_s: float = Field(
+        30.0, ge=1.0, le=MAX_TIMEOUT_S,
+        description="How long a collective waits for a peer before the peer counts as lost "
+        "(the process groups' timeout, when shorter than training.collective_timeout_s): the "
+        "failed workers exit and the launcher restarts them on the nodes that are left.",
+    )
+    grow: bool = Field(
+        False, description="Take a node that comes back into the running job (the agents "
+        "re-rendezvous on a larger world). Not built yet: true is refused. A job started again "
+        "on more workers resumes its newest checkpoint resharded onto the asked layout, as any "
+        "resume does.",
+    )
+
+    @field_validator("grow")
+    @classmethod
+    def _grow_not_built(cls, grow: bool) -> bool:
+        if grow:
+            raise ValueError(
+                "taking a returned node back into a running job is not built yet; set it to "
+                "false (start the job again on all nodes to use them: it resumes resharded)")
+        return grow
+
+
 class TrainingConfig(_Section):
     steps: int = Field(300, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
     seed: int = Field(
@@ -414,6 +447,9 @@ class TrainingConfig(_Section):
         "recompute; CPU: inductor's C++ backend, which needs a C++ compiler). The first step's "
         "compile time is logged as compile_s, apart from step_time_s.",
     )
+    elastic: ElasticConfig | None = Field(
+        None, description="Go on with fewer workers when a node is lost (off when unset); "
+        "e.g. {min_world: 2}.")
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 

@@ -5,6 +5,7 @@ reads a ``DistEnv`` and never the launcher itself.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -127,6 +128,23 @@ def detect_env() -> DistEnv | None:
             launcher="slurm",
         )
     return None
+
+
+def rendezvous_args(env: DistEnv, timeout: datetime.timedelta) -> dict[str, object]:
+    """``init_process_group``'s rendezvous: ``tcp://MASTER_ADDR:MASTER_PORT``; or, under a
+    torchrun agent that shares its own store with its workers (``TORCHELASTIC_USE_AGENT_STORE``,
+    the c10d rendezvous of ``--nnodes MIN:MAX``), that store under a prefix of this start. The
+    agent keeps one store for its whole life, so after a restart the keys of the previous start
+    (the gloo addresses of its ranks, e.g. of the world that just lost a node) are still there,
+    and a rank that reads one before its peer rewrites it connects to a dead address."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+    import torch.distributed as dist  # the launcher-facing part of this module needs no torch
+
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                          timeout=timeout)
+    start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"mcpar/start{start}/world{env.world_size}", store)}
 
 
 def find_free_port() -> int:
