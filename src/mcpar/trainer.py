@@ -36,7 +36,7 @@ import torch.distributed as dist
 from mcpar.auto_layout import predicted_against_measured, resolve_job
 from mcpar.checkpoint.manager import FaultRecoveryManager
 from mcpar.comm.collectives import LinkModel
-from mcpar.comm.compression_state import CompressionState, RankStateGroup
+from mcpar.comm.compression_state import MODEL_AXES, CompressionState, RankStateGroup
 from mcpar.config import JobConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.communication.grad_exchange import build_grad_exchange
@@ -233,7 +233,8 @@ class Trainer:
         """Fault recovery: when resuming, the newest valid checkpoint is restored (parameters,
         optimizer, RNG, data position) before the run logger opens metrics.jsonl."""
         rank_state = RankStateGroup([
-            CompressionState(self.optimizer, self.grad_exchange.compressor),
+            CompressionState(self.optimizer, self.grad_exchange.compressor,
+                             coord=tuple(self.dims.axis_rank(a) for a in MODEL_AXES)),
             *([self.moe] if self.moe is not None else [])])
         self.recovery = FaultRecoveryManager(
             self.plan, self.run_dir, self.dims, self.pm.chunks, self.optimizer,

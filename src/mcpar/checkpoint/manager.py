@@ -148,6 +148,12 @@ def config_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# The layout keys that say which parameters a rank holds: a resume that changes none of them
+# (only the data degree, the world size or the ZeRO stage) keeps every rank's flat parameter
+# order, so per-rank state such as 1-bit Adam's errors can be redistributed per element.
+MODEL_DEGREES = ("tensor", "pipeline", "experts", "virtual_stages", "context", "placement")
+
+
 def layout_of(plan: JobPlan) -> dict[str, int]:
     """The layout a checkpoint records (and a resume compares); a schedule that places its
     stages otherwise than round robin (the V of zbv) records where."""
@@ -500,6 +506,19 @@ class FaultRecoveryManager:
         with self.full_params(True):
             return self._restore()
 
+    def _carry_rank_state(self, path: Path, old: dict[str, int]) -> list[str]:
+        """Per-rank state that follows a change of the data degree alone (the model's other
+        degrees kept): read back one old rank at a time; the names of what was carried."""
+        carry = getattr(self.rank_state, "reshard", None)
+        if carry is None or any(old.get(key) != self.layout.get(key) for key in MODEL_DEGREES):
+            return []
+
+        def read_rank(rank: int) -> dict[str, torch.Tensor]:
+            prefix = f"rank{rank}/"
+            return {key[len(prefix):]: value
+                    for key, value in load_tensors(path, prefix).items()}
+        return carry(read_rank, int(old["world_size"]))
+
     def _restore(self) -> int:
         self.wait()  # a save of this process still in flight is part of what may be restored
         found = find_latest_valid(self.dir, self.log) if self.rank == 0 else None
@@ -539,10 +558,12 @@ class FaultRecoveryManager:
             resized = resize_record(meta["config"], int(old["world_size"]), self.cfg,
                                     self.layout["world_size"])
             restore_resharded(self, path, meta)
+            carried = self._carry_rank_state(path, old)
             self.stream.load_state_dict(meta["data_stream"])
             self.log.log("load", echo=True, step=step, path=str(path),
                          resharded_from=meta["layout"], resharded_to=self.layout,
-                         restarted=restarted_state(meta))
+                         restarted=[s for s in restarted_state(meta) if s not in carried],
+                         **({"redistributed": carried} if carried else {}))
             if resized is not None:
                 self.log.log("elastic", echo=True, step=step, path=str(path), **resized)
             return step

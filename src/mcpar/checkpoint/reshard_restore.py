@@ -16,7 +16,9 @@ This rank's state is cut out of the checkpoint's full state, read back by ``save
 
 What cannot follow a layout change restarts, and the load's log says so (``restarted``): the
 RNG states (one generator per rank: they start from ``training.seed``), the compression error
-buffers of 1-bit Adam and PowerSGD (one per data rank: zero), and the expert load balancer's
+buffers of PowerSGD (one per data rank: zero) and of 1-bit Adam unless only the data degree
+changed (then the manager redistributes them per element, ``comm/onebit_reshard.py``, and the
+log says ``redistributed``), and the expert load balancer's
 own state (its placement table, load estimates and the learning agent's shadow placements are
 per slot of the old expert layout: the balancer starts afresh from the initial placement).
 

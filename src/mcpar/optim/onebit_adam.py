@@ -55,6 +55,7 @@ from mcpar.comm.compression import (
     onebit_compressed_allreduce,
     onebit_compressed_allreduce_many,
 )
+from mcpar.comm.onebit_reshard import fill_errors, ranges_table
 from mcpar.optim.onebit_launch import ExchangeFeed
 from mcpar.optim.onebit_segments import (
     Segment,
@@ -328,6 +329,29 @@ class OneBitAdam(torch.optim.Optimizer):
     def error_buffers(self) -> OneBitErrorBuffers:
         """This rank's worker and server error buffers (live tensors; they differ per rank)."""
         return self._errors
+
+    def error_layout(self) -> dict[str, torch.Tensor]:
+        """What reads this rank's error buffers back per element (``onebit_reshard.py``): the
+        segments' ranges of the flat momentum and the exchange's (world, rank, intra)."""
+        axis = self._exchange_axis
+        return {"ranges": ranges_table([seg.ranges for seg in self._segments]),
+                "exchange": torch.tensor([self.comm.axis_size(axis), self.comm.axis_rank(axis),
+                                          self._intra],
+                                         dtype=torch.int64)}
+
+    @torch.no_grad()
+    def load_flat_errors(self, worker: torch.Tensor, server: torch.Tensor) -> None:
+        """Set the current error storage from per-element errors of the flat momentum (another
+        data degree's, merged by ``onebit_reshard.ErrorMerge``): each segment's worker errors,
+        and the server errors of the chunk this rank serves; padding zero."""
+        if self._intra != 1:
+            raise ValueError("1-bit errors of a hierarchical data axis are a node's shard's")
+        for storage in self._storages:
+            storage.worker.zero_()
+            storage.server.zero_()
+        fill_errors([seg.ranges for seg in self._segments],
+                    [seg.errors[self._current] for seg in self._segments], worker, server,
+                    self.comm.axis_rank(self._exchange_axis))
 
     def _bind_state(self) -> None:
         """Point every parameter's state at its slices of the flat buffers."""
