@@ -17,6 +17,7 @@ import ctypes
 import os
 import resource
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -76,6 +77,17 @@ def keep_freed_host_memory() -> bool:
     return all(mallopt(option, value) == 1 for option, value in settings)
 
 
+def release_freed_host_memory() -> None:
+    """Return the heap's free pages to the operating system now (glibc's malloc_trim), where
+    ``keep_freed_host_memory`` has it keep them: after a one-off phase whose buffers are gone
+    (a reshard reads one saved coordinate after another), so that the next one starts from
+    what is really held. Nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """Mixed precision for the forward pass: bf16 autocast, or nothing for fp32."""
     if dtype == "bfloat16":
@@ -89,7 +101,53 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     # ru_maxrss is KiB on Linux and bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    return max(int(rss if sys.platform == "darwin" else rss * 1024), _host_peak_floor)
+
+
+# The process's resident peak from before a ``host_peak_rss`` block reset the kernel's mark.
+_host_peak_floor = 0
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class HostPeak:
+    """What ``host_peak_rss`` measured: resident bytes at the block's peak above its start
+    (None where the kernel's high-water mark cannot be reset: not Linux)."""
+
+    bytes: int | None = None
+
+
+@contextlib.contextmanager
+def host_peak_rss() -> Iterator[HostPeak]:
+    """Measure the host memory a block needs at its peak: the kernel's resident high-water mark
+    (VmHWM) is reset at the start through /proc/self/clear_refs, read at the end, and the
+    resident size at the start subtracted. The process's earlier peak is kept for
+    ``peak_memory_bytes``, which the reset would otherwise lower."""
+    global _host_peak_floor
+    found = HostPeak()
+    before, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        before = None
+    if before is not None and hwm is not None:
+        _host_peak_floor = max(_host_peak_floor, hwm * 1024)
+    try:
+        yield found
+    finally:
+        peak = _status_kib("VmHWM")
+        if before is not None and peak is not None:
+            found.bytes = max(0, peak - before) * 1024
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

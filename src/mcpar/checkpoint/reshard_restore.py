@@ -1,15 +1,17 @@
 """Resume a checkpoint saved under another layout: data, tensor, pipeline and expert degrees,
 ZeRO stage, and experts moved between ranks by the load balancer.
 
-This rank's state is cut out of the checkpoint's full state, read back by ``saved_state``
-(the same reader ``mcpar checkpoint verify`` hashes), through this layout's index maps:
+This rank's state is cut out of the checkpoint one saved (pipeline, tensor, expert) coordinate
+at a time, through each coordinate's index maps and this layout's (``reshard.py``), by the same
+key and piece rules as ``saved_state`` (the reader ``mcpar checkpoint verify`` hashes):
 
-- parameters and AdamW's moments and step: the saved pieces (stages, tensor slices, experts of
-  every expert rank, ZeRO pieces) are joined into full tensors with the experts in expert
-  order, then this rank's elements are taken; every element must be covered;
-- experts: the new run places them by its own initial placement (expert e in slot e) and its
-  ``expert_of_slot`` buffers stay as built; where the old run's balancer had moved them does
-  not follow them (it was a placement, not state);
+- parameters and AdamW's moments and step: each saved piece (a stage, a tensor slice, the
+  experts of an expert rank, ZeRO pieces joined over the data replicas) gives this rank the
+  elements it holds (``shard_targets.py``); every element must be covered;
+- experts: a saved expert weight's elements are taken as the experts its slots held (the
+  layer's saved ``expert_of_slot``); the new run places them by its own initial placement
+  (expert e in slot e), so where the old run's balancer had moved them does not follow them
+  (it was a placement, not state);
 - persistent buffers whose meaning does not depend on the layout (the auxiliary-loss-free
   ``expert_bias`` of each router, indexed by expert) are copied whole;
 - the data stream position is restored by the caller; the step comes with the optimizer state.
@@ -18,16 +20,15 @@ What cannot follow a layout change restarts, and the load's log says so (``resta
 RNG states (one generator per rank: they start from ``training.seed``), the compression error
 buffers of PowerSGD (one per data rank: zero) and of 1-bit Adam unless only the data degree
 changed (then the manager redistributes them per element, ``comm/onebit_reshard.py``, and the
-log says ``redistributed``), and the expert load balancer's
-own state (its placement table, load estimates and the learning agent's shadow placements are
-per slot of the old expert layout: the balancer starts afresh from the initial placement).
+log says ``redistributed``), and the expert load balancer's own state (its placement table,
+load estimates and the learning agent's shadow placements are per slot of the old expert
+layout: the balancer starts afresh from the initial placement).
 
-Memory (host, per rank, P parameters): the checkpoint's model and optimizer tensors as saved
-(with ``strategy: full``, every data replica's copy), the int64 index maps of every saved
-coordinate (8 P bytes, more where tensor ranks replicate a tensor), the full parameters (4 P)
-and then both full moments (8 P), float32. As before experts could be resharded, the whole
-model is gathered on every host: that is what makes any-to-any resharding possible without
-DTensor metadata, with no collective.
+Memory (host, per rank): this rank's share three times over in float32 (parameters and both
+moments) and its codes (int64, with their sorted copy and inverse: 24 bytes per element), plus,
+for one saved coordinate at a time, that coordinate's saved tensors (one data replica's model
+and optimizer tensors, or every replica's ZeRO pieces) and its codes. The whole model is never
+put together on a host; no collective runs.
 """
 
 from __future__ import annotations
@@ -37,18 +38,21 @@ from typing import Any
 
 import torch
 
-from mcpar.checkpoint.files import load_tensors
-from mcpar.checkpoint.reshard import take
+from mcpar.checkpoint.files import SafeFileSystemReader
+from mcpar.checkpoint.packing import PackedCheckpoint
+from mcpar.checkpoint.reshard import ELEMENT_BITS, coordinate_codes, placement_of
 from mcpar.checkpoint.saved_state import (
+    MODEL_KEY,
     MOMENTS,
+    OPTIM_KEY,
+    PIECE,
     PLACEMENT_BUFFERS,
-    full_moments,
-    full_parameters,
+    Coord,
     global_name,
-    layout_maps,
-    model_shards,
-    saved_buffers,
+    join_optimizer_pieces,
 )
+from mcpar.checkpoint.shard_targets import ShardTargets, Sink, expert_order_codes
+from mcpar.device import host_peak_rss, release_freed_host_memory
 from mcpar.errors import UserError, problem
 from mcpar.models.spec import get_model_spec
 from mcpar.registry.codec import CODECS
@@ -86,68 +90,194 @@ def restarted_state(meta: dict[str, Any]) -> list[str]:
     return out
 
 
-def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> None:
+def restore_resharded(manager: Any, path: Path, meta: dict[str, Any]) -> int | None:
     """Load the checkpoint at ``path`` (saved under ``meta['layout']``) into this rank's
-    parameters, persistent buffers and AdamW state under the manager's (different) layout."""
-    cfg, dims = manager.cfg.model, manager.dims
-    old = {"zero_stage": 0, **meta["layout"]}
-    where = str(path)
-    shards = model_shards(load_tensors(path, "model/"))
-    maps = {c: layout_maps(cfg, old, c) for c in shards}
-    named = list(get_model_spec(cfg.kind).build(cfg, 0).named_parameters())
-    new_maps = layout_maps(cfg, manager.layout, (dims.axis_rank("pp"), dims.axis_rank("tp"),
-                                                 dims.axis_rank("ep")))
+    parameters, persistent buffers and AdamW state under the manager's (different) layout,
+    reading one saved coordinate at a time (``shard_targets.py``). Returns the host memory the
+    reading held at its peak above this rank's own state (parameters, and AdamW's moments made
+    first), in bytes; None where it cannot be measured."""
+    saved = PackedCheckpoint(path, SafeFileSystemReader)
+    coords = coordinate_keys(saved.keys())
+    has_optim = any(optim for _, optim in coords.values())
     live = manager._named_tensors()
-    try:
-        full = full_parameters(cfg, shards, maps, named)
-    except ValueError as err:
-        raise UserError(problem(where, f"the saved parameters are incomplete: {err}")) from None
-    flat = [full[name].reshape(-1) for name, _ in named]
-    with torch.no_grad():
-        for name, codes in new_maps.items():
-            live[name].copy_(take(flat, codes).to(live[name].dtype))
-    del full, flat
-    _restore_buffers(live, new_maps, named, shards, maps, where)
-    found = full_moments(cfg, load_tensors(path, "optim/"), shards, maps, named, where)
-    if found is None:
-        return  # saved before the first optimizer step: nothing more to restore
-    moments, step = found
-    flats = {m: [moments[m][name].reshape(-1) for name, _ in named] for m in MOMENTS}
-    del moments
-    optimizer = manager.optimizer
+    states: list[dict[str, torch.Tensor]] = []
+    sinks_of: dict[str, dict[str, Sink]] = {}
+    if has_optim:
+        # The optimizer state this rank holds anyway (AdamW makes it at the first step), made
+        # and touched before the reading is measured.
+        sinks_of, states = _moment_sinks(manager.optimizer, live)
+    release_freed_host_memory()
+    with host_peak_rss() as peak:
+        steps = _read_coordinates(manager, path, meta, saved, coords, live, sinks_of)
+    if states:
+        if len(steps) != 1:
+            raise UserError(problem(str(path), f"the optimizer's step differs between "
+                                    f"parameters ({sorted(steps)}); the checkpoint cannot be "
+                                    "read back"))
+        step = steps.pop()
+        for state in states:
+            state["step"].fill_(step)
+    return peak.bytes
+
+
+def _read_coordinates(manager: Any, path: Path, meta: dict[str, Any], saved: PackedCheckpoint,
+                      coords: dict[Coord, tuple[list[str], list[str]]],
+                      live: dict[str, torch.Tensor], sinks_of: dict[str, dict[str, Sink]]
+                      ) -> set[float]:
+    """Every saved coordinate's pieces into this rank's tensors; the optimizer steps seen."""
+    cfg, dims = manager.cfg.model, manager.dims
+    old = {"zero_stage": 0, "experts": 1, **meta["layout"]}
+    new = {"experts": 1, **manager.layout}
+    where = str(path)
+    with torch.device("meta"):  # names and sizes only
+        named = list(get_model_spec(cfg.kind).build(cfg, 0).named_parameters())
+    mine = (dims.axis_rank("pp"), dims.axis_rank("tp"), dims.axis_rank("ep"))
+    targets = ShardTargets(coordinate_codes(
+        cfg, cfg.kind, new["pipeline"], new["virtual_stages"], mine[0], new["tensor"], mine[1],
+        placement_of(new), new["experts"], mine[2]))
+    first = {name: runs.parameter << ELEMENT_BITS for name, runs in targets.runs.items()}
+    targets.add_kind("param", {name: [(0, live[name].numel(), live[name])]
+                               for name in targets.runs})
+    for moment, sinks in sinks_of.items():
+        targets.add_kind(moment, sinks)
+    wanted = _wanted_buffers(live, first, named)
+    buffers: dict[str, torch.Tensor] = {}
+    steps: set[float] = set()
+    plan = get_model_spec(cfg.kind).expert_parallel
+    for coord, (model_keys, optim_keys) in coords.items():
+        model = {key.split("/", 2)[2]: value for key, value in saved.read(model_keys).items()}
+        pieces: dict[str, dict[str, torch.Tensor]] = {}
+        if optim_keys:
+            shapes = {local: torch.empty(value.shape, device="meta")
+                      for local, value in model.items()}
+            pieces = join_optimizer_pieces(saved.read(optim_keys), {coord: shapes},
+                                           {coord: shapes}, where).get(coord, {})
+        held: dict[str, int] = {}  # local parameter -> its first code (names its module)
+        for local, codes in coordinate_codes(
+                cfg, cfg.kind, old["pipeline"], old["virtual_stages"], coord[0],
+                old["tensor"], coord[1], placement_of(old), old["experts"], coord[2]):
+            if local not in model:
+                raise UserError(problem(where, f"the saved parameters are incomplete: {local} "
+                                        f"of coordinate {coord} is missing"))
+            held[local] = int(codes.reshape(-1)[0])
+            codes = _expert_codes(codes, local, model, plan, named)
+            targets.scatter("param", codes, model[local])
+            state = pieces.get(local)
+            if state is not None:  # complete: join_optimizer_pieces checked it
+                for moment in MOMENTS:
+                    targets.scatter(moment, codes, state[moment])
+                steps.add(float(state["step"]))
+        marks = {local: torch.tensor([code]) for local, code in held.items()}
+        for local, value in model.items():
+            if local in held:
+                continue
+            name = global_name(local, marks, named)
+            if name in wanted and name not in buffers:
+                buffers[name] = value.clone()  # a view would keep the coordinate's pack alive
+        del model, pieces
+        release_freed_host_memory()
+    if targets.missing("param"):
+        raise UserError(problem(where, f"the saved parameters are incomplete: "
+                                f"{targets.missing('param')} elements of this rank's shards "
+                                "are in no saved piece"))
+    _restore_buffers(live, wanted, buffers, where)
+    for moment in sinks_of:
+        if targets.missing(moment):
+            raise UserError(problem(where, f"the optimizer's {moment} is incomplete: "
+                                    f"{targets.missing(moment)} elements of this rank's shards "
+                                    "are in no saved piece"))
+    return steps
+
+
+def _expert_codes(codes: torch.Tensor, local: str, model: dict[str, torch.Tensor], plan: Any,
+                  named: list[tuple[str, Any]]) -> torch.Tensor:
+    """A saved tensor's element codes; an expert weight's taken as the experts its slots held
+    (its layer's saved ``expert_of_slot``, where the balancer had moved them)."""
+    if plan is None:
+        return codes
+    for weight in plan.weights:
+        if local.endswith("." + weight.path):
+            placement = model.get(local[: -len(weight.path)] + "expert_of_slot")
+            if placement is None:
+                return codes
+            full = named[int(codes.reshape(-1)[0]) >> ELEMENT_BITS][1].numel()
+            return expert_order_codes(codes, placement, full)
+    return codes
+
+
+def _moment_sinks(optimizer: torch.optim.Optimizer, live: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, dict[str, Sink]], list[dict[str, torch.Tensor]]]:
+    """Where each moment of each local tensor goes: its AdamW state (made where the optimizer
+    has none yet), whole, or the ranges a ZeRO piece of it holds; and those states."""
+    out: dict[str, dict[str, Sink]] = {moment: {} for moment in MOMENTS}
+    states = []
     name_of = {id(t): n for n, t in live.items()}
     for group in optimizer.param_groups:
         for param in group["params"]:
             # A ZeRO shard piece takes its elements of its parameter's state.
             source = getattr(param, "source", None)
             name = name_of[id(param if source is None else source)]
-            if name not in new_maps:
-                continue
             state = optimizer.state.get(param)
             if state is None or "exp_avg" not in state:
                 optimizer.state[param] = state = {
                     "step": torch.zeros((), dtype=torch.float32),
                     "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-            state["step"].fill_(step)
             for moment in MOMENTS:
-                value = take(flats[moment], new_maps[name])
-                if source is not None:
-                    value = value.reshape(-1)[param.start:param.end]
-                state[moment].copy_(value.view_as(state[moment]))
+                state[moment].zero_()  # resident now: it is this rank's state, not the read's
+            states.append(state)
+            start, end = ((0, param.numel()) if source is None
+                          else (int(param.start), int(param.end)))
+            for moment in MOMENTS:
+                out[moment].setdefault(name, []).append((start, end, state[moment]))
+    return out, states
 
 
-def _restore_buffers(live: dict[str, torch.Tensor], new_maps: dict[str, torch.Tensor],
-                     named: list[tuple[str, Any]], shards: dict, maps: dict, where: str) -> None:
-    """Copy the saved persistent buffers this rank holds (whole: buffers are replicated),
-    except the expert placement, which stays this run's initial one."""
+def coordinate_keys(keys: set[str]) -> dict[Coord, tuple[list[str], list[str]]]:
+    """(pipeline, tensor, expert) coordinate -> (model keys, optimizer keys) to read for it:
+    the lowest data replica's model tensors and whole optimizer tensors (replicas hold the
+    same bits), and every replica's ZeRO pieces."""
+    model: dict[Coord, dict[int, list[str]]] = {}
+    whole: dict[tuple[Coord, str, str], tuple[int, str]] = {}
+    pieces: dict[Coord, list[str]] = {}
+    for key in sorted(keys):
+        if (m := MODEL_KEY.fullmatch(key)) is not None:
+            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+            model.setdefault(coord, {}).setdefault(int(m.group(4) or 0), []).append(key)
+        elif (m := OPTIM_KEY.fullmatch(key)) is not None:
+            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+            replica, local = int(m.group(4) or 0), m.group(5)
+            if PIECE.fullmatch(local):
+                pieces.setdefault(coord, []).append(key)
+                continue
+            known = whole.get((coord, local, m.group(6)))
+            if known is None or replica < known[0]:
+                whole[(coord, local, m.group(6))] = (replica, key)
+    optim: dict[Coord, list[str]] = {c: list(keys) for c, keys in pieces.items()}
+    for (coord, _, _), (_, key) in whole.items():
+        optim.setdefault(coord, []).append(key)
+    return {coord: (replicas[min(replicas)], optim.get(coord, []))
+            for coord, replicas in sorted(model.items())}
+
+
+def _wanted_buffers(live: dict[str, torch.Tensor], first: dict[str, int],
+                    named: list[tuple[str, Any]]) -> dict[str, str]:
+    """Global name -> local name of the persistent buffers this rank holds, except the expert
+    placement, which stays this run's initial one (``first``: each local parameter's first
+    element code, which names its module)."""
+    marks = {local: torch.tensor([code]) for local, code in first.items()}
     wanted: dict[str, str] = {}
     for local in live:
-        if local in new_maps or local.rsplit(".", 1)[-1] in PLACEMENT_BUFFERS:
+        if local in marks or local.rsplit(".", 1)[-1] in PLACEMENT_BUFFERS:
             continue
-        name = global_name(local, new_maps, named)
+        name = global_name(local, marks, named)
         if name is not None:
             wanted[name] = local
-    saved = saved_buffers(shards, maps, named, set(wanted))
+    return wanted
+
+
+def _restore_buffers(live: dict[str, torch.Tensor], wanted: dict[str, str],
+                     saved: dict[str, torch.Tensor], where: str) -> None:
+    """Copy the saved persistent buffers (whole: buffers are replicated)."""
     with torch.no_grad():
         for name, value in saved.items():
             target = live[wanted[name]]

@@ -37,19 +37,20 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # leaves the new run's own initial placement (its experts come in expert order).
 PLACEMENT_BUFFERS = ("expert_of_slot",)
 
-_KEY = re.compile(r"model/pp(\d+)-tp(\d+)(?:-ep(\d+))?(?:-dp(\d+))?/(.+)")
-_OPTIM_KEY = re.compile(
+MODEL_KEY = re.compile(r"model/pp(\d+)-tp(\d+)(?:-ep(\d+))?(?:-dp(\d+))?/(.+)")
+OPTIM_KEY = re.compile(
     r"optim/pp(\d+)-tp(\d+)(?:-ep(\d+))?(?:-dp(\d+))?/(.+)/(exp_avg|exp_avg_sq|step)")
-_PIECE = re.compile(r"(.+)@(\d+):(\d+)")
+PIECE = re.compile(r"(.+)@(\d+):(\d+)")
 
 
-def layout_maps(cfg: ModelConfig, layout: dict[str, Any], coord: Coord
+def layout_maps(cfg: ModelConfig, layout: dict[str, Any], coord: Coord, cache: bool = True
                 ) -> dict[str, torch.Tensor]:
     """Local parameter name -> element codes, for one (pp, tp, ep) coordinate of ``layout``
-    (a checkpoint's recorded layout: ``pipeline``, ``tensor``, ``experts``, ...)."""
+    (a checkpoint's recorded layout: ``pipeline``, ``tensor``, ``experts``, ...); ``cache``:
+    keep them for the next call (a streaming reader reads each coordinate once)."""
     return shard_maps(cfg, cfg.kind, layout["pipeline"], layout["virtual_stages"], coord[0],
                       layout["tensor"], coord[1], placement_of(layout),
-                      ep=layout.get("experts", 1), ep_rank=coord[2])
+                      ep=layout.get("experts", 1), ep_rank=coord[2], cache=cache)
 
 
 def model_shards(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.Tensor]]:
@@ -57,7 +58,7 @@ def model_shards(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.
     chosen: dict[Coord, int] = {}
     out: dict[Coord, dict[str, torch.Tensor]] = {}
     for key, value in saved.items():
-        m = _KEY.fullmatch(key)
+        m = MODEL_KEY.fullmatch(key)
         if m is None:
             continue
         coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
@@ -174,12 +175,12 @@ def join_optimizer_pieces(optim_saved: dict[str, torch.Tensor],
     whole: dict[tuple[Coord, str, str], tuple[int, torch.Tensor]] = {}
     pieces: dict[tuple[Coord, str, str], list[tuple[int, int, torch.Tensor]]] = {}
     for key, value in optim_saved.items():
-        m = _OPTIM_KEY.fullmatch(key)
+        m = OPTIM_KEY.fullmatch(key)
         if m is None:
             continue
         coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
         replica, local, kind = int(m.group(4) or 0), m.group(5), m.group(6)
-        piece = _PIECE.fullmatch(local)
+        piece = PIECE.fullmatch(local)
         if piece is None:
             known = whole.get((coord, local, kind))
             if known is None or replica < known[0]:

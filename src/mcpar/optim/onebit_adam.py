@@ -383,6 +383,11 @@ class OneBitAdam(torch.optim.Optimizer):
         not per-parameter: a loader that does not restore them leaves them as they are.
         """
         if self._is_bound():
+            # Moments written in place land in the flat buffers; a step written into the shared
+            # step tensor (a reshard fills every parameter's 'step') is taken over here.
+            if int(self._step_tensor) != self._step_count:
+                self._step_count = int(self._step_tensor)
+                self._denom = None
             return
         step = None
         for p, offset, numel in self._layout:
