@@ -55,3 +55,28 @@ def test_spearman_of_the_ranking_bench() -> None:
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties averaged
+
+
+def test_the_reshard_grid_is_a_grid_of_valid_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/reshard_grid.py`` runs for minutes: here only that it names at least 16 pairs,
+    each between two layouts the launcher accepts (a typo in a setting would fail every run of
+    a pair), and that a chained pair's source pair comes before it."""
+    from mcpar.commands.train import validate_for_training
+    from mcpar.config import load_config
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reshard_grid
+
+    assert len(reshard_grid.PAIRS) >= 16
+    order = list(reshard_grid.PAIRS)
+    for name, pair in reshard_grid.PAIRS.items():
+        assert pair.a in reshard_grid.LAYOUTS and pair.b in reshard_grid.LAYOUTS, name
+        if pair.chained is not None:
+            assert order.index(pair.chained) < order.index(name), name
+            assert reshard_grid.PAIRS[pair.chained].b == pair.a, name
+    for layout in reshard_grid.LAYOUTS.values():
+        cfg = load_config(None, [*layout.settings, "training.steps=14",
+                                 "optimization.checkpoint.interval=4"])
+        validate_for_training(cfg, layout.nproc)  # raises UserError naming the key
+    assert reshard_grid._selected("moe_experts4_to_2") == ["moe_experts2_to_4",
+                                                           "moe_experts4_to_2"]
