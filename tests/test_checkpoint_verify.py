@@ -161,7 +161,8 @@ def test_bad_input_is_one_line_exit_2(runs: dict[str, Path], capsys: pytest.Capt
 
 # --- a reshard keeps the hash: optimization.checkpoint.load_from --------------------------------
 # (source run, settings of the run that loads it): data 2 with ZeRO pieces onto one process,
-# tensor 2 and pipeline 2 (each with the same global batch), and one process onto ZeRO-3.
+# tensor 2 and pipeline 2 (each with the same global batch), one process onto ZeRO-3, and
+# ZeRO-1 onto ZeRO-3 at the same data degree.
 RESHARDS: dict[str, tuple[str, int, list[str]]] = {
     "zero1_to_single": ("zero1_selective", 1, ["optimization.gradient_accumulation=2"]),
     "zero1_to_tensor2": ("zero1_selective", 2, ["parallelism.tensor=2",
@@ -169,6 +170,8 @@ RESHARDS: dict[str, tuple[str, int, list[str]]] = {
     "zero1_to_pipeline2": ("zero1_selective", 2, ["parallelism.pipeline=2",
                                                   "optimization.gradient_accumulation=2"]),
     "single_to_zero3": ("single", 2, ["controllers.memory.zero_stage=3"]),
+    # Same keys on both sides (data 2, one bucket), pieces cut otherwise: it must reshard.
+    "zero1_to_zero3": ("zero1_selective", 2, ["controllers.memory.zero_stage=3"]),
 }
 
 

@@ -121,3 +121,10 @@ def test_data4_past_the_freeze_step_resumes_at_data2_with_its_errors(tmp_path: P
     assert torch.allclose(new_mean, old_mean, atol=1e-7, rtol=0)
     assert torch.equal(new_server, old_server)
     assert [r["step"] for r in b_records] == [7, 8]
+    # It goes on compressing, as the same state resumed on its own layout does (the step the
+    # reshard wrote was once ignored: the warm-up started over, uncompressed).
+    own = train_metrics(tmp_path / "own", 2, [
+        *TINY, *ONEBIT, "training.steps=8", "optimization.gradient_accumulation=2",
+        f"optimization.checkpoint.load_from={tmp_path / 'b' / 'checkpoints' / 'step-6'}"])
+    assert [r["loss"] for r in own] == [r["loss"] for r in b_records]
+    assert [r["comm_bytes"] for r in own] == [r["comm_bytes"] for r in b_records]
