@@ -1,12 +1,14 @@
 """Resharding maps: a model sharded under one layout, assembled through its index maps and
-sharded again under another, equals the other layout's direct shards exactly."""
+sharded again under another (or streamed into the other's tensors piece by piece, as a resume
+does), equals the other layout's direct shards exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mcpar.checkpoint.reshard import reshard, shard_maps
+from mcpar.checkpoint.reshard import ELEMENT_BITS, coordinate_codes, reshard, shard_maps
+from mcpar.checkpoint.shard_targets import Runs, ShardTargets
 from mcpar.config import ModelConfig
 from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.models.spec import get_model_spec
@@ -62,3 +64,40 @@ def test_maps_cover_every_element() -> None:
     full = get_model_spec("gpt").build(MODEL, 0)
     assert codes.unique().numel() == sum(p.numel() for p in full.parameters())
     assert codes.numel() > codes.unique().numel()
+
+
+@pytest.mark.parametrize("old", LAYOUTS)
+@pytest.mark.parametrize("new", [(1, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2)])
+def test_streamed_shards_equal_direct_sharding(old: tuple[int, int, int],
+                                               new: tuple[int, int, int]) -> None:
+    """What a resume streams (``ShardTargets``: this rank's tensors as runs, each saved piece
+    matched as it comes, with the codes a batch of blocks at a time) equals the new layout's
+    direct shards, element for element, with every element covered."""
+    pp, tp, virtual = old
+    npp, ntp, nvirtual = new
+    for p in range(npp):
+        for t in range(ntp):
+            want = real_shards(npp, nvirtual, p, ntp, t)
+            live = {name: torch.full_like(value, float("nan")) for name, value in want.items()}
+            targets = ShardTargets(coordinate_codes(MODEL, "gpt", npp, nvirtual, p, ntp, t))
+            targets.add_kind("param", {n: [(0, v.numel(), v)] for n, v in live.items()})
+            for op in range(pp):
+                for ot in range(tp):
+                    saved = real_shards(pp, virtual, op, tp, ot)
+                    for name, codes in coordinate_codes(MODEL, "gpt", pp, virtual, op, tp, ot):
+                        targets.scatter("param", codes, saved[name])
+            assert targets.missing("param") == 0
+            for name in want:
+                assert torch.equal(live[name], want[name]), name
+
+
+def test_runs_find_elements_of_unordered_and_broken_slices() -> None:
+    # Elements 10..13 then 0..3 then 20..21 (a slice whose runs are out of element order).
+    codes = torch.tensor([10, 11, 12, 13, 0, 1, 2, 3, 20, 21]) + (5 << ELEMENT_BITS)
+    runs = Runs.of(codes)
+    assert runs.parameter == 5 and runs.starts.tolist() == [0, 10, 20]
+    at, inside = runs.positions(torch.tensor([3, 4, 9, 10, 21, 22]))
+    assert inside.tolist() == [True, False, False, True, True, False]
+    assert at.tolist() == [7, 0, 9]
+    with pytest.raises(ValueError, match="several parameters"):
+        Runs.of(torch.tensor([0, 1 << ELEMENT_BITS]))
