@@ -106,6 +106,9 @@ def test_a_lost_node_shrinks_the_job_and_training_goes_on(tmp_path: Path) -> Non
     timeline = "".join(line for line in job.output(0, since=killed).splitlines(True)
                        if "mcpar:" in line or "failed" in line)
     assert codes[0] == 0, job.output(0)[-4000:]
+    # The agents share their store (torch's default): growing back could not work, and the
+    # job says so at its start.
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for the job to grow back" in job.output(0)
     shrink_s = first_step - killed
     elastic = [e for e in recovery_events(run_dir) if e["event"] == "elastic"]
     assert len(elastic) == 1, elastic
@@ -143,3 +146,75 @@ def test_a_lost_node_shrinks_the_job_and_training_goes_on(tmp_path: Path) -> Non
           f"|diff| {diff:.2e}")
     assert diff <= 1e-6
     assert got["tokens"] == ref_first["tokens"]  # the same global batch
+
+
+GROW_STEPS = 400
+
+
+@needs_netns
+def test_a_node_that_comes_back_grows_the_job_again(tmp_path: Path) -> None:
+    """After the shrink, node 1's agent is started again: the agents re-rendezvous on 2 nodes,
+    the surviving workers stop with a checkpoint of their step (SIGTERM), and the 4-rank world
+    resumes it resharded onto data 4. Its first loss must equal a 4-rank resume of that
+    checkpoint by mcpar's own launcher; every step is in the run directory once."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    text = json.loads(config.read_text())
+    text["training"]["steps"] = GROW_STEPS
+    text["optimization"]["checkpoint"]["keep"] = GROW_STEPS  # the grow's is compared at the end
+    config.write_text(json.dumps(text))
+    argv = ["-m", "mcpar.cli", "train", str(config), "--run-dir", str(run_dir)]
+    # The agents must not share their rendezvous store with the workers: rank 0's agent keeps
+    # the store address of its first round and never writes it for a later one, so a node that
+    # comes back waits for it forever (torch's dynamic rendezvous).
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO / "src")),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def elastic() -> list[dict]:
+        if not (run_dir / "recovery.jsonl").exists():
+            return []
+        return [e for e in recovery_events(run_dir) if e["event"] == "elastic"]
+
+    with NetCluster(2, rate="1gbit", delay="0.5ms") as cluster:
+        job = ElasticJob(cluster, 2, argv, env=env, cwd=str(REPO))
+        try:
+            _wait_for(lambda: len(_records(run_dir)) >= KILL_AFTER, 240, job,
+                      f"step {KILL_AFTER} on 2 nodes")
+            job.kill_node(1)
+            _wait_for(lambda: len(elastic()) == 1 and any(
+                r["step"] > elastic()[0]["step"] + 2 for r in _records(run_dir)), 120, job,
+                "training on 1 node")
+            back = job.restart_node(1)
+            grown = _wait_for(lambda: len(elastic()) == 2, 120, job, "the grow")
+            codes = job.wait(400)
+        finally:
+            job.close()
+    timeline = "".join(line for line in job.output(0, since=back).splitlines(True)
+                       if "mcpar:" in line or "failed" in line)
+    assert codes == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
+    assert "grow back" not in job.output(0)  # no warning: the agents' store is not shared
+    shrink, grow = elastic()
+    print(f"\nelastic: node back -> grow record {grown - back:.1f} s; shrunk at step "
+          f"{shrink['step']}, grew at step {grow['step']}\n{timeline}")
+    assert (shrink["direction"], grow["direction"]) == ("shrink", "grow")
+    assert (grow["from"]["world_size"], grow["from"]["data"],
+            grow["from"]["num_microbatches"]) == (2, 2, 2)
+    assert (grow["to"]["world_size"], grow["to"]["data"],
+            grow["to"]["num_microbatches"]) == (4, 4, 1)
+    assert grow["from"]["global_batch_size"] == grow["to"]["global_batch_size"] == 8
+    assert grow["step"] > shrink["step"]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, GROW_STEPS + 1))
+    assert len({r["tokens"] for r in records}) == 1
+    saves = [e["step"] for e in recovery_events(run_dir) if e["event"] == "save"]
+    assert grow["step"] in saves  # the checkpoint the survivors wrote as they were stopped
+
+    ref = tmp_path / "ref"
+    shutil.copytree(run_dir / "checkpoints" / f"step-{grow['step']}",
+                    ref / "checkpoints" / f"step-{grow['step']}")
+    assert launch_in_process("train", str(config), "--nproc", "4", "--resume", "--run-dir",
+                             str(ref), "--stop-after", str(grow["step"] + 1)) == 0
+    ref_first = next(r for r in read_metrics(ref) if r["step"] == grow["step"] + 1)
+    got = next(r for r in records if r["step"] == grow["step"] + 1)
+    print(f"elastic: first loss after the grow {got['loss']:.8f}, reference "
+          f"{ref_first['loss']:.8f}, |diff| {abs(got['loss'] - ref_first['loss']):.2e}")
+    assert abs(got["loss"] - ref_first["loss"]) <= 1e-6

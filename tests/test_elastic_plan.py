@@ -114,13 +114,16 @@ def test_resize_record_names_both_layouts() -> None:
     assert resize_record(saved, 4, load_config(None, ["parallelism.data=2"]), 2) is None
 
 
-def test_growing_back_into_a_running_job_is_refused_as_not_built(
+def test_keeping_a_returning_node_out_is_refused_before_launch(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # The agents, not the job, take a node that comes back: a config cannot promise otherwise.
     config = tmp_path / "job.yaml"
-    config.write_text("training: {elastic: {min_world: 1, grow: true}}\n")
+    config.write_text("training: {elastic: {min_world: 1, grow: false}}\n")
     result = run_cli_in_process(capsys, "check", str(config))
-    assert result.returncode == 2
-    assert "training.elastic.grow" in result.stderr and "not built" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "training.elastic.grow" in result.stderr and "--nnodes MIN:" in result.stderr
+    config.write_text("training: {elastic: {min_world: 1, grow: true}}\n")
+    assert run_cli_in_process(capsys, "check", str(config)).returncode == 0
 
 
 def test_workers_under_an_agent_store_rendezvous_under_their_start(
@@ -148,3 +151,4 @@ def test_workers_under_an_agent_store_rendezvous_under_their_start(
     stores[0].set("rank_0", "dead address")  # type: ignore[attr-defined]
     assert not stores[1].check(["rank_0"])  # type: ignore[attr-defined]
     assert agent.check(["mcpar/start0/world2/rank_0"])
+

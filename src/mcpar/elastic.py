@@ -9,11 +9,17 @@ and with it the sequences of every step (DESIGN §4), stays exactly the same. Th
 resumes from its newest valid checkpoint, resharded onto the new layout, and rank 0 appends an
 ``elastic`` record to recovery.jsonl (``resize_record``) naming both layouts and the step.
 
-A job started again on the asked world after a shrink resumes the smaller world's checkpoint
-resharded, and the same record says so (``direction: grow``). Taking a returned node into the
-running job (``training.elastic.grow``) is not built: under torchrun a restart that is not a
-failure keeps the agent's restart count, so the workers of a returned node would rendezvous
-under another prefix than the survivors' (``launch.env.rendezvous_args``).
+A node that comes back grows the job again (``training.elastic.grow``): its agent joins the
+rendezvous, the agents open a round on the larger world and stop their workers, which save a
+checkpoint of the step they were in (SIGTERM); the larger world resumes it resharded onto the
+asked layout, and the same record says so (``direction: grow``). The returning node's workers
+are a first start to their agent (restart count 0) while the survivors' are not, so under
+elastic a worker resumes whenever the run directory holds checkpoints
+(``commands.train._torchrun_resumes``). The agents must not share their rendezvous store with
+the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): when they do, rank 0's agent keeps
+the store address of its first round and never writes it for a later one, and the returning
+agent waits for it until its timeout (torch's dynamic rendezvous, read and seen on the
+emulated cluster).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from .torchrun import threads_per_worker
 
 
 class ElasticJob:
-    """The nodes' torchrun agents, their output, and the means to lose a node."""
+    """The nodes' torchrun agents, their output, and the means to lose a node and to bring it
+    back."""
 
     def __init__(self, cluster: _Namespaces, nproc_per_node: int, script_argv: Sequence[str],
                  *, min_nodes: int = 1, max_restarts: int = 3,
@@ -40,29 +41,50 @@ class ElasticJob:
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.lost: set[int] = set()
+        self._start = dict(nproc_per_node=nproc_per_node, script_argv=list(script_argv),
+                           min_nodes=min_nodes, max_restarts=max_restarts, rdzv_port=rdzv_port,
+                           last_call_s=last_call_s, env=base, cwd=cwd, echo=echo)
         for k in range(cluster.num_nodes):
-            node_env = dict(base, GLOO_SOCKET_IFNAME=cluster.node_ifname(k),
-                            TP_SOCKET_IFNAME=cluster.node_ifname(k), NETCLUSTER_NODE=str(k))
-            argv = [sys.executable, "-m", "torch.distributed.run",
-                    "--nnodes", f"{min_nodes}:{cluster.num_nodes}",
-                    "--nproc-per-node", str(nproc_per_node),
-                    "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{cluster.node_addr(0)}:{rdzv_port}",
-                    "--rdzv-id", "netcluster-elastic",
-                    # After the fewest nodes have joined, wait this long for the others;
-                    # node 0 hosts the store (its address is no hostname's: say so).
-                    # A node without a heartbeat for 1 s x 5 is dropped from the rendezvous
-                    # (the default, 5 s x 3, makes the nodes left wait 15 s for the dead one).
-                    "--rdzv-conf", f"last_call_timeout={last_call_s},join_timeout=120,"
-                    f"keep_alive_interval=1,keep_alive_max_attempt=5,is_host={int(k == 0)}",
-                    "--local-addr", cluster.node_addr(k),
-                    "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-                    *script_argv]
-            proc = cluster.run_on_node(k, argv, env=node_env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=cwd)
-            self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(k, proc.stdout, echo), daemon=True).start()
+            self.procs.append(self._launch(k))
+
+    def _launch(self, k: int) -> subprocess.Popen[bytes]:
+        """Node ``k``'s torchrun agent, its output pumped into ``outputs[k]``."""
+        o = self._start
+        cluster = self.cluster
+        node_env = dict(o["env"], GLOO_SOCKET_IFNAME=cluster.node_ifname(k),
+                        TP_SOCKET_IFNAME=cluster.node_ifname(k), NETCLUSTER_NODE=str(k))
+        argv = [sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", f"{o['min_nodes']}:{cluster.num_nodes}",
+                "--nproc-per-node", str(o["nproc_per_node"]),
+                "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{cluster.node_addr(0)}:{o['rdzv_port']}",
+                "--rdzv-id", "netcluster-elastic",
+                # After the fewest nodes have joined, wait this long for the others; node 0
+                # hosts the store (its address is no hostname's: say so). A node without a
+                # heartbeat for 1 s x 5 is dropped from the rendezvous (the default, 5 s x 3,
+                # makes the nodes left wait 15 s for the dead one).
+                "--rdzv-conf", f"last_call_timeout={o['last_call_s']},join_timeout=120,"
+                f"keep_alive_interval=1,keep_alive_max_attempt=5,is_host={int(k == 0)}",
+                "--local-addr", cluster.node_addr(k),
+                "--max-restarts", str(o["max_restarts"]), "--monitor-interval", "0.2",
+                *o["script_argv"]]
+        proc = cluster.run_on_node(k, argv, env=node_env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   cwd=o["cwd"])
+        threading.Thread(target=self._pump, args=(k, proc.stdout, o["echo"]),
+                         daemon=True).start()
+        return proc
+
+    def restart_node(self, k: int) -> float:
+        """Start node ``k``'s agent again after it was lost (the node came back): its agent
+        joins the running rendezvous, which the others' agents answer by a new round on the
+        larger world; the monotonic time of the start."""
+        if k not in self.lost:
+            raise ValueError(f"node {k} was not lost")
+        self.lost.discard(k)
+        when = time.monotonic()
+        self.procs[k] = self._launch(k)
+        return when
 
     def _pump(self, k: int, stream: object, echo: bool) -> None:
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]

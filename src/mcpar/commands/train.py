@@ -211,6 +211,18 @@ def validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
     return plan
 
 
+def _torchrun_resumes(plan: JobPlan, run_dir: Path) -> bool:
+    """Whether a torchrun worker resumes the newest checkpoint. A restart (--max-restarts)
+    does, as our own launcher's restarts do. Under ``training.elastic`` so does every worker
+    of a run directory that already holds checkpoints: the workers of a node that came back
+    are a first start to their agent (restart count 0) while the survivors' are not, and the
+    whole world must take one path (the same decision from the same directory)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return True
+    return plan.config.training.elastic is not None and bool(
+        list_checkpoints(checkpoint_dir(plan.config, run_dir)))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from mcpar.trainer import Trainer, run_worker  # imported late: `check` need not pay for it
 
@@ -227,12 +239,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         plan = validate_for_training(cfg, env.world_size)
         run_dir = new_run_dir(args.run_dir, env)
         _check_paths(plan, run_dir)
-        # A torchrun restart (--max-restarts) resumes like our own launcher's restarts do.
-        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        resume = args.resume or _torchrun_resumes(plan, run_dir)
         # Rank 0 owns the run directory for the job's life (run_worker ends the process).
         lock = _prepare_run_dir(run_dir, plan, resume) if env.rank == 0 else None
         if plan.elastic is not None and env.rank == 0:
             print(f"mcpar: {plan.elastic.report_line()}", flush=True)
+        if (plan.config.training.elastic is not None and env.rank == 0
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            print("mcpar: warning: training.elastic: torchrun's agents share their rendezvous "
+                  "store with the workers, so a node that comes back cannot join (rank 0's "
+                  "agent never writes a later round's store address); start them with "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for the job to grow back", flush=True)
         run_worker(plan.config, run_dir, env, resume=resume, stop_after=args.stop_after,
                    plan=plan)
         if lock is not None:

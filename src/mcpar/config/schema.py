@@ -392,19 +392,24 @@ class ElasticConfig(_Section):  # training.elastic: a job that goes on with fewe
         "failed workers exit and the launcher restarts them on the nodes that are left.",
     )
     grow: bool = Field(
-        False, description="Take a node that comes back into the running job (the agents "
-        "re-rendezvous on a larger world). Not built yet: true is refused. A job started again "
-        "on more workers resumes its newest checkpoint resharded onto the asked layout, as any "
-        "resume does.",
+        True, description="Take a node that comes back into the running job. Under torchrun "
+        "--nnodes MIN:MAX the agents answer a returning node with a new rendezvous round on "
+        "the larger world; the workers stop with a checkpoint of the step they were in, and "
+        "the larger world resumes it resharded onto the asked layout (an elastic record, "
+        "direction grow); start the agents with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without "
+        "which a returning node waits for a store address torch's rank-0 agent never writes. "
+        "false is refused: the agents take a returning node whatever the job says; restart "
+        "torchrun with --nnodes MIN:<nodes left> to keep it out.",
     )
 
     @field_validator("grow")
     @classmethod
-    def _grow_not_built(cls, grow: bool) -> bool:
-        if grow:
+    def _grow_is_the_agents(cls, grow: bool) -> bool:
+        if not grow:
             raise ValueError(
-                "taking a returned node back into a running job is not built yet; set it to "
-                "false (start the job again on all nodes to use them: it resumes resharded)")
+                "cannot be kept: torchrun's agents take a node that comes back (up to --nnodes "
+                "MAX) whatever the job says; remove the key, and restart torchrun with "
+                "--nnodes MIN:<nodes left> to keep returning nodes out")
         return grow
 
 
