@@ -19,6 +19,7 @@ and ``reshard_restore.py`` streams this rank's shards of another layout out of i
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,6 +91,7 @@ def coordinate_codes(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, p
     meta); the meta ones are left out of each batch's shards."""
     chunks, number = _cut(model_cfg, kind, pp, virtual, pp_rank, placement)
     done: set[str] = set()
+    codes = None
     for batch in _batches(chunks, number):
         chunks, number = _cut(model_cfg, kind, pp, virtual, pp_rank, placement)
         _fill_codes(chunks, number, batch)
@@ -98,7 +100,10 @@ def coordinate_codes(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, p
             if name not in done:
                 done.add(name)
                 yield name, codes
-        del chunks
+        # The cut model's modules refer to each other: only the collector frees the batch's
+        # float64 codes, and the next batch would otherwise come on top of them.
+        del chunks, codes
+        gc.collect()
 
 
 def _cut(model_cfg: ModelConfig, kind: str, pp: int, virtual: int, pp_rank: int,

@@ -135,6 +135,9 @@ def _read_coordinates(manager: Any, path: Path, meta: dict[str, Any], saved: Pac
     targets = ShardTargets(coordinate_codes(
         cfg, cfg.kind, new["pipeline"], new["virtual_stages"], mine[0], new["tensor"], mine[1],
         placement_of(new), new["experts"], mine[2]))
+    # The codes were made a batch at a time and are gone; their pages go back before the
+    # reading starts (training keeps freed heap memory for reuse: ``keep_freed_host_memory``).
+    release_freed_host_memory()
     first = {name: runs.parameter << ELEMENT_BITS for name, runs in targets.runs.items()}
     targets.add_kind("param", {name: [(0, live[name].numel(), live[name])]
                                for name in targets.runs})
@@ -143,38 +146,11 @@ def _read_coordinates(manager: Any, path: Path, meta: dict[str, Any], saved: Pac
     wanted = _wanted_buffers(live, first, named)
     buffers: dict[str, torch.Tensor] = {}
     steps: set[float] = set()
-    plan = get_model_spec(cfg.kind).expert_parallel
     for coord, (model_keys, optim_keys) in coords.items():
-        model = {key.split("/", 2)[2]: value for key, value in saved.read(model_keys).items()}
-        pieces: dict[str, dict[str, torch.Tensor]] = {}
-        if optim_keys:
-            shapes = {local: torch.empty(value.shape, device="meta")
-                      for local, value in model.items()}
-            pieces = join_optimizer_pieces(saved.read(optim_keys), {coord: shapes},
-                                           {coord: shapes}, where).get(coord, {})
-        held: dict[str, int] = {}  # local parameter -> its first code (names its module)
-        for local, codes in coordinate_codes(
-                cfg, cfg.kind, old["pipeline"], old["virtual_stages"], coord[0],
-                old["tensor"], coord[1], placement_of(old), old["experts"], coord[2]):
-            if local not in model:
-                raise UserError(problem(where, f"the saved parameters are incomplete: {local} "
-                                        f"of coordinate {coord} is missing"))
-            held[local] = int(codes.reshape(-1)[0])
-            codes = _expert_codes(codes, local, model, plan, named)
-            targets.scatter("param", codes, model[local])
-            state = pieces.get(local)
-            if state is not None:  # complete: join_optimizer_pieces checked it
-                for moment in MOMENTS:
-                    targets.scatter(moment, codes, state[moment])
-                steps.add(float(state["step"]))
-        marks = {local: torch.tensor([code]) for local, code in held.items()}
-        for local, value in model.items():
-            if local in held:
-                continue
-            name = global_name(local, marks, named)
-            if name in wanted and name not in buffers:
-                buffers[name] = value.clone()  # a view would keep the coordinate's pack alive
-        del model, pieces
+        # One coordinate per call: its tensors (views into its packs) die with the call.
+        steps |= _read_coordinate(cfg, old, coord, saved.read(model_keys),
+                                  saved.read(optim_keys) if optim_keys else {}, targets, named,
+                                  wanted, buffers, where)
         release_freed_host_memory()
     if targets.missing("param"):
         raise UserError(problem(where, f"the saved parameters are incomplete: "
@@ -186,6 +162,50 @@ def _read_coordinates(manager: Any, path: Path, meta: dict[str, Any], saved: Pac
             raise UserError(problem(where, f"the optimizer's {moment} is incomplete: "
                                     f"{targets.missing(moment)} elements of this rank's shards "
                                     "are in no saved piece"))
+    return steps
+
+
+def _read_coordinate(cfg: Any, old: dict[str, Any], coord: Coord,
+                     model_saved: dict[str, torch.Tensor], optim_saved: dict[str, torch.Tensor],
+                     targets: ShardTargets, named: list[tuple[str, Any]],
+                     wanted: dict[str, str], buffers: dict[str, torch.Tensor],
+                     where: str) -> set[float]:
+    """One saved coordinate's parameters, moments and wanted buffers into ``targets`` and
+    ``buffers``; the optimizer steps it holds."""
+    model = {key.split("/", 2)[2]: value for key, value in model_saved.items()}
+    del model_saved
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    if optim_saved:
+        shapes = {local: torch.empty(value.shape, device="meta")
+                  for local, value in model.items()}
+        pieces = join_optimizer_pieces(optim_saved, {coord: shapes}, {coord: shapes},
+                                       where).get(coord, {})
+        del optim_saved
+        release_freed_host_memory()  # the read's staging copy
+    plan = get_model_spec(cfg.kind).expert_parallel
+    steps: set[float] = set()
+    held: dict[str, int] = {}  # local parameter -> its first code (names its module)
+    for local, codes in coordinate_codes(
+            cfg, cfg.kind, old["pipeline"], old["virtual_stages"], coord[0], old["tensor"],
+            coord[1], placement_of(old), old["experts"], coord[2]):
+        if local not in model:
+            raise UserError(problem(where, f"the saved parameters are incomplete: {local} of "
+                                    f"coordinate {coord} is missing"))
+        held[local] = int(codes.reshape(-1)[0])
+        codes = _expert_codes(codes, local, model, plan, named)
+        targets.scatter("param", codes, model[local])
+        state = pieces.get(local)
+        if state is not None:  # complete: join_optimizer_pieces checked it
+            for moment in MOMENTS:
+                targets.scatter(moment, codes, state[moment])
+            steps.add(float(state["step"]))
+    marks = {local: torch.tensor([code]) for local, code in held.items()}
+    for local, value in model.items():
+        if local in held:
+            continue
+        name = global_name(local, marks, named)
+        if name in wanted and name not in buffers:
+            buffers[name] = value.clone()  # a view would keep the coordinate's pack alive
     return steps
 
 
