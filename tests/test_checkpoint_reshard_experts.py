@@ -4,7 +4,9 @@ One source run (data 2 x experts 2, the greedy balancer moving experts every 2 s
 steps and saves at step 4, after the balancer has moved experts. Its step-4 checkpoint is loaded
 (``optimization.checkpoint.load_from``) by one process (experts 2 -> 1) and by data 4 x
 experts 4 (2 -> 4); the one process's copy then goes to experts 2 (1 -> 2), and experts 4's copy
-to experts 2 (4 -> 2). Each of them saves the state it loaded at once, as its first checkpoint.
+to experts 2 (4 -> 2); data 4 x experts 2 loads it too (the same expert degree: the experts
+stay in their slots and the balancer's state follows). Each of them saves the state it loaded
+at once, as its first checkpoint.
 
 - Every first checkpoint holds the source's step-4 state bit for bit: ``mcpar checkpoint
   verify`` gives the same hash (parameters, AdamW moments and step, the routers' expert_bias
@@ -22,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import recovery_events, run_cli_in_process, sets, train_metrics
 
 from mcpar.checkpoint.files import _sha256, load_tensors
@@ -42,6 +45,8 @@ LAYOUTS: dict[int, tuple[int, list[str]]] = {
     2: (2, ["parallelism.experts=2", "optimization.micro_batch_size=4", *GREEDY]),
     4: (4, ["parallelism.experts=4", "optimization.micro_batch_size=2", *GREEDY]),
 }
+# The same expert degree on another data degree (data 4 x experts 2: two replicas of each).
+SAME_EXPERTS = (4, ["parallelism.experts=2", "optimization.micro_batch_size=2", *GREEDY])
 SOURCE = "experts2_migrated"
 # Run name -> (the run whose step-4 checkpoint it loads, its expert degree), in run order.
 RESHARDS: dict[str, tuple[str, int]] = {
@@ -49,6 +54,7 @@ RESHARDS: dict[str, tuple[str, int]] = {
     "2_to_4": (SOURCE, 4),
     "1_to_2": ("2_to_1", 2),
     "4_to_2": ("2_to_4", 2),
+    "2_to_2_on_data4": (SOURCE, 2),
 }
 EXPERTS = {SOURCE: 2, **{name: experts for name, (_, experts) in RESHARDS.items()}}
 Runs = dict[str, tuple[Path, list[dict]]]
@@ -64,7 +70,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     nproc, settings = LAYOUTS[2]
     out = {SOURCE: (root / SOURCE, train_metrics(root / SOURCE, nproc, [*MOE, *settings]))}
     for name, (source, experts) in RESHARDS.items():
-        nproc, settings = LAYOUTS[experts]
+        nproc, settings = SAME_EXPERTS if name == "2_to_2_on_data4" else LAYOUTS[experts]
         load = f"optimization.checkpoint.load_from={_step4(out[source][0])}"
         out[name] = (root / name, train_metrics(root / name, nproc, [*MOE, *settings, load]))
     return out
@@ -106,11 +112,27 @@ def test_a_reshard_across_expert_degrees_keeps_the_hash(
     load = next(e for e in recovery_events(run_dir) if e.get("event") == "load")
     assert load["resharded_from"]["experts"] == EXPERTS[source], load
     assert load["resharded_to"]["experts"] == experts, load
-    # The source's balancer state is per slot of its expert layout: it restarts, and says so.
-    moved_by_balancer = EXPERTS[source] > 1
-    assert ("load_balancer" in load["restarted"]) == moved_by_balancer, load
-    # The new run places its experts by its own initial placement (expert e in slot e).
-    assert all(s == sorted(s) for s in _placements(_step4(run_dir)))
+    if EXPERTS[source] == experts:
+        # The same expert degree: the experts stay where the balancer had moved them, and the
+        # balancer's state follows them, the same on every new rank as the source saved it.
+        assert "load_balancer" in load["carried"] and "load_balancer" not in load["restarted"]
+        def placements(step_dir: Path) -> set[tuple[int, ...]]:  # replicas' copies once
+            return {tuple(p) for p in _placements(step_dir)}
+        assert placements(_step4(run_dir)) == placements(_step4(runs[source][0]))
+        saved = load_tensors(_step4(runs[source][0]), "rank0/")
+        balancer = {k[len("rank0/"):]: v for k, v in saved.items() if "balancer/" in k}
+        assert balancer
+        for rank in range(4):
+            got = load_tensors(_step4(run_dir), f"rank{rank}/")
+            for key, value in balancer.items():
+                assert torch.equal(got[f"rank{rank}/{key}"], value), (rank, key)
+    else:
+        # The source's balancer state is per slot of its expert layout: it restarts, and
+        # says so; the new run places its experts by its own initial placement (expert e in
+        # slot e).
+        moved_by_balancer = EXPERTS[source] > 1
+        assert ("load_balancer" in load["restarted"]) == moved_by_balancer, load
+        assert all(s == sorted(s) for s in _placements(_step4(run_dir)))
     digest, output = _verify(capsys, run_dir)
     assert digest == source_hash, output
 

@@ -3,7 +3,7 @@
 Per element of the flat momentum, the old ranks' mean worker error and the server error must be
 what the new ranks hold, whatever the old and new bucket segments and chunkings; the padding
 holds nothing. End to end: data 4 past the freeze step resumed at data 2 carries them (the
-load's log says 'redistributed', not 'restarted'), and the new run's own checkpoint holds them.
+load's log says 'carried', not 'restarted'), and the new run's own checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_data4_past_the_freeze_step_resumes_at_data2_with_its_errors(tmp_path: P
         *TINY, *ONEBIT, "training.steps=8", "optimization.gradient_accumulation=2",
         f"optimization.checkpoint.load_from={tmp_path / 'a'}"])
     load = [e for e in recovery_events(tmp_path / "b") if e.get("event") == "load"][0]
-    assert load["redistributed"] == ["compression_errors"], load
+    assert load["carried"] == ["compression_errors"], load
     assert "compression_errors" not in load["restarted"], load
     old_mean, old_server = _errors(a, 4)
     assert old_mean.abs().max() > 0 and old_server.abs().max() > 0  # past the freeze step

@@ -510,17 +510,22 @@ class FaultRecoveryManager:
             return self._restore()
 
     def _carry_rank_state(self, path: Path, old: dict[str, int]) -> list[str]:
-        """Per-rank state that follows a change of the data degree alone (the model's other
-        degrees kept): read back one old rank at a time; the names of what was carried."""
+        """Per-rank state that follows the layout change (what follows which change is each
+        part's call: 1-bit errors a change of the data degree alone, the balancer's state any
+        change that keeps the expert degree), read back one old rank at a time; the names of
+        what was carried."""
         carry = getattr(self.rank_state, "reshard", None)
-        if carry is None or any(old.get(key) != self.layout.get(key) for key in MODEL_DEGREES):
+        if carry is None:
             return []
+        same_model = all(old.get(key) == self.layout.get(key) for key in MODEL_DEGREES)
+        same_experts = old.get("experts", 1) == self.layout.get("experts", 1)
 
         def read_rank(rank: int) -> dict[str, torch.Tensor]:
             prefix = f"rank{rank}/"
             return {key[len(prefix):]: value
                     for key, value in load_tensors(path, prefix).items()}
-        return carry(read_rank, int(old["world_size"]))
+        return carry(read_rank, int(old["world_size"]), same_model=same_model,
+                     same_experts=same_experts)
 
     def _restore(self) -> int:
         self.wait()  # a save of this process still in flight is part of what may be restored
@@ -566,7 +571,7 @@ class FaultRecoveryManager:
             self.log.log("load", echo=True, step=step, path=str(path),
                          resharded_from=meta["layout"], resharded_to=self.layout,
                          restarted=[s for s in restarted_state(meta) if s not in carried],
-                         **({"redistributed": carried} if carried else {}),
+                         **({"carried": carried} if carried else {}),
                          # What the reading held above this rank's own state.
                          **({"host_peak_mb": round(peak / 2**20, 1)}
                             if peak is not None else {}))

@@ -8,10 +8,11 @@ key and piece rules as ``saved_state`` (the reader ``mcpar checkpoint verify`` h
 - parameters and AdamW's moments and step: each saved piece (a stage, a tensor slice, the
   experts of an expert rank, ZeRO pieces joined over the data replicas) gives this rank the
   elements it holds (``shard_targets.py``); every element must be covered;
-- experts: a saved expert weight's elements are taken as the experts its slots held (the
-  layer's saved ``expert_of_slot``); the new run places them by its own initial placement
-  (expert e in slot e), so where the old run's balancer had moved them does not follow them
-  (it was a placement, not state);
+- experts: under another expert degree, a saved expert weight's elements are taken as the
+  experts its slots held (the layer's saved ``expert_of_slot``) and the new run places them by
+  its own initial placement (expert e in slot e): the old slots mean nothing there. Under the
+  same expert degree they stay in their saved slots with their placement buffers, and the
+  manager carries the load balancer's state (``load_balancer`` under ``carried``);
 - persistent buffers whose meaning does not depend on the layout (the auxiliary-loss-free
   ``expert_bias`` of each router, indexed by expert) are copied whole;
 - the data stream position is restored by the caller; the step comes with the optimizer state.
@@ -20,9 +21,9 @@ What cannot follow a layout change restarts, and the load's log says so (``resta
 RNG states (one generator per rank: they start from ``training.seed``), the compression error
 buffers of PowerSGD (one per data rank: zero) and of 1-bit Adam unless only the data degree
 changed (then the manager redistributes them per element, ``comm/onebit_reshard.py``, and the
-log says ``redistributed``), and the expert load balancer's own state (its placement table,
-load estimates and the learning agent's shadow placements are per slot of the old expert
-layout: the balancer starts afresh from the initial placement).
+log says ``carried``), and, under another expert degree, the expert load balancer's own state
+(its placement table, load estimates and the learning agent's shadow placements are per slot
+of the old expert layout: the balancer starts afresh from the initial placement).
 
 Memory (host, per rank): this rank's share three times over in float32 (parameters and both
 moments) and its codes (int64, with their sorted copy and inverse: 24 bytes per element), plus,
@@ -143,14 +144,17 @@ def _read_coordinates(manager: Any, path: Path, meta: dict[str, Any], saved: Pac
                                for name in targets.runs})
     for moment, sinks in sinks_of.items():
         targets.add_kind(moment, sinks)
-    wanted = _wanted_buffers(live, first, named)
+    # Under the same expert degree the experts stay in the slots the balancer had moved them
+    # to (their placement buffers come back too), so that the balancer's state can follow.
+    keep_slots = old["experts"] == new["experts"]
+    wanted = _wanted_buffers(live, first, named, keep_placement=keep_slots)
     buffers: dict[str, torch.Tensor] = {}
     steps: set[float] = set()
     for coord, (model_keys, optim_keys) in coords.items():
         # One coordinate per call: its tensors (views into its packs) die with the call.
         steps |= _read_coordinate(cfg, old, coord, saved.read(model_keys),
                                   saved.read(optim_keys) if optim_keys else {}, targets, named,
-                                  wanted, buffers, where)
+                                  wanted, buffers, where, keep_slots)
         release_freed_host_memory()
     if targets.missing("param"):
         raise UserError(problem(where, f"the saved parameters are incomplete: "
@@ -169,9 +173,10 @@ def _read_coordinate(cfg: Any, old: dict[str, Any], coord: Coord,
                      model_saved: dict[str, torch.Tensor], optim_saved: dict[str, torch.Tensor],
                      targets: ShardTargets, named: list[tuple[str, Any]],
                      wanted: dict[str, str], buffers: dict[str, torch.Tensor],
-                     where: str) -> set[float]:
+                     where: str, keep_slots: bool) -> set[float]:
     """One saved coordinate's parameters, moments and wanted buffers into ``targets`` and
-    ``buffers``; the optimizer steps it holds."""
+    ``buffers``; the optimizer steps it holds. ``keep_slots``: experts go to the slots they
+    were saved in, not to their expert order."""
     model = {key.split("/", 2)[2]: value for key, value in model_saved.items()}
     del model_saved
     pieces: dict[str, dict[str, torch.Tensor]] = {}
@@ -182,7 +187,7 @@ def _read_coordinate(cfg: Any, old: dict[str, Any], coord: Coord,
                                        where).get(coord, {})
         del optim_saved
         release_freed_host_memory()  # the read's staging copy
-    plan = get_model_spec(cfg.kind).expert_parallel
+    plan = None if keep_slots else get_model_spec(cfg.kind).expert_parallel
     steps: set[float] = set()
     held: dict[str, int] = {}  # local parameter -> its first code (names its module)
     for local, codes in coordinate_codes(
@@ -280,14 +285,15 @@ def coordinate_keys(keys: set[str]) -> dict[Coord, tuple[list[str], list[str]]]:
 
 
 def _wanted_buffers(live: dict[str, torch.Tensor], first: dict[str, int],
-                    named: list[tuple[str, Any]]) -> dict[str, str]:
-    """Global name -> local name of the persistent buffers this rank holds, except the expert
-    placement, which stays this run's initial one (``first``: each local parameter's first
-    element code, which names its module)."""
+                    named: list[tuple[str, Any]], keep_placement: bool) -> dict[str, str]:
+    """Global name -> local name of the persistent buffers this rank holds (``first``: each
+    local parameter's first element code, which names its module); the expert placement only
+    with ``keep_placement`` (else it stays this run's initial one)."""
     marks = {local: torch.tensor([code]) for local, code in first.items()}
     wanted: dict[str, str] = {}
     for local in live:
-        if local in marks or local.rsplit(".", 1)[-1] in PLACEMENT_BUFFERS:
+        if local in marks or (not keep_placement
+                              and local.rsplit(".", 1)[-1] in PLACEMENT_BUFFERS):
             continue
         name = global_name(local, marks, named)
         if name is not None:

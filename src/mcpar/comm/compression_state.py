@@ -81,12 +81,13 @@ class CompressionState:
             self.powersgd.load_state_dict(state)
 
 
-    def reshard(self, read_rank: Callable[[int], dict[str, torch.Tensor]],
-                old_world: int) -> list[str]:
-        """Carry what survives a change of the data degree from the old ranks' tensors
-        (``read_rank(r)``: rank r's, by name relative to its prefix); the names carried."""
+    def reshard(self, read_rank: Callable[[int], dict[str, torch.Tensor]], old_world: int,
+                same_model: bool, same_experts: bool) -> list[str]:
+        """Carry what survives a change of the data degree alone (``same_model``: the other
+        degrees kept) from the old ranks' tensors (``read_rank(r)``: rank r's, by name relative
+        to its prefix); the names carried."""
         errors = getattr(self.optimizer, "error_buffers", None)
-        if errors is None:
+        if errors is None or not same_model:
             return []
         merge = ErrorMerge(self.optimizer.numel)
         try:
@@ -128,12 +129,13 @@ class RankStateGroup:
         for part in self.parts:
             part.load(tensors)
 
-    def reshard(self, read_rank: Callable[[int], dict[str, torch.Tensor]],
-                old_world: int) -> list[str]:
-        """Each part's carry across a data-degree change (parts without one carry nothing)."""
+    def reshard(self, read_rank: Callable[[int], dict[str, torch.Tensor]], old_world: int,
+                same_model: bool, same_experts: bool) -> list[str]:
+        """Each part's carry across a layout change (parts without one carry nothing)."""
         carried: list[str] = []
         for part in self.parts:
             carry = getattr(part, "reshard", None)
             if carry is not None:
-                carried += carry(read_rank, old_world)
+                carried += carry(read_rank, old_world, same_model=same_model,
+                                 same_experts=same_experts)
         return carried

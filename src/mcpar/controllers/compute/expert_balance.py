@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -207,6 +208,16 @@ class MoERoutingController:
             for name, tensor in self.balancer.state_tensors().items():
                 out[BALANCER_PREFIX + name] = tensor
         return out
+
+    def reshard(self, read_rank: Callable[[int], dict[str, torch.Tensor]], old_world: int,
+                same_model: bool, same_experts: bool) -> list[str]:
+        """The balancer's state across a layout change that keeps the expert degree (its tables
+        are per slot of that degree's layout, and the experts stay in their saved slots): rank
+        0's copy, the same on every rank. Another degree: nothing (it restarts)."""
+        if not same_experts or self.balancer is None:
+            return []
+        self.load(read_rank(0))
+        return ["load_balancer"]
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         if "moe/migrations_total" in tensors:
