@@ -73,6 +73,7 @@ every rank's list together.
 from __future__ import annotations
 
 import functools
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable
 
@@ -220,11 +221,14 @@ class _ZeroBubble(PipelineSchedule):
 
     splits_backward = True
 
+    @abstractmethod
     def warmup(self, pp_rank: int, pp: int, m: int) -> int:
-        raise NotImplementedError
+        """Forwards a rank runs before its first B."""
 
+    @abstractmethod
     def lag(self, pp_rank: int, pp: int, m: int) -> int:
-        raise NotImplementedError
+        """How many backwards after its own B a W runs (the W of the k-th B follows the
+        (k + lag)-th B)."""
 
     def actions(self, pp_rank: int, pp: int, m: int, v: int) -> list[Action]:
         order = one_f_one_b([Action("F", 0, k) for k in range(m)],
