@@ -43,12 +43,10 @@ from mcpar.checkpoint.files import SafeFileSystemReader
 from mcpar.checkpoint.packing import PackedCheckpoint
 from mcpar.checkpoint.reshard import ELEMENT_BITS, coordinate_codes, placement_of
 from mcpar.checkpoint.saved_state import (
-    MODEL_KEY,
     MOMENTS,
-    OPTIM_KEY,
-    PIECE,
     PLACEMENT_BUFFERS,
     Coord,
+    coordinate_keys,
     global_name,
     join_optimizer_pieces,
 )
@@ -255,33 +253,6 @@ def _moment_sinks(optimizer: torch.optim.Optimizer, live: dict[str, torch.Tensor
             for moment in MOMENTS:
                 out[moment].setdefault(name, []).append((start, end, state[moment]))
     return out, states
-
-
-def coordinate_keys(keys: set[str]) -> dict[Coord, tuple[list[str], list[str]]]:
-    """(pipeline, tensor, expert) coordinate -> (model keys, optimizer keys) to read for it:
-    the lowest data replica's model tensors and whole optimizer tensors (replicas hold the
-    same bits), and every replica's ZeRO pieces."""
-    model: dict[Coord, dict[int, list[str]]] = {}
-    whole: dict[tuple[Coord, str, str], tuple[int, str]] = {}
-    pieces: dict[Coord, list[str]] = {}
-    for key in sorted(keys):
-        if (m := MODEL_KEY.fullmatch(key)) is not None:
-            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-            model.setdefault(coord, {}).setdefault(int(m.group(4) or 0), []).append(key)
-        elif (m := OPTIM_KEY.fullmatch(key)) is not None:
-            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-            replica, local = int(m.group(4) or 0), m.group(5)
-            if PIECE.fullmatch(local):
-                pieces.setdefault(coord, []).append(key)
-                continue
-            known = whole.get((coord, local, m.group(6)))
-            if known is None or replica < known[0]:
-                whole[(coord, local, m.group(6))] = (replica, key)
-    optim: dict[Coord, list[str]] = {c: list(keys) for c, keys in pieces.items()}
-    for (coord, _, _), (_, key) in whole.items():
-        optim.setdefault(coord, []).append(key)
-    return {coord: (replicas[min(replicas)], optim.get(coord, []))
-            for coord, replicas in sorted(model.items())}
 
 
 def _wanted_buffers(live: dict[str, torch.Tensor], first: dict[str, int],

@@ -55,17 +55,35 @@ def layout_maps(cfg: ModelConfig, layout: dict[str, Any], coord: Coord, cache: b
 
 def model_shards(saved: dict[str, torch.Tensor]) -> dict[Coord, dict[str, torch.Tensor]]:
     """Saved model tensors grouped by coordinate, one data replica (the lowest) of each."""
-    chosen: dict[Coord, int] = {}
-    out: dict[Coord, dict[str, torch.Tensor]] = {}
-    for key, value in saved.items():
-        m = MODEL_KEY.fullmatch(key)
-        if m is None:
-            continue
-        coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-        replica = int(m.group(4) or 0)
-        if chosen.setdefault(coord, replica) == replica:
-            out.setdefault(coord, {})[m.group(5)] = value
-    return out
+    return {coord: {key.split("/", 2)[2]: saved[key] for key in model_keys}
+            for coord, (model_keys, _) in coordinate_keys(set(saved)).items()}
+
+
+def coordinate_keys(keys: set[str]) -> dict[Coord, tuple[list[str], list[str]]]:
+    """(pipeline, tensor, expert) coordinate -> (model keys, optimizer keys) to read for it:
+    the lowest data replica's model tensors and whole optimizer tensors (replicas hold the
+    same bits), and every replica's ZeRO pieces."""
+    model: dict[Coord, dict[int, list[str]]] = {}
+    whole: dict[tuple[Coord, str, str], tuple[int, str]] = {}
+    pieces: dict[Coord, list[str]] = {}
+    for key in sorted(keys):
+        if (m := MODEL_KEY.fullmatch(key)) is not None:
+            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+            model.setdefault(coord, {}).setdefault(int(m.group(4) or 0), []).append(key)
+        elif (m := OPTIM_KEY.fullmatch(key)) is not None:
+            coord = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+            replica, local = int(m.group(4) or 0), m.group(5)
+            if PIECE.fullmatch(local):
+                pieces.setdefault(coord, []).append(key)
+                continue
+            known = whole.get((coord, local, m.group(6)))
+            if known is None or replica < known[0]:
+                whole[(coord, local, m.group(6))] = (replica, key)
+    optim: dict[Coord, list[str]] = {c: list(keys) for c, keys in pieces.items()}
+    for (coord, _, _), (_, key) in whole.items():
+        optim.setdefault(coord, []).append(key)
+    return {coord: (replicas[min(replicas)], optim.get(coord, []))
+            for coord, replicas in sorted(model.items())}
 
 
 def global_name(local: str, maps: dict[str, torch.Tensor], named: Named) -> str | None:
