@@ -226,6 +226,8 @@ class Trainer:
             self.run_dir, has_experts=self.spec.expert_parallel is not None,
             is_main=self.rank == 0)
         self.executor, self.compute, self.moe = runtime.executor, runtime.controller, runtime.moe
+        if self.store is not None:  # ZeRO-3: a chunk's weights are freed after each backward
+            self.compute.after_backward = self.store.release_chunk
         self.meter.weight_grads = self.executor.weight_grads
         self._log(*runtime.notes)
 

@@ -35,7 +35,7 @@ class ZeroStage:
     name: str
     stage: int
     shards_optimizer: bool = False  # each data rank keeps a shard of the AdamW state
-    shards_gradients: bool = False  # gradients reduce-scattered after every backward
+    shards_gradients: bool = False  # gradients reduce-scattered per backward (or per step)
     shards_parameters: bool = False  # parameters gathered per layer (the parameter store)
     summary: str = ""
 
@@ -52,6 +52,18 @@ class ZeroStage:
                         "parameter gathers, and zero_stage is not 3; set zero_stage 3 or "
                         "weight_gather 'none'"))
         return out
+
+    def reduces_every_backward(self, facts: ZeroFacts) -> bool:
+        """Whether the gradients are reduce-scattered after every backward pass (no full
+        gradient kept between micro-batches) rather than once per step, after each chunk's
+        last backward. A gradient-sharding stage reduces per backward where each backward of a
+        chunk is whole and runs before the chunk's next one; under a schedule that splits the
+        backward (a micro-batch's weight gradients come in a later W task, after other
+        micro-batches' B tasks) or that places several chunks on a rank, the gradients stay
+        whole until the step's last backward of each chunk, as FSDP does under torch's
+        pipelining (its gradient sync is requested on the last micro-batch only). The runtime
+        (``MemoryPlan``), the memory estimate and the cost model all ask this."""
+        return self.shards_gradients and not facts.splits_backward and facts.vp == 1
 
 
 ZERO_STAGES: Registry[ZeroStage] = Registry("ZeRO stage", "controllers.memory.zero_stage")

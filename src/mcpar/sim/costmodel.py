@@ -252,14 +252,21 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             z3 = zero3_traffic(count, w_b, g_b, group, z3_lay, cluster, net, topo, calls, rl)
             # Prefetching hides the next block's gather behind the current block's compute.
             per_micro += _exposed(z3.forward, fwd_window, eff.overlap, calls)
-            per_micro += _exposed(z3.backward, bwd_window, eff.overlap, 2 * calls)
             encode += z3.encode * lay.num_microbatches
-            total += (z3.forward + z3.backward) * lay.num_microbatches
+            if lay.reduces_every_backward:
+                per_micro += _exposed(z3.backward, bwd_window, eff.overlap, 2 * calls)
+                total += (z3.forward + z3.backward) * lay.num_microbatches
+                continue
+            # The gathers every backward, the reduce-scatters once per step.
+            gathers = z3.backward - z3.reduce
+            per_micro += _exposed(gathers, bwd_window, eff.overlap, calls)
+            per_step += _exposed(z3.reduce, bwd_window, eff.overlap, calls)
+            total += (z3.forward + gathers) * lay.num_microbatches + z3.reduce
             continue
         rs = calls * reduce_scatter(grads / calls, group, cluster, net, topo)
         ag_calls = _chunks(weights, bucket)
         ag = ag_calls * all_gather(weights / ag_calls, group, cluster, net, topo)
-        if lay.zero_stage == 1:
+        if not lay.reduces_every_backward:  # stage 1, or 2 reducing once per step
             per_step += _exposed(rs, bwd_window, eff.overlap, calls)
             per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
             total += rs + ag

@@ -347,11 +347,13 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
 
 def root_params(m: ModelShape, lay: Layout) -> float:
     """Parameters outside the transformer blocks (embedding, position table, final norm, head)
-    on the pipeline rank holding the most of them."""
+    on the pipeline rank holding the most of them (both ends on one rank without a pipeline,
+    and under a V placement, whose first rank holds the first and the last stage)."""
     h, vocab = m.hidden, m.vocab * m.hidden / lay.tp
     first = vocab + (m.seq_len * h if m.learned_positions else 0)
     last = 2 * h + (0 if m.tied_embeddings and lay.pp * lay.vp == 1 else vocab)
-    return first + last if lay.pp == 1 else max(first, last)
+    together = lay.pp == 1 or schedule_placement(lay.schedule) == "v"
+    return first + last if together else max(first, last)
 
 
 def gather_span(block_bytes: float, gather_mb: float, blocks: int) -> int:
@@ -417,18 +419,27 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
     if offload is not None:
         offloaded, optim = optim, 0.0
         comm += 2 * min(offload.buffer_bytes, offloaded)  # two streaming groups
-    if z == 2 and lay.bucket_mb:
+    # ZeRO 2/3 reducing once per step (a split schedule, several chunks per rank): the step
+    # accumulates the whole gradient before its buckets are reduce-scattered.
+    once_per_step = z >= 2 and not lay.reduces_every_backward
+    if once_per_step:
+        comm += (dense_rank + expert_rank) * g_b
+    elif z == 2 and lay.bucket_mb:
         comm += min(lay.bucket_mb * 2**20, grads * dp_group)  # one full bucket in flight
     if z >= 3:
         layer = params_per_rank(m, lay)[2]
         # The gathered block and the group prefetched behind it, and the root parameters,
-        # gathered at the start of the forward and held until that micro-batch's backward.
+        # gathered at the start of the forward and held until that micro-batch's backward;
+        # with several chunks per rank, each chunk's last group is kept from its forward into
+        # its backward, and a micro-batch's chunks are in flight together.
         blocks = chunk_blocks(m, lay)
         span = gather_span(layer * w_b, lay.gather_mb, blocks)
-        gathered += (min(1 + span, blocks) * layer + root_params(m, lay)) * w_b
+        gathered += (lay.vp * min(1 + span, blocks) * layer + root_params(m, lay)) * w_b
         # The largest unit's full gradient before the store reduces it: a block, or the root
-        # parameters (embedding, position table, final norm, head), one unit of their own.
-        comm += max(layer, root_params(m, lay)) * g_b
+        # parameters (embedding, position table, final norm, head), one unit of their own
+        # (reducing once per step, the whole gradient is counted above).
+        if not once_per_step:
+            comm += max(layer, root_params(m, lay)) * g_b
         if lay.allocation == "topology_aware":
             # The store's secondary copy: a 1/k slice of every block, in the weights' dtype
             # (k = the node's data ranks), held between steps like the shards, so counted with

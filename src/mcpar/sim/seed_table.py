@@ -333,7 +333,7 @@ def render() -> str:
         *[f"- **{fab.name}**: {fab.text}." for fab in fabs],
         "",
         "The planner's columns rank only layouts `mcpar train` accepts (ZeRO runs its "
-        "collectives flat; the parameter store and its codecs need ZeRO-3 without a pipeline).",
+        "collectives flat; the parameter store and its codecs need ZeRO-3).",
     ]
     for fab, fab_cols in zip(fabs, cols, strict=True):
         lines += ["", f"## {fab.name}", "", *_table(fab_cols, limit_gib)]

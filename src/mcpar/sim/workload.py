@@ -19,8 +19,14 @@ from mcpar.registry.codec import ExchangeFacts, codec_problems
 from mcpar.registry.model_family import MODEL_FAMILIES
 from mcpar.registry.model_shape import FFN_KINDS, GATED_FFN, ModelShape
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
-from mcpar.registry.schedule import SCHEDULES, default_schedule, schedule_placement, stage_rank
-from mcpar.registry.zero import ZERO_STAGES
+from mcpar.registry.schedule import (
+    SCHEDULES,
+    default_schedule,
+    schedule_placement,
+    splits_backward,
+    stage_rank,
+)
+from mcpar.registry.zero import ZERO_STAGES, ZeroFacts, zero_stage
 
 __all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
            "layout_problems", "model_preset", "model_problems", "rank_layers", "stage_blocks"]
@@ -100,6 +106,14 @@ class Layout:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def reduces_every_backward(self) -> bool:
+        """ZeRO 2/3 reduce-scatter the gradients after every backward (else once per step,
+        the gradients held whole meanwhile): the stage entry's rule, which the runtime asks."""
+        return zero_stage(self.zero_stage).reduces_every_backward(ZeroFacts(
+            self.dp, pp=self.pp, vp=self.vp, cp=self.cp,
+            splits_backward=splits_backward(self.schedule, self.pp)))
 
     @property
     def attention_kind(self) -> str:

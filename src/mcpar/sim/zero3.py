@@ -49,6 +49,7 @@ class Zero3Traffic:
 
     forward: float  # the forward gathers (hidden behind the forward by prefetching)
     backward: float  # the backward gathers and gradient reduce-scatters
+    reduce: float  # of which the reduce-scatters (once per step where the plan says so)
     encode: float  # quantize / dequantize / error-feedback passes (not hidden)
     inter_node_bytes: float  # bytes one node sends through its NICs (per micro-batch)
 
@@ -83,10 +84,10 @@ def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layou
     ring_share = (group.size - 1) / group.size if crosses else 0.0
     inter = ring_share * count * gather_b
     if not uses_store(lay, group, cluster):
-        backward = calls * (all_gather(count * w_b / calls, group, cluster, net, topology)
-                            + reduce_scatter(count * g_b / calls, group, cluster, net, topology))
+        reduce = calls * reduce_scatter(count * g_b / calls, group, cluster, net, topology)
+        backward = calls * all_gather(count * w_b / calls, group, cluster, net, topology) + reduce
         inter += ring_share * count * (w_b + g_b)
-        return Zero3Traffic(forward, backward, encode, inter)
+        return Zero3Traffic(forward, backward, reduce, encode, inter)
     local = Group(k, group.stride)  # the node's data ranks: NVLink only
     gather = calls * all_gather(count * w_b / calls, local, cluster, net, "flat")
     rs_local = calls * reduce_scatter(count * g_b / calls, local, cluster, net, "flat")
@@ -107,4 +108,5 @@ def zero3_traffic(count: float, w_b: float, g_b: float, group: Group, lay: Layou
     encode += rl.stream(2 * count / k * w_b)
     # k shard rings per node, each sending (N - 1) / N of its 1/k shard across nodes.
     inter += (nodes - 1) / nodes * count * shard_b
-    return Zero3Traffic(forward, gather + rs_local + rs_remote, encode, inter)
+    return Zero3Traffic(forward, gather + rs_local + rs_remote, rs_local + rs_remote, encode,
+                        inter)

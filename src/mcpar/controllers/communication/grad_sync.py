@@ -35,7 +35,10 @@ at once. That happens in every backward pass ("round"; the ComputeController arm
 with gradient accumulation a stage-2 step reduce-scatters once per micro-batch (M times the
 bytes of stage 1, which reduces once per step) and sums the shards. Every round launches every
 bucket exactly once, in bucket order (from the hooks when complete, else when the round ends),
-so the collectives match on every rank whatever the hooks saw.
+so the collectives match on every rank whatever the hooks saw. Where the MemoryController's plan
+says so (a schedule that splits the backward, or several chunks per rank: the stage entry's
+``reduces_every_backward``), the step is one round: the fresh gradients accumulate whole over
+the micro-batches and each bucket is reduce-scattered once, as stage 1 does, then freed.
 """
 
 from __future__ import annotations
@@ -99,14 +102,19 @@ class DataParallelGradSync:
     def __init__(self, params: list[torch.nn.Parameter], bucket_size_mb: float = 25.0,
                  overlap: bool = True, shards: ShardSpec | None = None,
                  release_grads: bool = False,
-                 groups: list[list[torch.nn.Parameter]] | None = None):
+                 groups: list[list[torch.nn.Parameter]] | None = None,
+                 reduce_every_backward: bool = True):
         """``shards``: under ZeRO, the (axis, degree, this rank's position) of the dense
         buckets' reduce-scatter and of the expert buckets'; None for all-reduce. ``release_grads``:
         ZeRO stages 2 and 3 (see the module's docstring). ``groups``: the buckets' parameters,
-        in launch order (stage 3: one per layer and kind); default: cut by size."""
+        in launch order (stage 3: one per layer and kind); default: cut by size.
+        ``reduce_every_backward``: with ``release_grads``, whether every backward is a round
+        (the MemoryController's plan decides it); False: one round per step, armed before each
+        chunk's last backward, the gradients accumulating whole until then."""
         self.overlap = overlap
         self.exchange: BucketExchange | None = None
         self.release_grads = release_grads
+        self.reduce_every_backward = reduce_every_backward
         self.buckets = self._make_buckets([p for p in params if p.requires_grad],
                                           int(bucket_size_mb * 2**20), shards,
                                           views=not release_grads, groups=groups)
@@ -198,11 +206,13 @@ class DataParallelGradSync:
 
     def arm(self, params: list[torch.nn.Parameter]) -> None:
         """Count these parameters' next gradient: their last backward of the step is next
-        (under ZeRO stage 2: every backward; the previous round ends here)."""
+        (under ZeRO stage 2 reducing every backward: every backward, and the previous round ends
+        here; reducing once per step, the step is the round)."""
         if self._idle:
             return
         if self.release_grads:
-            self._end_round()
+            if self.reduce_every_backward or not self._round_open:
+                self._end_round()
             self._round_open = True
         self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
 

@@ -87,6 +87,9 @@ class ComputeController:
         self._result: object = None
         self._start = 0.0
         self.trace_ranges = False  # set by the profiler: each task a named range of its trace
+        # Called with the chunk after each of its backward (B) tasks: ZeRO-3's store frees the
+        # chunk's gathered weights there.
+        self.after_backward: Callable[[int], None] | None = None
         grad_sync.on_launch = self._log_reduce_start
 
     def submit_task(self, task: Task) -> None:
@@ -106,6 +109,8 @@ class ComputeController:
     def _run(self, task: Task) -> None:
         if task.kind in STAGE_TASKS:
             self.executor.run_task(task)
+            if task.kind is TaskKind.BACKWARD and self.after_backward is not None:
+                self.after_backward(task.chunk)
         elif task.kind is TaskKind.SYNC_GRADS:
             self.grad_sync.arm(self.chunk_params[task.chunk])
         elif task.kind is TaskKind.SYNC_WEIGHT_GRADS:

@@ -92,7 +92,8 @@ def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: in
         schedule = DEFAULT_SCHEDULE
     entry = SCHEDULES.get(schedule) if schedule in SCHEDULES else None
     if entry is not None and entry.splits_backward and reduce_every_backward:
-        # ZeRO stage 2 frees each gradient after every backward; a deferred W would land after.
+        # A reduction after every backward would miss the W's gradients; the ZeRO entry's rule
+        # (``reduces_every_backward``) never asks for one under a split schedule.
         raise ValueError(f"schedule {schedule} splits the backward, which ZeRO stage 2's "
                          "reduction after every backward cannot follow")
     actions = build_schedule(schedule, pp_rank, pp, num_microbatches, virtual_stages,

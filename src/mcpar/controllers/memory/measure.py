@@ -22,8 +22,10 @@ rest of the run pays nothing for it.
 - Gathered working set (ZeRO-3): the largest sum of the parameters' storages seen while the step
   saves tensors (the gathered layers and root parameters; the shards are model state).
 - Communication buffers: under ZeRO-2 and 3, the largest gradient bucket (a full-size buffer is
-  filled and reduce-scattered per bucket); error-feedback state of a gradient compressor; on a
-  CPU device, optimizer offload's streaming buffers (host memory, which there is the device's).
+  filled and reduce-scattered per bucket), or, where they reduce once per step, every bucket
+  (the whole gradient accumulates over the step); error-feedback state of a gradient
+  compressor; on a CPU device, optimizer offload's streaming buffers (host memory, which there
+  is the device's).
 
 On CUDA the total is also ``torch.cuda.max_memory_allocated`` over the step (``device.py``).
 """
@@ -195,8 +197,11 @@ class MemoryMeter:
         comm = sum(t.untyped_storage().nbytes() for t in feedback)
         if self.device.type == "cpu":  # offload's host buffers are this device's memory
             comm += held.get("offload buffers", 0)
-        if zero_stage >= 2 and sync.buckets:  # the largest full bucket, filled then reduced
-            comm += max(b.numel * b.params[0].element_size() for b in sync.buckets)
+        if zero_stage >= 2 and sync.buckets:
+            sizes = [b.numel * b.params[0].element_size() for b in sync.buckets]
+            # Reducing after every backward, the largest full bucket, filled then reduced; once
+            # per step, every bucket's whole gradient, accumulated over the step's backwards.
+            comm += max(sizes) if sync.reduce_every_backward else sum(sizes)
         rows = {**{k: held.get(k, 0) for k in ROWS[:3]}, "activations": self.activations,
                 "communication buffers": comm,
                 # Outside ZeRO-3 the parameters' storages are the parameters themselves.

@@ -37,6 +37,13 @@ Order (the ComputeController's task order, one chunk: embedding, blocks, head, t
     The root stays gathered until its gradients are in (the end of the backward pass). Under
     ``torch.no_grad`` (evaluation) everything is freed after its forward. The hooks issue the
     store's collectives in the same order on every rank.
+Under a pipeline (several micro-batches in flight, in the schedule's order)
+    Each gather above is per use, so any order of forwards and backwards works: a chunk's
+    backward starts by gathering its root again when another micro-batch's backward freed it
+    (a pipeline's cool-down runs backwards in a row), and the ComputeController calls
+    ``release_chunk`` after each backward task. Where the plan reduces once per step (a split
+    schedule, several chunks per rank) the buckets launch only in the step's last backward of
+    each chunk, so the units are freed there rather than at their launch.
 
 Plain gathers and reductions (no codec, no node cache)
     They are the backend's own asynchronous collectives, started from the hooks: no thread of
@@ -487,12 +494,26 @@ class ParameterStore:
             if not (torch.is_grad_enabled() and output.requires_grad):
                 self._free(root)  # evaluation: nothing comes back
                 return
-            if blocks:
-                last = blocks[-1]
-                # The head's backward runs first: the last block's gather crosses meanwhile.
-                output.register_hook(lambda grad: (self.fetch_parameters(last, backward=True),
-                                                   None)[1])
+            output.register_hook(lambda grad: self._chunk_backward_starts(root, blocks))
         return hook
+
+    def _chunk_backward_starts(self, root: StoreUnit, blocks: list[StoreUnit]) -> None:
+        """A chunk's backward begins with the head's (the last stage) or the last block's: the
+        root is gathered again if a backward of another micro-batch freed it since this one's
+        forward (a pipeline runs several forwards before their backwards), and the last
+        block's gather crosses while the head's backward runs."""
+        self.fetch_units([root, *blocks[-1:]], backward=True)
+        self.wait(root)
+
+    def release_chunk(self, chunk: int) -> None:
+        """A backward of local chunk ``chunk`` has ended: free its gathered units. Under a
+        reduction after every backward they are freed as their buckets launch; under one
+        reduction per step (a split schedule, several chunks per rank) the launch waits for
+        the step's last backward, and the weights are not needed until the next forward or
+        backward gathers them (a W task reads only the saved inputs and output gradients)."""
+        for unit in self.units:
+            if unit.name.split(".")[0] == f"chunk{chunk}" and unit.gathered:
+                self._free(unit)
 
     def _block_pre(self, unit: StoreUnit, after: list[StoreUnit]):  # type: ignore[no-untyped-def]
         def hook(_module: nn.Module, _args: object) -> None:

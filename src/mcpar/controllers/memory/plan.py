@@ -21,7 +21,12 @@ from mcpar.config import JobConfig
 from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory, layer_modes
 from mcpar.controllers.memory.placement import Placement, with_settings
 from mcpar.controllers.memory.store_offload_plan import OffloadPlan, StorePlan
-from mcpar.controllers.memory.zero_plan import MemoryPlacement, plan_placement, shard_axis
+from mcpar.controllers.memory.zero_plan import (
+    MemoryPlacement,
+    plan_placement,
+    reduces_every_backward,
+    shard_axis,
+)
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, RecomputeFacts
@@ -55,6 +60,9 @@ class MemoryPlan:
     # The dense parameters' replicas, which ZeRO shards over: 'dp', or 'dp_cp' under context
     # parallelism (``zero_plan.shard_axis``); the checkpoint's replica coordinate too.
     shard_axis: str = "dp"
+    # ZeRO 2/3: the gradients reduce-scattered after every backward (True) or once per step,
+    # after each chunk's last backward (the stage entry's ``reduces_every_backward``).
+    reduce_every_backward: bool = False
     budget: Placement | None = None  # the placement to the budget (None beside dynamic split)
     # The memory section's keys the plan decided (the run's config.yaml records them).
     settings: dict[str, object] = field(default_factory=dict, hash=False)
@@ -69,11 +77,6 @@ class MemoryPlan:
         """Optimizer state (and gradients) sharded over ``shard_axis``: clipping sums the norm
         over it, checkpoints save per replica."""
         return self.zero.shards_optimizer
-
-    @property
-    def reduce_every_backward(self) -> bool:
-        """ZeRO 2 and 3 keep no full gradient between micro-batches."""
-        return self.zero.shards_gradients
 
     def with_estimate(self, estimate: MemoryEstimate) -> MemoryPlan:
         return dataclasses.replace(self, estimate=estimate)
@@ -95,13 +98,15 @@ class MemoryPlan:
         zero = self.zero
         if zero.shards_parameters:
             sync, store, text = self.store.build(comm, chunks, shards,
-                                                 exchange.bucket_size_mb, exchange.overlap)
+                                                 exchange.bucket_size_mb, exchange.overlap,
+                                                 self.reduce_every_backward)
             notes.append(text)
         else:
             sync = DataParallelGradSync(
                 params, exchange.bucket_size_mb, overlap=exchange.overlap,
                 shards=shards if zero.shards_optimizer else None,
-                release_grads=zero.shards_gradients)
+                release_grads=zero.shards_gradients,
+                reduce_every_backward=self.reduce_every_backward)
         return MemoryRuntime(self, sync, store, offload, notes)
 
 
@@ -184,6 +189,7 @@ def plan_memory(cfg: JobConfig, dims: ParallelDims, budget: Placement | None) ->
         estimate=estimate_memory(cfg, dims),
         holdings=plan_placement(cfg, dims.dp, dims.ep, dims.cp),
         shard_axis=shard_axis(dims.cp),
+        reduce_every_backward=reduces_every_backward(cfg),
         budget=budget,
         settings=settings,
     )

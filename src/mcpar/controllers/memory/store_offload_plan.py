@@ -31,10 +31,11 @@ class StorePlan:
     ranks_per_node: int | None  # the cluster's, for the store's two levels (None: detected)
 
     def build(self, comm: CommunicationController, chunks: list[nn.Module], shards: ShardSpec,
-              bucket_size_mb: float, overlap: bool,
+              bucket_size_mb: float, overlap: bool, reduce_every_backward: bool = True,
               ) -> tuple[DataParallelGradSync, ParameterStore, str]:
-        """Stage 3's gradient sync (one bucket per layer and kind) and parameter store, and a
-        line for the start-up log saying what runs."""
+        """Stage 3's gradient sync (one bucket per layer and kind; reduced after every backward
+        or once per step, as the plan says) and parameter store, and a line for the start-up
+        log saying what runs."""
         from mcpar.controllers.communication.grad_sync import DataParallelGradSync
         from mcpar.controllers.memory.param_store import ParameterStore, unit_groups
         from mcpar.topology import detect_node_of_rank
@@ -52,7 +53,8 @@ class StorePlan:
         span = gather_span(block_bytes, self.gather_mb, max(1, len(names) // len(chunks) - 1))
         sync = DataParallelGradSync([p for g in groups for p in g], bucket_size_mb,
                                     overlap=overlap, shards=shards, release_grads=True,
-                                    groups=groups)
+                                    groups=groups,
+                                    reduce_every_backward=reduce_every_backward)
         store = ParameterStore(comm, chunks, sync.buckets, names, unit_of_group,
                                node_cache=self.node_cache, weight_codec=self.weight_codec,
                                grad_codec=self.grad_codec, span=span)

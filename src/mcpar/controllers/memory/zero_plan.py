@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from mcpar.capabilities import zero_layout_problems
 from mcpar.config import JobConfig
 from mcpar.registry.schedule import splits_backward
+from mcpar.registry.zero import ZeroFacts, zero_stage
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ def shard_axis(cp: int) -> str:
     return "dp_cp" if cp > 1 else "dp"
 
 
+def reduces_every_backward(cfg: JobConfig) -> bool:
+    """Whether ``cfg``'s ZeRO stage reduce-scatters the gradients after every backward pass
+    (else once per step): the stage entry's rule for the config's schedule."""
+    par = cfg.parallelism
+    facts = ZeroFacts(dp=par.data or 1, pp=par.pipeline, vp=par.virtual_stages,
+                      splits_backward=splits_backward(par.schedule, par.pipeline))
+    return zero_stage(cfg.controllers.memory.zero_stage).reduces_every_backward(facts)
+
+
 def plan_placement(cfg: JobConfig, dp: int, ep: int, cp: int = 1) -> MemoryPlacement:
     """What each rank holds of every parameter group under ``cfg``'s ZeRO stage (and, at
     stage 3, the parameter store's copies)."""
@@ -64,6 +74,7 @@ def plan_placement(cfg: JobConfig, dp: int, ep: int, cp: int = 1) -> MemoryPlace
     if ep > 1:
         groups.append(("experts", "edp", dp // ep * cp))
     placed = []
+    per_backward = reduces_every_backward(cfg)
     for name, axis, n in groups:
         shard = f"a 1/{n} shard"
         if stage < 3:
@@ -83,7 +94,9 @@ def plan_placement(cfg: JobConfig, dp: int, ep: int, cp: int = 1) -> MemoryPlace
             gradients=("a full copy (all-reduced)" if stage == 0 else
                        f"a full buffer, reduce-scattered into {shard} once per step"
                        if stage == 1 else
-                       f"{shard} (each bucket reduce-scattered and freed per backward"
+                       f"{shard} (each bucket reduce-scattered and freed "
+                       + ("per backward" if per_backward else
+                          "once per step, after its chunk's last backward")
                        + (", inside the node then across nodes)" if store and name == "dense"
                           else ")")),
             optimizer_state="a full copy" if stage == 0 else shard))

@@ -2,8 +2,10 @@
 
 Stage 0 replicates everything; 1 shards the AdamW state over the data axis (``zero.py``; data x
 context under context parallelism: ``zero_plan.shard_axis``); 2 the
-gradients too, reduce-scattered after every backward; 3 the parameters too, gathered per layer
-by the parameter store (``param_store.py``).
+gradients too, reduce-scattered after every backward (or once per step: the entry's
+``reduces_every_backward``); 3 the parameters too, gathered per layer by the parameter store
+(``param_store.py``), under a pipeline as well (each stage's blocks over that stage's data
+ranks; a tied embedding across stages is refused with any pipeline).
 """
 
 from __future__ import annotations
@@ -41,36 +43,14 @@ class ShardedOptimizer(ZeroStage):
 class ShardedGradients(ShardedOptimizer):
     name, stage = "2", 2
     shards_gradients = True
-    summary = "the AdamW state and the gradients sharded (reduce-scattered every backward)"
-
-    def problems(self, facts: ZeroFacts) -> list[tuple[str, str]]:
-        out = super().problems(facts)
-        if facts.vp > 1:
-            out.append(("vp", f"{facts.vp} chunks per rank with zero_stage {self.stage} (which "
-                        "reduces after every backward) is not supported; use virtual_stages 1 "
-                        "or zero_stage 1"))
-        if facts.splits_backward:
-            # Each backward's gradients are reduce-scattered and freed as it ends, but a split
-            # schedule's weight gradients land later, in W.
-            out.append(("zero_stage", f"{self.stage} reduces the gradients after every "
-                        "backward, and the schedule splits the backward (its weight gradients "
-                        "come later, in W tasks); use zero_stage 1 or a schedule that does not "
-                        "split the backward (1f1b, interleaved_1f1b)"))
-        return out
+    summary = ("the AdamW state and the gradients sharded (reduce-scattered every backward, or "
+               "once per step under a split schedule or several chunks per rank)")
 
 
 class ShardedParameters(ShardedGradients):
     name, stage = "3", 3
     shards_parameters = True
     summary = "parameters sharded too, gathered per layer by the parameter store"
-
-    def problems(self, facts: ZeroFacts) -> list[tuple[str, str]]:
-        out = super().problems(facts)
-        if facts.pp > 1:
-            out.append(("zero_stage", "3 with parallelism.pipeline > 1 is not supported in "
-                        "this version (the stages' tied embedding would be gathered on two "
-                        "ranks); use zero_stage 1 or 2 with a pipeline"))
-        return out
 
 
 for _stage in (Replicated(), ShardedOptimizer(), ShardedGradients(), ShardedParameters()):
