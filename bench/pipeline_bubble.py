@@ -94,7 +94,8 @@ from mcpar.registry.schedule import (
     order_graph,
 )
 from mcpar.sim.fromconfig import config_layout, config_model
-from mcpar.sim.memory import rank_activations
+from mcpar.sim.memory import held_limits, rank_activations
+from mcpar.sim.workload import Layout, ModelShape
 from mcpar.topology import ParallelDims
 
 FIXED_SHAPE = (4, 16, 8)  # micro-batch, seq, hidden of the fixed-cost stages: tiny on purpose
@@ -157,12 +158,13 @@ def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
-           w_ratio: float = 1.0, costs: ActionCosts | None = None) -> float:
+           w_ratio: float = 1.0, costs: ActionCosts | None = None,
+           limits: tuple[int, ...] | None = None) -> float:
     """Mean idle fraction of equal stages whose forward costs 1, B ``b_ratio`` and W
     ``w_ratio`` (an unsplit backward both), messages free: the critical path of the
-    schedule's orders (built at ``costs`` when given)."""
+    schedule's orders (built at ``costs`` and within ``limits`` when given)."""
     entry = SCHEDULES.get(schedule)
-    orders = [build_schedule(schedule, r, pp, m, v, costs) for r in range(pp)]
+    orders = [build_schedule(schedule, r, pp, m, v, costs, limits) for r in range(pp)]
     graph = order_graph(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
                         pp * v - 1, schedule)
     per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
@@ -176,13 +178,13 @@ def splits(schedule: str) -> bool:
 
 
 def placement(schedule: str, rank: int, pp: int, m: int, v: int,
-              costs: ActionCosts | None = None) -> dict:
+              costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None) -> dict:
     """The executor's stage placement and receive order, as the ComputeController's plan
     gives them."""
     plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                        micro_batch_size=1, num_microbatches=m, global_batch_size=m,
                        stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
-                       action_costs=costs)
+                       action_costs=costs, held_limits=limits)
     return {"stages": plan.stages_of(rank), "stage_ranks": plan.stage_ranks(),
             "send_order": plan.send_order(rank)}
 
@@ -367,16 +369,21 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
         meter = MemoryMeter([p for chunk in chunks for p in chunk.parameters()],
                             torch.device("cpu"))
         meter.weight_grads = store
+        # As the MemoryController bounds it on this config: a split schedule held to 1F1B's
+        # activation peak (``held_limits``).
+        limits = held_limits(*real_model_layout(args, schedule, v))
         executor = PipelineExecutor(list(chunks), rank, pp, comm, m, (*shape, args.hidden),
                                     meter.wrap_loss(loss_fn), torch.device("cpu"),
-                                    weight_grads=store, **placement(schedule, rank, pp, m, v))
-        result = measure(executor, step_tasks(schedule, rank, pp, m, v), batches, args.warmup,
-                         args.repeats, meter)
+                                    weight_grads=store,
+                                    **placement(schedule, rank, pp, m, v, limits=limits))
+        result = measure(executor, step_tasks(schedule, rank, pp, m, v, limits=limits),
+                         batches, args.warmup, args.repeats, meter)
         model.zero_grad(set_to_none=True)
-        expected = theory(schedule, pp, m, v)
+        expected = theory(schedule, pp, m, v, limits=limits)
         estimate = estimated_activations(args, schedule, v)
         measured = result["peak_activation_bytes_per_rank"]
-        out[schedule] = {"virtual_stages": v, **result, "theory": expected,
+        out[schedule] = {"virtual_stages": v, "held_limits": limits, **result,
+                         "theory": expected,
                          "abs_diff_points": 100 * abs(result["idle_fraction"] - expected),
                          "estimated_activation_bytes_per_rank": [round(e) for e in estimate],
                          "estimate_over_measured_per_rank":
@@ -398,6 +405,12 @@ def estimated_activations(args: argparse.Namespace, schedule: str, v: int) -> li
     """The memory estimate's activation bytes of each pipeline rank at its peak
     (``mcpar.sim.memory.rank_activations``, which ``mcpar check`` and the planner price with),
     for the real model's config on this layout."""
+    return rank_activations(*real_model_layout(args, schedule, v))
+
+
+def real_model_layout(args: argparse.Namespace, schedule: str,
+                      v: int) -> tuple[ModelShape, Layout]:
+    """The real model's config on this layout, as the cost model sees it."""
     cfg = parse_config({
         "model": {"kind": "gpt", "num_layers": args.layers, "hidden_size": args.hidden,
                   "num_heads": max(1, args.hidden // 32), "seq_len": args.seq},
@@ -406,7 +419,7 @@ def estimated_activations(args: argparse.Namespace, schedule: str, v: int) -> li
         "optimization": {"micro_batch_size": args.micro_batch_size,
                          "gradient_accumulation": args.micro},
         "training": {"device": "cpu", "dtype": "float32"}})
-    return rank_activations(config_model(cfg), config_layout(cfg, args.pp))
+    return config_model(cfg), config_layout(cfg, args.pp)
 
 
 def worker(args: argparse.Namespace, env: DistEnv) -> None:
@@ -459,6 +472,11 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
             name: r["estimate_over_measured_peak"] for name, r in real["schedules"].items()},
         "torch_version": torch.__version__,
     }
+    if real is not None:
+        # The split schedules' memory against 1F1B's at the same m (the issue's bounds).
+        peaks = result["real_model_peak_activations_over_1f1b"]
+        result["checks"].update({"zb_h1_peak_at_most_1.05x_1f1b": peaks["zb_h1"] <= 1.05,
+                                 "zbv_peak_at_most_1f1b": peaks["zbv"] <= 1.0})
     Path(args.result_file).write_text(json.dumps(result))
 
 

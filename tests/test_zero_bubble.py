@@ -111,6 +111,42 @@ def test_every_zbv_order_is_complete_and_the_shortest_at_its_costs_is_kept(pp: i
                            for o in (phased, greedy)) + 1e-9
 
 
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 5), (4, 8), (5, 17), (8, 16)])
+def test_held_limits_keep_the_orders_complete_and_within_them(pp: int, m: int) -> None:
+    """The MemoryController's bound (``held_limits``) on the rank with the head: ZB-H1's last
+    rank one micro-batch under 1F1B's first (its last W's run a backward sooner), ZBV's first
+    rank one chunk activation under 2p. Each bounded order is complete, holds within its
+    limits, and replays no deadlock; at F = B = W ZB-H1 pays one unit (3m + p), and the V
+    stays within 6% of its unbounded order at unit costs with latency."""
+    h1 = SCHEDULES.get("zb_h1")
+    limits = (pp,) * (pp - 1) + (pp - 1,)
+    bounded = h1.held_within(limits)
+    orders = tuple(tuple(bounded.actions(r, pp, m, 1)) for r in range(pp))
+    assert zero_bubble.held_peaks(orders) <= list(limits)
+    assert all(sorted(a.micro for a in o if a.kind == kind) == list(range(m))
+               for o in orders for kind in "FBW")
+    assert replay(bounded, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * m + pp)
+    assert replay(h1, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * m + pp - 1)
+    v = SCHEDULES.get("zbv")
+    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble.MESSAGE_LATENCY)
+    free = zero_bubble.costed_span(zero_bubble.v_orders(pp, m), pp, v_stage_of(pp), unit)
+    caps = (2 * pp - 1,) + (2 * pp,) * (pp - 1)
+    orders = tuple(tuple(v.held_within(caps).actions(r, pp, m, 2)) for r in range(pp))
+    assert_complete_v(orders, pp, m)
+    assert zero_bubble.held_peaks(orders) <= list(caps)
+    span = zero_bubble.costed_span(orders, pp, v_stage_of(pp), unit)
+    assert free <= span <= 1.06 * free, (span, free)
+
+
+def test_a_limit_no_v_order_keeps_runs_the_unbounded_order() -> None:
+    """A cap below what a V needs to turn (its first chunk's forward on rank 0 and the second
+    chunk's) leaves no order within it: the schedule runs unbounded, and the memory estimate,
+    counted from the orders, prices what that holds."""
+    v = SCHEDULES.get("zbv")
+    capped = tuple(tuple(v.held_within((1, 8, 8, 8)).actions(r, 4, 8, 2)) for r in range(4))
+    assert capped == zero_bubble.v_orders(4, 8)
+
+
 def test_the_phased_v_leaves_a_message_slack_the_greedy_does_not() -> None:
     """p = 4, m = 8: without latency both reach the V's bound, 6m + p - 1 = 51 chunk
     actions; at 0.1 units per message the greedy order loses 2.4 units and the phased one 1.3;

@@ -145,6 +145,10 @@ class JobPlan:
                       "global_batch_size": compute.global_batch_size,
                       "batch_splitting": compute.batch_splitting},
             "schedule": compute.schedule,
+            # A split schedule held to 1F1B's activation peak: the most chunk activations each
+            # pipeline rank holds (None: unbounded).
+            "schedule_held_limits": (None if compute.held_limits is None
+                                     else list(compute.held_limits)),
             "stage_cut": [list(r) for r in compute.stage_cut],
             "grad_exchange": self.communication.to_json(),
             "memory": {"params_per_rank": memory.estimate.params_per_rank,
@@ -242,7 +246,8 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
     resolved = with_settings(resolved, memory.settings)  # config.yaml records the decision
     return JobPlan(
         config=resolved, world_size=dims.world_size, dp=dp, tp=tp, pp=pp, ep=par.experts,
-        compute=plan_compute(resolved, opt.micro_batch_size, num_micro, global_batch),
+        compute=plan_compute(resolved, opt.micro_batch_size, num_micro, global_batch,
+                             memory.held_limits),
         memory=memory,
         # The gradients' replicas: the data ranks, times the context ranks (which hold the
         # same parameters and see other tokens of the same sequences).

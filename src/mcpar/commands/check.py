@@ -45,7 +45,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"gradient exchange: {exchange.strategy}, {exchange.topology}, codec {exchange.codec}",
         f"pipeline: {len(plan.stage_cut)} stages of blocks "
         + " | ".join(f"{a}-{b - 1}" for a, b in plan.stage_cut)
-        + f" (schedule {plan.schedule})" if plan.pp > 1 else "pipeline: none",
+        + f" (schedule {plan.schedule}"
+        + ("" if plan.compute.held_limits is None else
+           ", held to 1F1B's activation peak: at most "
+           + "/".join(map(str, plan.compute.held_limits)) + " chunk activations per rank")
+        + ")" if plan.pp > 1 else "pipeline: none",
         "parameters per rank by pipeline position: "
         + ", ".join(f"{n:,} ({format_bytes(4 * n)})"
                     for n in params_per_pipeline_rank(cfg, plan.parallel_dims()))

@@ -100,6 +100,9 @@ class PipelineSchedule(ABC):
     splits_backward: bool = False
     placement: str = "round_robin"  # where its chunks' stages sit (``placed_stage``)
     summary: str = ""  # one line for `mcpar check` and the docs
+    # Orders itself within a per-rank bound on the chunk activations it holds
+    # (``limited_actions``): the MemoryController holds a split schedule to 1F1B's peak.
+    takes_held_limits: bool = False
 
     def problem(self, pp: int, num_microbatches: int,
                 virtual_stages: int) -> tuple[str, str] | None:
@@ -139,6 +142,22 @@ class PipelineSchedule(ABC):
         """The rank's actions when each action's measured cost is known (``costs``); a
         schedule whose order does not depend on them returns ``actions``."""
         return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
+
+    def limited_actions(self, pp_rank: int, pp: int, num_microbatches: int,
+                        virtual_stages: int, limits: tuple[int, ...],
+                        costs: ActionCosts | None) -> list[Action]:
+        """The rank's actions (at ``costs`` where given) holding at most ``limits[r]`` chunk
+        activations on rank ``r`` (counted until W under a split), where an order of the
+        schedule does; a schedule with ``takes_held_limits`` defines it."""
+        raise ValueError(f"schedule {self.name} takes no limit on what a rank holds")
+
+    def held_within(self, limits: tuple[int, ...] | None) -> PipelineSchedule:
+        """This schedule bounded to ``limits`` (``limited_actions``), itself without one."""
+        if limits is None:
+            return self
+        if not self.takes_held_limits:
+            raise ValueError(f"schedule {self.name} takes no limit on what a rank holds")
+        return HeldWithin(self, tuple(limits))
 
     def checked_actions(self, pp_rank: int, pp: int, num_microbatches: int,
                         virtual_stages: int = 1,
@@ -188,6 +207,48 @@ class PipelineSchedule(ABC):
         so W does not hold it). Counted from that rank's actions."""
         m = min(num_microbatches, replayed_microbatches(pp, virtual_stages))
         return _peak_head_in_flight(self, pp, m, virtual_stages)
+
+
+class HeldWithin(PipelineSchedule):
+    """A schedule that takes held limits, bounded to ``limits`` (``held_within``): the same
+    entry to every reader (name, placement, rules), its orders ``limited_actions``'. Equal and
+    hashed by both, so the replays' caches keep each bound apart."""
+
+    def __init__(self, base: PipelineSchedule, limits: tuple[int, ...]) -> None:
+        self.base, self.limits = base, limits
+        self.name, self.summary = base.name, base.summary
+        self.multi_chunk, self.splits_backward = base.multi_chunk, base.splits_backward
+        self.placement, self.takes_held_limits = base.placement, True
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, HeldWithin) and other.base is self.base
+                and other.limits == self.limits)
+
+    def __hash__(self) -> int:
+        return hash((id(self.base), self.limits))
+
+    def __repr__(self) -> str:
+        return f"{self.name} holding at most {list(self.limits)}"
+
+    def problem(self, pp: int, num_microbatches: int,
+                virtual_stages: int) -> tuple[str, str] | None:
+        found = self.base.problem(pp, num_microbatches, virtual_stages)
+        if found is None and len(self.limits) != pp:
+            found = ("pp", f"held limits of {len(self.limits)} ranks for a pipeline of {pp}")
+        return found
+
+    def actions(self, pp_rank: int, pp: int, num_microbatches: int,
+                virtual_stages: int) -> list[Action]:
+        return self.base.limited_actions(pp_rank, pp, num_microbatches, virtual_stages,
+                                         self.limits, None)
+
+    def costed_actions(self, pp_rank: int, pp: int, num_microbatches: int,
+                       virtual_stages: int, costs: ActionCosts) -> list[Action]:
+        return self.base.limited_actions(pp_rank, pp, num_microbatches, virtual_stages,
+                                         self.limits, costs)
+
+    def held_within(self, limits: tuple[int, ...] | None) -> PipelineSchedule:
+        return self.base.held_within(limits)
 
 
 @functools.lru_cache(maxsize=4096)

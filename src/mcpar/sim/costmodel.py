@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from mcpar.errors import UserError
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import PipelineSchedule, replay
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -62,6 +62,7 @@ from mcpar.sim.memory import (
     gather_span,
     memory_per_gpu,
     params_per_rank,
+    schedule_entry,
     state_bytes,
 )
 from mcpar.sim.params import GPU_EFFICIENCY
@@ -372,8 +373,8 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     at_max = dict(core.at_max, zero_comm=z)
     summed = dict(core.summed, zero_comm=p * z)
     w_max, w_sum = core.work_max + z, core.work_sum + p * z
-    pipeline = SCHEDULES.get(lay.schedule).span(mb, w_max, w_sum, [w + z for w in core.rank_work],
-                                                v, core.fwd_share)
+    entry = schedule_entry(m, lay)  # bounded as it runs (a split schedule to 1F1B's memory)
+    pipeline = entry.span(mb, w_max, w_sum, [w + z for w in core.rank_work], v, core.fwd_share)
     fill_drain = mb * w_max + (w_sum - w_max) / v
     if pipeline == fill_drain and fill_drain >= w_sum:
         # Each category's share of the critical path (the busiest rank's m slots plus the
@@ -392,8 +393,8 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     breakdown["optimizer"] = optimizer_time(m, lay, core.rl)
     crowd = oversubscription(cluster, lay.num_gpus)
     if crowd > 1:
-        pipeline, bubble, breakdown = _shared_cores(core, lay, cluster, z, pipeline, breakdown,
-                                                    crowd)
+        pipeline, bubble, breakdown = _shared_cores(core, lay, entry, cluster, z, pipeline,
+                                                    breakdown, crowd)
     step = pipeline + sum(breakdown[k] for k in ("dp_comm", "compression", "optimizer"))
     comm = sum(t for k, t in breakdown.items() if k.endswith("_comm"))
     tokens = lay.global_batch * m.seq_len
@@ -408,7 +409,8 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     )
 
 
-def _shared_cores(core: PipelineCore, lay: Layout, cluster: Cluster, z: float,
+def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, cluster: Cluster,
+                  z: float,
                   pipeline: float, breakdown: dict[str, float], crowd: float,
                   ) -> tuple[float, float, dict[str, float]]:
     """CPU workers with more threads than cores: everything that runs on all ranks at once
@@ -421,7 +423,7 @@ def _shared_cores(core: PipelineCore, lay: Layout, cluster: Cluster, z: float,
         # The ranks of one pipeline stage in every data-parallel replica and tensor group run
         # the same tasks at the same time: they load the cores together.
         per_stage = cpu_threads(cluster, lay.num_gpus) * lay.tp * lay.dp * lay.cp
-        shared = replay(SCHEDULES.get(lay.schedule), work, mb, 1, core.fwd_share,
+        shared = replay(entry, work, mb, 1, core.fwd_share,
                         cluster.cores, per_stage)
     scale = shared / pipeline
     out = {k: v * (scale if k not in ("dp_comm", "compression", "optimizer") else crowd)

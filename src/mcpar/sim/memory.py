@@ -53,6 +53,7 @@ stay, 8 move). ZeRO shards what is moved as it shards what stays.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -63,15 +64,21 @@ from mcpar.device_kernels import (
 )
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerActivations
-from mcpar.registry.schedule import SCHEDULES, schedule_placement, stage_rank
+from mcpar.registry.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    PipelineSchedule,
+    schedule_placement,
+    stage_rank,
+)
 from mcpar.sim.collectives import Group
 from mcpar.sim.compute import ACT_BYTES
 from mcpar.sim.hardware import RESERVED_BYTES
 from mcpar.sim.workload import GATED_FFN, Layout, ModelShape, rank_layers, stage_blocks
 
 __all__ = ["OFF_DEVICE_ROW", "RESERVED_BYTES", "MemoryBreakdown", "Offload", "format_bytes",
-           "format_memory_rows",
-           "memory_header", "memory_per_gpu", "params_per_rank", "rank_params", "state_bytes"]
+           "format_memory_rows", "held_limits", "memory_header", "memory_per_gpu",
+           "params_per_rank", "rank_params", "schedule_entry", "state_bytes"]
 
 # Row names of the memory every command prints (``mcpar check``, ``mcpar simulate``).
 ROW_NAMES = ("parameters", "gradients", "optimizer state", "activations",
@@ -268,15 +275,18 @@ def context_workspace_bytes(m: ModelShape, lay: Layout) -> float:
     return 4 * 4 * own_block + 2 * 2 * 4 * local + 2 * 2 * a * local + 3 * 4 * local
 
 
-def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0) -> float:
+def layers_in_flight(m: ModelShape, lay: Layout, rank: int = 0,
+                     entry: PipelineSchedule | None = None) -> float:
     """Layer-micro-batches of activations pipeline rank `rank` holds at its peak: its layers
     times the schedule's ``in_flight`` for that rank (1F1B: min(pp - r, micro-batches); the
-    others counted from each rank's own order, a split schedule's until W)."""
+    others counted from each rank's own order, a split schedule's until W). ``entry``: the
+    schedule as it runs (``schedule_entry``; the layout's, unbounded, where None)."""
     per_rank = rank_layers(m, lay)[rank]
     mb = lay.num_microbatches
     if lay.pp == 1:
         return per_rank
-    return per_rank * SCHEDULES.get(lay.schedule).in_flight(lay.pp, rank, mb, lay.vp)
+    entry = entry or SCHEDULES.get(lay.schedule)
+    return per_rank * entry.in_flight(lay.pp, rank, mb, lay.vp)
 
 
 def head_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = False,
@@ -317,7 +327,49 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
     re-forward working set (the largest among its layers), and on the rank holding the last
     stage, its head and loss. `modes`: each layer's recompute (global order; None: the
-    layout's for every layer)."""
+    layout's for every layer). The schedule runs as ``schedule_entry`` bounds it."""
+    entry = schedule_entry(m, lay, modes)
+    return [per_held * held + fixed for per_held, held, fixed
+            in _rank_activation_terms(m, lay, modes, weights16, entry)]
+
+
+def schedule_entry(m: ModelShape, lay: Layout,
+                   modes: tuple[str, ...] | None = None) -> PipelineSchedule:
+    """The layout's pipeline schedule as it runs: a split schedule that takes held limits
+    bounded to ``held_limits`` (the one rule the runtime's order, the memory estimate and the
+    cost model's replay share)."""
+    return SCHEDULES.get(lay.schedule).held_within(held_limits(m, lay, modes))
+
+
+@functools.lru_cache(maxsize=1024)
+def held_limits(m: ModelShape, lay: Layout,
+                modes: tuple[str, ...] | None = None) -> tuple[int, ...] | None:
+    """The most chunk activations each pipeline rank may hold (counted until W) so that no
+    rank's activations pass the largest rank's under 1F1B with the same micro-batches: the
+    zero-bubble schedules' memory is 1F1B's (Qi et al.), but a split schedule's order holds W's
+    inputs where 1F1B idles, and the rank with the head (ZB-H1's last, ZBV's first) holds them
+    beside the head's activations. None where the unbounded order stays within that peak, or
+    the schedule takes no limit (then it runs unbounded)."""
+    entry = SCHEDULES.get(lay.schedule)
+    if lay.pp == 1 or not entry.takes_held_limits:
+        return None
+    terms = _rank_activation_terms(m, lay, modes, False, entry)
+    plain = lay.with_(schedule=DEFAULT_SCHEDULE, vp=1)
+    bound = max(per_held * held + fixed for per_held, held, fixed
+                in _rank_activation_terms(m, plain, modes, False, SCHEDULES.get(
+                    DEFAULT_SCHEDULE)))
+    if max(per_held * held + fixed for per_held, held, fixed in terms) <= bound:
+        return None
+    # One chunk activation of rank r is its layers' per micro-batch over its chunks.
+    return tuple(max(1, int((bound - fixed) / (per_held / lay.vp))) if per_held > 0
+                 else 2 * lay.pp * lay.vp for per_held, _, fixed in terms)
+
+
+def _rank_activation_terms(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None,
+                           weights16: bool, entry: PipelineSchedule
+                           ) -> list[tuple[float, float, float]]:
+    """Per pipeline rank (bytes per micro-batch held, micro-batches held at its peak under
+    ``entry``, bytes held once: the re-forward working set, the head and loss)."""
     sizes = stage_blocks(m, lay)
     modes = modes or (lay.recompute,) * sum(sizes)
     per_mode = {mode: activation_bytes_per_layer(m, lay.with_(recompute=mode), weights16)
@@ -329,19 +381,19 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
     for stage, n in enumerate(sizes):
         rank_modes[stage_rank(stage, lay.pp, placement)] += modes[start:start + n]
         start += n
-    head_held = (SCHEDULES.get(lay.schedule).head_in_flight(lay.pp, lay.num_microbatches,
-                                                             lay.vp) if lay.pp > 1 else 1)
+    head_held = (entry.head_in_flight(lay.pp, lay.num_microbatches, lay.vp)
+                 if lay.pp > 1 else 1)
     out = []
     for r, held in enumerate(rank_modes):
         # Micro-batches in flight per layer of this rank (layers are alike).
-        flight = layers_in_flight(m, lay, r) / len(held) if held else 0.0
-        kept = sum(per_mode[mode][0] for mode in held) * flight
+        flight = layers_in_flight(m, lay, r, entry) / len(held) if held else 0.0
+        per_micro = (sum(per_mode[mode][0] for mode in held)
+                     + (embedding_activation_bytes(m, lay, weights16) if r == 0 else 0.0))
         working = max(max((per_mode[mode][1] for mode in held), default=0.0),
                       context_workspace_bytes(m, lay) if held else 0.0)
-        out.append(kept + working
-                   + (embedding_activation_bytes(m, lay, weights16) * flight if r == 0 else 0.0)
-                   + (head_activation_bytes(m, lay, weights16, head_held)
-                      if r == last_rank else 0.0))
+        out.append((per_micro, flight, working
+                    + (head_activation_bytes(m, lay, weights16, head_held)
+                       if r == last_rank else 0.0)))
     return out
 
 

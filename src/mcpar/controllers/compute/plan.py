@@ -55,6 +55,9 @@ class ComputePlan:
     # Measured seconds of each action (``ActionCosts``), for a schedule that orders by them;
     # None: the schedule's order at equal costs.
     action_costs: ActionCosts | None = None
+    # The most chunk activations each pipeline rank may hold, where the MemoryController bounds
+    # a split schedule to 1F1B's peak (``MemoryPlan.held_limits``); None: unbounded.
+    held_limits: tuple[int, ...] | None = None
 
     @property
     def placement(self) -> str:
@@ -86,7 +89,7 @@ class ComputePlan:
         from mcpar.controllers.compute.schedules import message_orders
 
         sent, read = message_orders(self.schedule, self.pp, self.num_microbatches,
-                                    self.virtual_stages, self.action_costs)
+                                    self.virtual_stages, self.action_costs, self.held_limits)
         if sent == read:
             return None
         return {src: messages for (src, dst), messages in sent.items() if dst == pp_rank}
@@ -106,7 +109,7 @@ class ComputePlan:
 
         return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
                           self.virtual_stages, reduce_every_backward=reduce_every_backward,
-                          costs=self.action_costs)
+                          costs=self.action_costs, limits=self.held_limits)
 
     def build(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
               chunks: list[StageModule], device: torch.device, loss_fn: LossFn,
@@ -192,8 +195,10 @@ def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
 
 
 def plan_compute(cfg: JobConfig, micro_batch_size: int, num_microbatches: int,
-                 global_batch_size: int) -> ComputePlan:
-    """The ComputeController's plan of a checked config."""
+                 global_batch_size: int,
+                 held_limits: tuple[int, ...] | None = None) -> ComputePlan:
+    """The ComputeController's plan of a checked config (``held_limits``: the
+    MemoryController's bound on what each pipeline rank holds)."""
     par, ctl = cfg.parallelism, cfg.controllers.compute
     pp = par.pipeline
     return ComputePlan(
@@ -203,4 +208,5 @@ def plan_compute(cfg: JobConfig, micro_batch_size: int, num_microbatches: int,
         stage_cut=tuple(partition_layers(cfg.model, pp * par.virtual_stages)),
         batch_splitting=ctl.batch_splitting,
         balance=BalancePlan(ctl.scheduler, ctl.balance_interval, ctl.migration_cost,
-                            ctl.balance_costs))
+                            ctl.balance_costs),
+        held_limits=held_limits if pp > 1 else None)

@@ -44,9 +44,14 @@ idle while a gradient travels back runs a pending W instead.
   1F1B's first-rank memory); rank 0 reaches it while it also holds the head's input and loss for
   one micro-batch (the V puts the last stage there), so its peak is 1F1B's plus the head's:
   1.06x on the bubble bench's GPT at p = 4, m = 8 (71.6 MB against 67.4; its other ranks 67.9).
-  An order that holds ``2p - 1`` on rank 0 (the unit-cost greedy with that cap) measured 63.1 MB
-  there (0.94x) but replays 3.3% longer at unit costs with latency and 17% longer at B = 1.2 F,
-  W = 0.5 F, so it is not among the candidates. Without measured costs (``actions``) the costs
+  Where that passes 1F1B's peak, the MemoryController bounds the rank (``held_limits``,
+  ``limited_actions``): of the candidates above, those within the limits, and the greedy
+  capped at them, at unit costs and as a list schedule in time at the costs
+  (``v_timed_greedy_orders``); under a cap below ``2p`` the first chunk's forwards leave the
+  second a slot, or the V could not turn. On that GPT rank 0 then holds ``2p - 1`` (63.2 MB
+  estimated), for a step 3.3% longer at unit costs with latency (53.6 units against 51.9) and
+  11% longer at B = 1.2 F, W = 0.5 F (54.0 against 48.5; 18% at p = 8, m = 16): the bound costs
+  throughput, which the cost model prices. Without measured costs (``actions``) the costs
   are one unit per action and ``MESSAGE_LATENCY`` units per message: a step of the bench's
   fixed-cost stages (p = 4, m = 8, a chunk's forward 10 ms) lasted what the replay gives with 1
   ms per message; there the phased order replays 52.3 units, the greedy 53.4 and the filled one
@@ -87,6 +92,7 @@ from mcpar.registry.schedule import (
     critical_path,
     order_graph,
     placed_stage,
+    stage_rank,
 )
 
 
@@ -108,6 +114,7 @@ def with_weight_grads(order: list[Action], lag: int) -> list[Action]:
 
 
 StageOf = Callable[[int, int], int]  # (local chunk, rank) -> global stage
+Orders = tuple[tuple[Action, ...], ...]  # every rank's actions
 # A W fills a wait only where the wait is at least this share of the W (0: any wait): the
 # candidates tried, each replayed at the measured costs, the shortest kept.
 FILL_THRESHOLDS = (0.0, 0.5, 1.0)
@@ -115,7 +122,7 @@ FILL_THRESHOLDS = (0.0, 0.5, 1.0)
 
 def fill_weight_grads(skeletons: list[list[Action]], pp: int, stage_of: StageOf,
                       costs: ActionCosts, caps: list[int],
-                      threshold: float = 0.0) -> tuple[tuple[Action, ...], ...]:
+                      threshold: float = 0.0) -> Orders:
     """Every rank's order: its forwards and B's in the order of ``skeletons[rank]``, and its W's
     where the measured ``costs`` say the rank would otherwise wait: a list schedule in time,
     each rank at its free time runs its next forward or B if that task's input has arrived,
@@ -184,7 +191,7 @@ def fill_weight_grads(skeletons: list[list[Action]], pp: int, stage_of: StageOf,
     return tuple(tuple(order) for order in out)
 
 
-def costed_span(orders: tuple[tuple[Action, ...], ...], pp: int, stage_of: StageOf,
+def costed_span(orders: Orders, pp: int, stage_of: StageOf,
                 costs: ActionCosts) -> float:
     """Replayed step of ``orders`` at the measured ``costs`` (each message ``costs.latency``)."""
     chunks = 1 + max((a.chunk for o in orders for a in o), default=0)
@@ -192,7 +199,7 @@ def costed_span(orders: tuple[tuple[Action, ...], ...], pp: int, stage_of: Stage
     return critical_path(graph, costs.of, costs.latency)
 
 
-def held_peaks(orders: tuple[tuple[Action, ...], ...]) -> list[int]:
+def held_peaks(orders: Orders) -> list[int]:
     """Each rank's most forwards whose W has not run (what a split schedule holds)."""
     peaks = []
     for order in orders:
@@ -204,16 +211,37 @@ def held_peaks(orders: tuple[tuple[Action, ...], ...]) -> list[int]:
     return peaks
 
 
-def costed_orders(orders: tuple[tuple[Action, ...], ...], pp: int, stage_of: StageOf,
-                  costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
-    """Of ``orders`` and their forwards and B's with the W's placed by ``fill_weight_grads``
-    at ``costs`` (each threshold of ``FILL_THRESHOLDS``, no rank holding more than in
-    ``orders``), the one whose step replays shortest at ``costs`` (``orders`` on a tie)."""
+def within(orders: Orders, limits: tuple[int, ...] | None) -> bool:
+    """No rank of ``orders`` holds more chunk activations than its limit (None: no limit)."""
+    return limits is None or all(h <= cap for h, cap in zip(held_peaks(orders), limits,
+                                                            strict=True))
+
+
+def costed_candidates(orders: Orders, pp: int, stage_of: StageOf, costs: ActionCosts,
+                      limits: tuple[int, ...] | None = None) -> list[Orders]:
+    """``orders`` and their forwards and B's with the W's placed by ``fill_weight_grads`` at
+    ``costs`` (each threshold of ``FILL_THRESHOLDS``, no rank holding more than in ``orders``
+    nor past ``limits``), those within ``limits``: a fill that a limit leaves no way to run
+    is no candidate."""
     skeletons = [[a for a in order if a.kind != "W"] for order in orders]
     caps = held_peaks(orders)
-    candidates = [orders] + [fill_weight_grads(skeletons, pp, stage_of, costs, caps, t)
-                             for t in FILL_THRESHOLDS]
-    return min(candidates, key=lambda o: costed_span(o, pp, stage_of, costs))
+    if limits is not None:
+        caps = [min(c, cap) for c, cap in zip(caps, limits, strict=True)]
+    candidates = [orders]
+    for threshold in FILL_THRESHOLDS:
+        try:
+            candidates.append(fill_weight_grads(skeletons, pp, stage_of, costs, caps,
+                                                threshold))
+        except RuntimeError:
+            continue
+    return [o for o in candidates if within(o, limits)]
+
+
+def costed_orders(orders: Orders, pp: int, stage_of: StageOf, costs: ActionCosts) -> Orders:
+    """Of ``costed_candidates``, the one whose step replays shortest at ``costs`` (``orders``
+    on a tie)."""
+    return min(costed_candidates(orders, pp, stage_of, costs),
+               key=lambda o: costed_span(o, pp, stage_of, costs))
 
 
 class _ZeroBubble(PipelineSchedule):
@@ -240,6 +268,19 @@ class ZBH1(_ZeroBubble):
     name = "zb_h1"
     summary = ("zero bubble H1: 1F1B with the backward split, the weight gradients fill the "
                "bubble; 1F1B's first-rank memory")
+    takes_held_limits = True
+
+    def limited_actions(self, pp_rank: int, pp: int, m: int, v: int, limits: tuple[int, ...],
+                        costs: ActionCosts | None) -> list[Action]:
+        # The longest lag, up to the rank's own, whose order holds within the limit: each W
+        # run a backward sooner gives a stash back, and leaves a unit of the drain unfilled.
+        order = one_f_one_b([Action("F", 0, k) for k in range(m)],
+                            [Action("B", 0, k) for k in range(m)], self.warmup(pp_rank, pp, m))
+        for lag in range(self.lag(pp_rank, pp, m), 0, -1):
+            placed = with_weight_grads(order, lag)
+            if held_peaks((tuple(placed),))[0] <= limits[pp_rank]:
+                return placed
+        return with_weight_grads(order, 0)  # 1F1B's own holding: no lag holds less
 
     def warmup(self, pp_rank: int, pp: int, m: int) -> int:
         return one_f_one_b_warmup(pp_rank, pp, m)
@@ -267,7 +308,7 @@ class ZBH2(_ZeroBubble):
 
 @functools.lru_cache(maxsize=8)
 def _costed_h2_orders(schedule: ZBH2, pp: int, m: int,
-                      costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
+                      costs: ActionCosts) -> Orders:
     """ZB-H2's orders with the W's placed at the measured costs (``costed_orders``)."""
     orders = tuple(tuple(schedule.actions(r, pp, m, 1)) for r in range(pp))
     return costed_orders(orders, pp, lambda chunk, r: r, costs)
@@ -282,34 +323,47 @@ def v_stage(chunk: int, pp_rank: int, pp: int) -> int:
 MESSAGE_LATENCY = 0.1
 
 
-def v_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+def v_orders(pp: int, m: int) -> Orders:
     """Every rank's ZBV order at unit costs with ``MESSAGE_LATENCY`` per message
     (``costed_v_orders``)."""
     return costed_v_orders(pp, m, ActionCosts.uniform(pp, 1.0, 1.0, 1.0, MESSAGE_LATENCY))
 
 
 @functools.lru_cache(maxsize=8)
-def costed_v_orders(pp: int, m: int, costs: ActionCosts) -> tuple[tuple[Action, ...], ...]:
+def costed_v_orders(pp: int, m: int, costs: ActionCosts,
+                    limits: tuple[int, ...] | None = None) -> Orders:
     """Every rank's ZBV order at the measured ``costs``: of the phased and the greedy orders
     and the phased one's forwards and B's with the W's placed at the costs
     (``fill_weight_grads``), the one whose step replays shortest at ``costs`` (the phased one
-    on a tie)."""
+    on a tie). With ``limits``, of those that hold within them, the greedy one capped at each
+    rank's limit among them (the unbounded choice where none does: the limit is below what
+    any V order can hold)."""
     def stage(chunk: int, r: int) -> int:
         return v_stage(chunk, r, pp)
 
-    phased = costed_orders(v_phased_orders(pp, m), pp, stage, costs)
-    greedy = v_greedy_orders(pp, m)
-    return min((phased, greedy), key=lambda orders: costed_span(orders, pp, stage, costs))
+    candidates = costed_candidates(v_phased_orders(pp, m), pp, stage, costs, limits)
+    candidates += [o for o in (v_greedy_orders(pp, m), ) if within(o, limits)]
+    if limits is not None:
+        caps = tuple(min(2 * pp, c) for c in limits)
+        for greedy in (lambda: v_greedy_orders(pp, m, caps),
+                       lambda: v_timed_greedy_orders(pp, m, costs, caps)):
+            try:
+                candidates += costed_candidates(greedy(), pp, stage, costs, limits)
+            except RuntimeError:
+                continue  # a cap under what a V needs to turn deadlocks the greedy
+    if not candidates:
+        return costed_v_orders(pp, m, costs)
+    return min(candidates, key=lambda orders: costed_span(orders, pp, stage, costs))
 
 
-def v_step_units(orders: tuple[tuple[Action, ...], ...], pp: int, latency: float) -> float:
+def v_step_units(orders: Orders, pp: int, latency: float) -> float:
     """Replayed step of ZBV ``orders`` with every action one unit and ``latency`` per message."""
     graph = order_graph([list(o) for o in orders], lambda chunk, r: v_stage(chunk, r, pp), pp,
                         2 * pp - 1, "zbv")
     return critical_path(graph, lambda r, kind: 1.0, latency)
 
 
-def v_phased_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+def v_phased_orders(pp: int, m: int) -> Orders:
     """Every rank's phased ZBV order (the module's text). Each phase's actions are skipped
     where they do not exist at this m (a forward past the last micro-batch, a B before its F,
     a W before its B); the drain runs whatever is left, B's first."""
@@ -353,9 +407,10 @@ def _v_phased_order(pp: int, m: int, rank: int) -> list[Action]:
 
 
 @functools.lru_cache(maxsize=8)
-def v_greedy_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's greedy ZBV order: the list schedule at unit costs (the module's text)."""
-    last, cap = 2 * pp - 1, 2 * pp
+def v_greedy_orders(pp: int, m: int, caps: tuple[int, ...] | None = None) -> Orders:
+    """Every rank's greedy ZBV order: the list schedule at unit costs (the module's text),
+    rank ``r`` holding at most ``caps[r]`` chunk activations (``2p`` each without caps)."""
+    last, caps = 2 * pp - 1, caps or (2 * pp,) * pp
     ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> tick it ended
     orders: list[list[Action]] = [[] for _ in range(pp)]
     next_f, next_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
@@ -371,7 +426,10 @@ def v_greedy_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
             choice: tuple[str, int, int] | None = None
             for chunk in (1, 0):  # forwards first, the second chunk's first
                 k, s = next_f[r][chunk], v_stage(chunk, r, pp)
-                if k < m and held[r] < cap and (s == 0 or done(("F", s - 1, k))):
+                # Under a cap below the V's 2p, the first chunk leaves the second a slot: its
+                # forwards alone would fill the cap before the V turns, and no B could start.
+                room = caps[r] - (1 if chunk == 0 and caps[r] < 2 * pp else 0)
+                if k < m and held[r] < room and (s == 0 or done(("F", s - 1, k))):
                     choice = ("F", chunk, k)
                     break
             if choice is None:
@@ -404,6 +462,78 @@ def v_greedy_orders(pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(tuple(order) for order in orders)
 
 
+def v_timed_greedy_orders(pp: int, m: int, costs: ActionCosts, caps: tuple[int, ...]) -> Orders:
+    """The greedy ZBV order as a list schedule in time at the measured ``costs``: each rank,
+    when free, runs a forward whose input has arrived (the second chunk's first, within its cap,
+    the first chunk leaving the second a slot below ``2p``), else a B whose gradient has
+    arrived (the second chunk's first), else its oldest pending W, else waits for the next
+    input. The unit-cost greedy (``v_greedy_orders``) packs ticks, which uneven costs break."""
+    last = 2 * pp - 1
+    ended: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro) -> when it ended
+    free, held = [0.0] * pp, [0] * pp
+    next_f, next_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
+    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+    orders: list[list[Action]] = [[] for _ in range(pp)]
+
+    def arrival(r: int, kind: str, chunk: int, k: int) -> float | None:
+        """When the task's input is in on rank ``r`` (None while it is not produced)."""
+        s = v_stage(chunk, r, pp)
+        if kind == "F" and s == 0:
+            return 0.0
+        if kind == "F":
+            key = ("F", s - 1, k)
+        else:
+            key = ("F", s, k) if s == last else ("B", s + 1, k)
+        if key not in ended:
+            return None
+        local = stage_rank(key[1], pp, "v") == r
+        return ended[key] + (0.0 if local else costs.latency)
+
+    def candidates(r: int) -> list[tuple[str, int, int]]:
+        out = []
+        for chunk in (1, 0):
+            room = caps[r] - (1 if chunk == 0 and caps[r] < 2 * pp else 0)
+            if next_f[r][chunk] < m and held[r] < room:
+                out.append(("F", chunk, next_f[r][chunk]))
+        out += [("B", chunk, next_b[r][chunk]) for chunk in (1, 0)
+                if next_b[r][chunk] < next_f[r][chunk]]
+        return out
+
+    now, left = 0.0, 6 * m * pp
+    while left:
+        started = False
+        for r in range(pp):
+            if free[r] > now + EPS:
+                continue  # busy
+            ready = [task for task in candidates(r)
+                     if (at := arrival(r, *task)) is not None and at <= now + EPS]
+            if not ready and not pending[r]:
+                continue
+            kind, chunk, k = ready[0] if ready else ("W", *pending[r].popleft())
+            free[r] = now + costs.of(r, kind)
+            ended[(kind, v_stage(chunk, r, pp), k)] = free[r]
+            orders[r].append(Action(kind, chunk, k))
+            left, started = left - 1, True
+            if kind == "F":
+                next_f[r][chunk] += 1
+                held[r] += 1
+            elif kind == "B":
+                next_b[r][chunk] += 1
+                pending[r].append((chunk, k))
+            else:
+                held[r] -= 1
+        if started:
+            continue
+        # Nothing could start now: on to the next task's end or input's arrival.
+        later = [f for f in free if f > now + EPS]
+        later += [at for r in range(pp) for task in candidates(r)
+                  if (at := arrival(r, *task)) is not None and at > now + EPS]
+        if not later:
+            raise RuntimeError(f"the timed ZBV greedy made no progress at pp {pp}, m {m}")
+        now = min(later)
+    return tuple(tuple(order) for order in orders)
+
+
 class ZBV(PipelineSchedule):
     name = "zbv"
     multi_chunk = True
@@ -425,6 +555,13 @@ class ZBV(PipelineSchedule):
     def costed_actions(self, pp_rank: int, pp: int, m: int, v: int,
                        costs: ActionCosts) -> list[Action]:
         return list(costed_v_orders(pp, m, costs)[pp_rank])
+
+    takes_held_limits = True
+
+    def limited_actions(self, pp_rank: int, pp: int, m: int, v: int, limits: tuple[int, ...],
+                        costs: ActionCosts | None) -> list[Action]:
+        costs = costs or ActionCosts.uniform(pp, 1.0, 1.0, 1.0, MESSAGE_LATENCY)
+        return list(costed_v_orders(pp, m, costs, limits)[pp_rank])
 
 
 for _schedule in (ZBH1(), ZBH2(), ZBV()):

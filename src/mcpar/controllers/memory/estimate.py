@@ -33,13 +33,15 @@ from mcpar.sim.memory import (
     Offload,
     format_bytes,
     format_memory_rows,
+    held_limits,
     memory_header,
     memory_per_gpu,
 )
 from mcpar.topology import ParallelDims
 
 __all__ = ["MemoryEstimate", "config_offload", "estimate_memory", "format_bytes", "layer_modes",
-           "memory_breakdown", "params_per_pipeline_rank"]
+           "memory_breakdown", "params_per_pipeline_rank",
+           "schedule_held_limits"]
 
 # One streaming group's MiB when the config does not say (``controllers.memory.offload_buffer_mb``).
 OFFLOAD_BUFFER_MB = 64.0
@@ -85,6 +87,16 @@ def memory_breakdown(cfg: JobConfig, dims: ParallelDims) -> MemoryBreakdown:
     return memory_per_gpu(config_model(cfg), layout, reserved=0.0,
                           gpus_per_node=cfg.cluster.ranks_per_node, offload=config_offload(cfg),
                           layer_recompute=layer_modes(cfg))
+
+
+def schedule_held_limits(cfg: JobConfig, dims: ParallelDims) -> tuple[int, ...] | None:
+    """The most chunk activations each pipeline rank may hold under the config's split
+    schedule, so no rank passes 1F1B's activation peak (``mcpar.sim.memory.held_limits``, with
+    the estimate's own model, layout and recompute); None where nothing needs bounding."""
+    if dims.pp == 1:
+        return None
+    return held_limits(config_model(cfg), config_layout(cfg, dims.world_size),
+                       layer_modes(cfg))
 
 
 def config_offload(cfg: JobConfig) -> Offload | None:

@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mcpar.config import JobConfig
-from mcpar.controllers.memory.estimate import MemoryEstimate, estimate_memory, layer_modes
+from mcpar.controllers.memory.estimate import (
+    MemoryEstimate,
+    estimate_memory,
+    layer_modes,
+    schedule_held_limits,
+)
 from mcpar.controllers.memory.placement import Placement, with_settings
 from mcpar.controllers.memory.store_offload_plan import OffloadPlan, StorePlan
 from mcpar.controllers.memory.zero_plan import (
@@ -63,6 +68,9 @@ class MemoryPlan:
     # ZeRO 2/3: the gradients reduce-scattered after every backward (True) or once per step,
     # after each chunk's last backward (the stage entry's ``reduces_every_backward``).
     reduce_every_backward: bool = False
+    # A split pipeline schedule held to 1F1B's activation peak: the most chunk activations each
+    # pipeline rank may hold (``mcpar.sim.memory.held_limits``); None: unbounded.
+    held_limits: tuple[int, ...] | None = None
     budget: Placement | None = None  # the placement to the budget (None beside dynamic split)
     # The memory section's keys the plan decided (the run's config.yaml records them).
     settings: dict[str, object] = field(default_factory=dict, hash=False)
@@ -190,6 +198,7 @@ def plan_memory(cfg: JobConfig, dims: ParallelDims, budget: Placement | None) ->
         holdings=plan_placement(cfg, dims.dp, dims.ep, dims.cp),
         shard_axis=shard_axis(dims.cp),
         reduce_every_backward=reduces_every_backward(cfg),
+        held_limits=schedule_held_limits(cfg, dims),
         budget=budget,
         settings=settings,
     )
