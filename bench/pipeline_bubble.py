@@ -159,18 +159,41 @@ def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
            w_ratio: float = 1.0, costs: ActionCosts | None = None,
-           limits: tuple[int, ...] | None = None) -> float:
+           limits: tuple[int, ...] | None = None, latency: float = 0.0) -> float:
     """Mean idle fraction of equal stages whose forward costs 1, B ``b_ratio`` and W
-    ``w_ratio`` (an unsplit backward both), messages free: the critical path of the
-    schedule's orders (built at ``costs`` and within ``limits`` when given)."""
+    ``w_ratio`` (an unsplit backward both), messages free (``latency``: each message that many
+    forwards): the critical path of the schedule's orders (built at ``costs`` and within
+    ``limits`` when given)."""
     entry = SCHEDULES.get(schedule)
     orders = [build_schedule(schedule, r, pp, m, v, costs, limits) for r in range(pp)]
     graph = order_graph(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
                         pp * v - 1, schedule)
     per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
                 "W": w_ratio / v}
-    span = critical_path(graph, lambda r, kind: per_kind[kind])
+    span = critical_path(graph, lambda r, kind: per_kind[kind], latency)
     return 1 - m * (1 + b_ratio + w_ratio) / span
+
+
+def message_latency_s(rounds: int = 60, idle_s: float = 0.005) -> float:
+    """One way of a pipeline message between ranks 0 and 1, as the fixed-cost stages see it:
+    the median of ``rounds`` gloo round trips of a fixed-cost activation, halved, each after
+    rank 0 idled ``idle_s`` (a sleeping stage's core is idle, and waking its receiver is part of
+    the latency). Every rank returns rank 0's figure."""
+    rank, buf, trips = dist.get_rank(), torch.zeros(FIXED_SHAPE), []
+    dist.barrier()
+    for _ in range(rounds if rank < 2 else 0):
+        if rank == 0:
+            time.sleep(idle_s)
+            begin = time.perf_counter()
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+            trips.append(time.perf_counter() - begin)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    out = torch.tensor([statistics.median(trips) / 2 if trips else 0.0], dtype=torch.float64)
+    dist.broadcast(out, 0)
+    return out.item()
 
 
 def splits(schedule: str) -> bool:
@@ -279,7 +302,9 @@ def measure(executor: PipelineExecutor, tasks: list[Task],
     return out
 
 
-def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> dict:
+def fixed_cost_part(args: argparse.Namespace,
+                    comm: CommunicationController) -> tuple[dict, float]:
+    """Every schedule on the fixed-cost stages, and the message latency measured first."""
     rank, pp, m = dist.get_rank(), args.pp, args.micro
     gen = torch.Generator().manual_seed(0)
 
@@ -302,11 +327,18 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
         result = measure(executor, step_tasks(schedule, rank, pp, m, v, costs=costs), batches,
                          args.warmup, args.repeats)
         expected = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs)
+        # The same orders with each message at the latency measured on this machine.
+        at_latency = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs,
+                            latency=latency_s / (args.fwd_ms / 1000))
         return ({"virtual_stages": v, **result, "theory": expected,
-                 "abs_diff_points": 100 * abs(result["idle_fraction"] - expected)},
+                 "abs_diff_points": 100 * abs(result["idle_fraction"] - expected),
+                 "theory_at_measured_latency": at_latency,
+                 "abs_diff_points_at_measured_latency":
+                     100 * abs(result["idle_fraction"] - at_latency)},
                 executor.last_stats.actions)
 
-    out = {}
+    latency_s = message_latency_s()
+    out: dict = {}
     for schedule, v in schedules(args):
         out[schedule], actions = run(schedule, v)
         log(f"fixed cost {schedule}: idle {out[schedule]['idle_fraction']:.3f}, "
@@ -321,7 +353,7 @@ def fixed_cost_part(args: argparse.Namespace, comm: CommunicationController) -> 
             out[name]["message_latency_s"] = costs.latency
             log(f"fixed cost {name}: idle {out[name]['idle_fraction']:.3f}, "
                 f"theory {out[name]['theory']:.3f}")
-    return out
+    return out, latency_s
 
 
 # The split schedules whose order follows measured costs: each runs again with them.
@@ -430,7 +462,7 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
         dims = ParallelDims(dp=1, tp=1, pp=args.pp, ep=1, world_size=args.pp)
         dims.build_mesh("cpu")
         comm = CommunicationController(dims)
-        fixed = fixed_cost_part(args, comm)
+        fixed, latency_s = fixed_cost_part(args, comm)
         real = None if args.skip_real_model else real_model_part(args, comm)
         dist.barrier()
     finally:
@@ -447,11 +479,15 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
         "repeats": args.repeats,
         "idle_definition": "mean over ranks of 1 - busy_s / step wall time (slowest rank)",
         "fixed_cost": fixed,
+        # One way, rank 0 to 1 and back halved, after rank 0 idled (``message_latency_s``).
+        "message_latency_s": latency_s,
         "checks": {
             "1f1b_within_5_points_of_theory": one_f["abs_diff_points"] <= 5.0,
             "interleaved_idle_lower_than_1f1b":
                 fixed["interleaved_1f1b"]["idle_fraction"] < one_f["idle_fraction"],
             "zb_h1_within_2_points_of_theory": fixed["zb_h1"]["abs_diff_points"] <= 2.0,
+            "zb_h1_within_2_points_of_theory_at_measured_latency":
+                fixed["zb_h1"]["abs_diff_points_at_measured_latency"] <= 2.0,
             "zb_h1_idle_lower_than_interleaved":
                 fixed["zb_h1"]["idle_fraction"] < fixed["interleaved_1f1b"]["idle_fraction"],
         },
@@ -558,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[tuple[dict, dict]] = []
     real_rounds: list[tuple[dict, dict]] = []
     fixed_rounds: list[dict] = []
+    latencies: list[float] = []
     for n in range(args.rounds):
         worker_argv = argv_out
         with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
@@ -572,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             this_round = json.loads(Path(result_file).read_text())
         result = result or this_round
         fixed_rounds.append(this_round["fixed_cost"])
+        latencies.append(this_round["message_latency_s"])
         if not args.skip_torch_peer:
             # Right after mcpar's, on fresh processes, the same stages and costs.
             print(f"pipeline_bubble: round {n + 1}: torch's schedules on the same stages",
@@ -590,6 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     # Every schedule's fixed-cost bubble, round by round (median, min, max).
     result["fixed_cost_bubble_rounds"] = _spread(
         {name: [r[name]["idle_fraction"] for r in fixed_rounds] for name in fixed_rounds[0]})
+    # And the theory of each round at the message latency that round measured.
+    result["fixed_cost_theory_at_measured_latency_rounds"] = _spread(
+        {name: [r[name]["theory_at_measured_latency"] for r in fixed_rounds]
+         for name in fixed_rounds[0]})
+    result["message_latency_s_rounds"] = latencies
     result["machine"] = (f"{os.cpu_count()} cores, shared with other jobs while it ran: "
                          "timings are noisy, compare within a round")
     if rounds:
