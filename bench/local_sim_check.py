@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from mcpar.config import load_config
+from mcpar.sim import cpu_load
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
 from mcpar.sim.hardware import LocalProfile
@@ -68,29 +67,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def _busy_cpu_s() -> float:
-    """CPU seconds all processes on the machine have used since boot (from /proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:8]]
-    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children."""
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    return total
-
-
 def foreign_share(fn: Callable[[], T]) -> tuple[T, float]:
-    """Run `fn`; also return the share of the cores other processes used meanwhile."""
-    busy0, ours0, wall0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
-    result = fn()
-    busy1, ours1, wall1 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
-    cores = len(os.sched_getaffinity(0))
-    return result, max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (cores * (wall1 - wall0))
+    """``mcpar.sim.cpu_load.foreign_share``, 0 where the machine's load is unknown (the benches
+    run on Linux, where it is known)."""
+    result, share = cpu_load.foreign_share(fn)
+    return result, share or 0.0
 
 
 def measured_step(overrides: list[str], nproc: int, steps: int, warmup: int) -> float:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import calendar
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,8 +19,10 @@ from conftest import REPO, run_cli_in_process
 
 from mcpar.errors import UserError
 from mcpar.sim import localprofile
+from mcpar.sim.cpu_load import foreign_share
 from mcpar.sim.hardware import LocalProfile
 from mcpar.sim.profilestore import (
+    FOREIGN_NOTE,
     PROFILE_ENV,
     cores,
     lookup_profile,
@@ -227,3 +233,32 @@ def test_a_profile_measured_before_a_field_existed_is_stale_naming_it(tmp_path: 
     found = lookup_profile(path)
     assert found.status == "stale" and "earlier version" in found.why
     assert "mask_rate_per_thread" in found.why
+
+
+@pytest.mark.parametrize(("share", "warned"), [(0.5, True), (0.02, False), (None, False)])
+def test_a_profile_measured_under_load_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        share: float | None, warned: bool) -> None:
+    """The measurement records the share of the cores other processes used meanwhile; past
+    ``MAX_FOREIGN_SHARE`` a warning names it and how to measure again (a profile measured
+    beside a busy job prices the machine slow: a plan priced on one missed its step 6x)."""
+    path = tmp_path / "p.json"
+    monkeypatch.setattr(localprofile, "foreign_share", lambda fn: (REMEASURED, share))
+    localprofile.load_local_cluster(path)
+    err = capsys.readouterr().err
+    assert ("50% of the cores" in err and "--out" in err) == warned, err
+    saved = lookup_profile(path).profile
+    assert saved is not None and saved.notes.get(FOREIGN_NOTE) == share
+
+
+def test_the_share_of_the_cores_other_processes_use_is_measured() -> None:
+    """A busy loop that is not this process's child (orphaned at once, so its CPU time is no
+    child's of ours) takes a core: at least half a core of the machine's is foreign."""
+    if not Path("/proc/stat").is_file():
+        pytest.skip("the machine's CPU time is read from Linux's /proc/stat")
+    spin = "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass"
+    subprocess.run(["sh", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(spin)} &"],
+                   check=True)
+    result, share = foreign_share(lambda: time.sleep(1.5) or "done")
+    assert result == "done" and share is not None
+    assert share >= 0.5 / len(os.sched_getaffinity(0)), share

@@ -14,6 +14,7 @@ fixed cost is measured is so small that its arithmetic is negligible; gloo is ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mcpar.errors import UserError
+from mcpar.sim.cpu_load import foreign_share
 from mcpar.sim.hardware import (
     Accelerator,
     Cluster,
@@ -31,8 +33,14 @@ from mcpar.sim.hardware import (
     cluster_preset,
     load_accelerators,
 )
+from mcpar.sim.profilestore import (
+    FOREIGN_NOTE,
+    lookup_profile,
+    profile_path,
+    save_profile,
+    under_load,
+)
 from mcpar.sim.profilestore import cores as cores_here
-from mcpar.sim.profilestore import lookup_profile, profile_path, save_profile
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -258,6 +266,15 @@ def _collective_costs() -> dict[str, tuple[float, float]]:
 
 
 def measure() -> LocalProfile:
+    """This machine's profile, with the share of its cores other processes used meanwhile
+    (``notes['foreign_cpu_share']``, where it can be read: ``cpu_load``)."""
+    profile, share = foreign_share(_measure)
+    if share is None:
+        return profile
+    return dataclasses.replace(profile, notes={**profile.notes, FOREIGN_NOTE: share})
+
+
+def _measure() -> LocalProfile:
     n = cores_here()
     flops_1 = _matmul_rate(1)
     flops_all = _matmul_rate(n)
@@ -315,6 +332,12 @@ def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Clu
           f"{found.path})", file=sys.stderr, flush=True)
     profile = measure()
     save_profile(profile, found.path)
+    loaded = under_load(profile)
+    if loaded:
+        print(f"mcpar: warning: the local profile was {loaded}: its rates are low by about "
+              "that share, and so is every step priced on it; measure it again on a quiet "
+              f"machine (python -m mcpar.sim.localprofile --out {found.path})",
+              file=sys.stderr, flush=True)
     return local_cluster(profile)
 
 
@@ -332,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where to save the profile")
     args = parser.parse_args(argv)
     path = args.out or profile_path()
-    print(json.dumps(save_profile(measure(), path), indent=2))
+    profile = measure()
+    print(json.dumps(save_profile(profile, path), indent=2))
+    if under_load(profile):
+        print(f"warning: the profile was {under_load(profile)}: measure it again on a quiet "
+              "machine", file=sys.stderr)
     print(f"saved to {path}", file=sys.stderr)
     return 0
 

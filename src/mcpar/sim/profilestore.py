@@ -7,6 +7,8 @@ The file (``profile_path()``) holds the measured fields (``hardware.LocalProfile
   "model name"), the cores this process may run on, the torch version, and the device type and
   collective backend measured (the CPU and gloo: ``localprofile.measure``);
 - ``measured``: when, in UTC;
+- ``notes.foreign_cpu_share``: the share of the cores other processes used meanwhile
+  (``cpu_load``; a measurement past ``MAX_FOREIGN_SHARE`` is warned about);
 - ``sha256``: of the canonical JSON (sorted keys, no spaces) of every other field of the file.
 
 A profile whose key differs from this machine's, whose checksum does not match its content (a
@@ -29,9 +31,12 @@ from pathlib import Path
 from typing import Literal
 
 from mcpar.errors import problem
+from mcpar.sim.cpu_load import MAX_FOREIGN_SHARE
 from mcpar.sim.hardware import LocalProfile
 
 PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
+# The profile's note of the share of the cores other processes used while it was measured.
+FOREIGN_NOTE = "foreign_cpu_share"
 # What ``localprofile.measure`` measures: CPU workers talking over gloo.
 MEASURED_DEVICE, MEASURED_BACKEND = "cpu", "gloo"
 STAMP_FIELDS = ("machine", "measured", "sha256")
@@ -175,6 +180,20 @@ def lookup_profile(path: Path | None = None) -> ProfileLookup:
         return ProfileLookup(path, "broken", why=f"the local profile {path} is unsound "
                              f"({'; '.join(problems)})", problems=tuple(problems))
     return ProfileLookup(path, "valid", profile, measured=str(stamp.get("measured", "")))
+
+
+def under_load(profile: LocalProfile) -> str:
+    """'' when the profile was measured on a quiet machine (or its load is unknown), else one
+    clause saying how loaded it was: other processes used more than ``MAX_FOREIGN_SHARE`` of
+    the cores while it was measured. Said, not refused: on a machine always shared (a CI
+    runner's parallel tests) every measurement would be, and a run whose step then misses its
+    prediction measures again anyway (``profiler.predict``)."""
+    notes = profile.notes if isinstance(profile.notes, dict) else {}
+    share = notes.get(FOREIGN_NOTE)
+    if not isinstance(share, int | float) or share <= MAX_FOREIGN_SHARE:
+        return ""  # unknown (a field check names a value that is not a number)
+    return (f"measured while other processes used {share:.0%} of the cores (more than "
+            f"{MAX_FOREIGN_SHARE:.0%})")
 
 
 def _finite(value: object, least: float, strict: bool) -> bool:
