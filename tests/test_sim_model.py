@@ -120,20 +120,22 @@ def test_shipped_parameters_are_the_documented_fit() -> None:
 def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     """Published runs the parameters were never fitted on (FSDP-only, GQA/SwiGLU, deep
     interleaved pipelines with cp, MoE, fp8, Megatron-Core's H100 weak-scaling table;
-    docs/cost_model.md): the model's median error stays near its documented 7.0%, below half
-    the one-constant baseline's 14.5%, and each source of Megatron/NeMo runs within its
-    documented figure (before tensor-parallel overlap, the H100 attention share and BLOOM's
-    unfused attention were priced: weak scaling 11.3%, BLOOM 15.6%)."""
+    docs/cost_model.md): the model's median error stays near its documented 6.6%, below half
+    the one-constant baseline's 14.5%, and each source within its documented figure (before
+    tensor-parallel overlap, the H100 attention share and BLOOM's unfused attention were
+    priced: weak scaling 11.3%, BLOOM 15.6%; before MPT's Triton flash kernel, llm-foundry
+    14.6%)."""
     holdout = packaged_runs(ACC, "holdout_runs.csv")
     assert len(holdout) >= 36
     assert not {r.id for r in holdout} & {r.id for r in RUNS}
     table = accuracy_table(holdout, GPU_EFFICIENCY, naive_constant(RUNS))
     model = summary([row["ratio"] for row in table])
     naive = summary([row["naive_ratio"] for row in table])
-    assert model["median_abs_error"] <= 0.072, table
+    assert model["median_abs_error"] <= 0.067, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
     groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
-    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.115}
+    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.115,
+              "llmfoundry-mpt-fsdp": 0.085, "torchtitan": 0.125}
     for group, bound in bounds.items():
         assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
 
@@ -357,6 +359,25 @@ def test_h100_attention_runs_at_flash_attention_2s_share_of_its_peak() -> None:
     assert a100.attn_flops == pytest.approx(a100_cluster.accel.peak("bf16") * eff.attention)
     assert h100.attn_flops == pytest.approx(989e12 * 0.35 / 0.615 * eff.attention)
     assert h100.gemm_flops == pytest.approx(989e12 * eff.gemm)  # GEMMs keep the whole peak
+
+
+def test_older_flash_kernels_run_at_their_published_speed_against_flash_attention_2() -> None:
+    """FlashAttention-2 paper (section 4.1): 2x FlashAttention-1, 1.3-1.5x the Triton port
+    forward and 2x backward; only the attention core moves, and MPT's rows name the Triton
+    kernel their yamls set (attn_impl: triton)."""
+    cluster = make_cluster(ACC["a100-80gb"], 8, 8, 200)
+    m = replace(GPT3, seq_len=8192)
+    lay = Layout(tp=8, global_batch=1)
+    core = {k: simulate(m, lay.with_(flash_kernel=k), cluster).breakdown
+            for k in ("fa2", "fa1", "triton")}
+    fa2 = core["fa2"]["attention"]
+    assert core["fa1"]["attention"] == pytest.approx(2 * fa2)
+    fwd = fa2 / (1 + 2.5)  # the backward is FLASH_BWD_FACTOR forwards
+    assert core["triton"]["attention"] == pytest.approx(1.4 * fwd + 2 * 2.5 * fwd)
+    assert core["triton"]["gemm"] == core["fa2"]["gemm"]
+    mpt = [r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("mpt-")]
+    assert mpt and all(r.layout.flash_kernel == "triton" for r in mpt)
+    assert all(r.layout.attention_kind == "flash" for r in mpt)
 
 
 def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:

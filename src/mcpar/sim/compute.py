@@ -33,6 +33,11 @@ ACT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
 HIDDEN_TENSORS_FWD = 2 * 2 + 2 * 3.5
 SCORE_TENSORS_FWD, SCORE_TENSORS_BWD = 4.5, 5.5
 FLASH_BWD_FACTOR = 2.5
+# Speed of each flash kernel (``workload.FLASH_KERNELS``) relative to FlashAttention-2, forward
+# and backward, as the FlashAttention-2 paper measured them (Dao 2023, section 4.1, A100): it runs
+# about 2x FlashAttention-1's speed, and 1.3-1.5x (forward) and about 2x (backward) the speed of
+# the Triton port of FlashAttention. The ``attention`` efficiency is FlashAttention-2's.
+FLASH_KERNEL_SPEED = {"fa2": (1.0, 1.0), "fa1": (0.5, 0.5), "triton": (1 / 1.4, 0.5)}
 # mcpar's ring blocks (``parallel/ring_attention.py``), eager fp32 ops over each block's scores,
 # in score-sized reads + writes beyond the GEMMs' own, counted from the code: forward, the
 # scale (2), the log-sum-exp (3: its max and its sum of exponentials) and the probabilities
@@ -171,8 +176,9 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         core_f, core_b = ring_core_times(m, lay, cluster, rl)
     elif lay.attention_kind == "flash":
         flops = 2.0 * tok * m.seq_len * h / t  # 4 T s h over the causal half
-        core_f = flops / rl.attn_flops
-        core_b = FLASH_BWD_FACTOR * core_f
+        speed_f, speed_b = FLASH_KERNEL_SPEED[lay.flash_kernel]
+        core_f = flops / rl.attn_flops / speed_f
+        core_b = FLASH_BWD_FACTOR * flops / rl.attn_flops / speed_b
     else:
         batch = lay.micro_batch * heads_local
         sq = m.seq_len / lay.cp

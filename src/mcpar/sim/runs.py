@@ -36,8 +36,12 @@ RUN_COLUMNS = (
 # run's software did where stacks differ in a way the model prices (docs/cost_model.md).
 OPTIONAL_COLUMNS = {
     "tp_comm_overlap": "false",  # tensor-parallel collectives pipelined with their GEMMs
-    "attention": "auto",  # the attention kernel: flash, unfused, or auto (see Layout)
+    # The attention kernel: auto (see Layout), unfused, or a flash-style kernel: flash
+    # (FlashAttention-2 or as fast), flash1 (FlashAttention-1), flash_triton (its Triton port).
+    "attention": "auto",
 }
+# The flash kernel each flash ``attention`` value names (``workload.FLASH_KERNELS``).
+FLASH_ATTENTION_NAMES = {"flash": "fa2", "flash1": "fa1", "flash_triton": "triton"}
 PREDICTION_COLUMNS = (
     "predicted_step_s", "predicted_tflops_per_gpu", "predicted_mfu",
     "predicted_memory_gb_per_gpu", "predicted_comm_fraction", "predicted_bubble_fraction",
@@ -166,9 +170,10 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         problems.append(problem(f"{rid}.tp_comm_overlap", "overlapping tensor-parallel "
                                 "collectives needs tp > 1 and seq_parallel; set it false"))
     attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
-    if attention not in ("auto", "flash", "unfused"):
+    if attention not in ("auto", "unfused", *FLASH_ATTENTION_NAMES):
         problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
-                                                    "use auto, flash or unfused"))
+                                                    "use auto, flash, flash1, flash_triton or "
+                                                    "unfused"))
     if ints["pp"] * max(1, ints["vp"]) > MAX_STAGES:
         problems.append(problem(f"{rid}.pp", f"pp {ints['pp']} x vp {max(1, ints['vp'])} is "
                                              f"more than {MAX_STAGES} pipeline stages; give "
@@ -194,7 +199,8 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         ep=max(1, ints["ep"]), zero_stage=ints["zero_stage"], seq_parallel=bool(sp),
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
         recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
-        attention=attention,
+        attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
+        flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"),
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column

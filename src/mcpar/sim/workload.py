@@ -44,6 +44,10 @@ ATTENTION = ("auto", "flash", "unfused", "math")
 # Engine's, under Megatron/NeMo): flash blocks, the key-value heads on the wire, dK/dV passed on
 # while the next block computes. docs/cost_model.md ("Context parallelism").
 CONTEXT_MODES = ("ring", "ulysses", "flash_ring")
+# Which flash-style kernel a published run's attention ran (``compute.FLASH_KERNEL_SPEED``):
+# FlashAttention-2 (or a kernel as fast: cuDNN's, torch's SDPA), FlashAttention-1, or the
+# Triton port of FlashAttention that 2023 stacks (llm-foundry's ``attn_impl: triton``) used.
+FLASH_KERNELS = ("fa2", "fa1", "triton")
 DEVICES = ("cuda", "cpu")
 
 
@@ -68,6 +72,7 @@ class Layout:
     compression: str = "none"
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused | math; auto: unfused for fp16 (see costmodel docs)
+    flash_kernel: str = "fa2"  # see FLASH_KERNELS; only read where the attention is flash
     # Whose kernels the run uses where they keep different tensors (``device_kernels.py``):
     # dropout masks, and attention under dropout (a config's layout resolves the kernel).
     device: str = "cuda"
@@ -260,7 +265,8 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
             bad(field, text)
     for key, allowed in (("precision", PRECISIONS),
                          ("topology", TOPOLOGY),
-                         ("attention", ATTENTION), ("device", DEVICES),
+                         ("attention", ATTENTION), ("flash_kernel", FLASH_KERNELS),
+                         ("device", DEVICES),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
