@@ -134,7 +134,7 @@ def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     assert model["median_abs_error"] <= 0.067, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
     groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
-    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.115,
+    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.11,
               "llmfoundry-mpt-fsdp": 0.085, "torchtitan": 0.125}
     for group, bound in bounds.items():
         assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
@@ -380,6 +380,24 @@ def test_older_flash_kernels_run_at_their_published_speed_against_flash_attentio
     assert all(r.layout.attention_kind == "flash" for r in mpt)
 
 
+def test_data_parallel_traffic_not_overlapped_is_all_exposed() -> None:
+    """``dp_overlap`` false (DeepSpeed's pipeline engine reduces gradients after the last
+    backward): every second of the data-parallel exchange lands on the step; BLOOM's row says
+    so, the other held-out rows overlap."""
+    cluster = a100(384, 50)
+    lay = Layout(tp=4, pp=12, dp=8, zero_stage=1, global_batch=2048, micro_batch=2,
+                 recompute="full")
+    m = replace(GPT3, layers=72)
+    hidden = simulate(m, lay, cluster)
+    serial = simulate(m, lay.with_(dp_overlap=False), cluster)
+    assert hidden.breakdown["dp_comm"] < serial.breakdown["dp_comm"]
+    assert serial.breakdown["dp_comm"] == pytest.approx(serial.dp_comm_s)
+    assert serial.step_s - hidden.step_s == pytest.approx(
+        serial.breakdown["dp_comm"] - hidden.breakdown["dp_comm"])
+    holdout = packaged_runs(ACC, "holdout_runs.csv")
+    assert [r.id for r in holdout if not r.layout.dp_overlap] == ["bloom-176b-384g"]
+
+
 def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:
     header = ",".join(RUN_COLUMNS)
     text = RUN_CSV_TEXT = resources_text("published_runs.csv")
@@ -392,8 +410,12 @@ def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:
     plain = "\n".join(line.rsplit(",", 2)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
     assert not read_runs_text(plain, "t.csv", ACC)[0].layout.tp_comm_overlap
     row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 2)[0]
-    for tail, column in ((",maybe,auto", "tp_comm_overlap"), (",true,auto", "tp_comm_overlap"),
-                         (",false,ring", "attention")):
+    header = text.splitlines()[0] + ",dp_overlap"
+    for tail, column in ((",maybe,auto,true", "tp_comm_overlap"),
+                         (",true,auto,true", "tp_comm_overlap"),
+                         (",false,ring,true", "attention"), (",false,flash,often", "dp_overlap")):
         with pytest.raises(UserError) as err:
-            read_runs_text(text.splitlines()[0] + "\n" + row + tail, "t.csv", ACC)
+            read_runs_text(header + "\n" + row + tail, "t.csv", ACC)
         assert f"sc21-1.7B.{column}" in str(err.value), err.value
+    triton = read_runs_text(header + "\n" + row + ",false,flash_triton,false", "t.csv", ACC)[0]
+    assert (triton.layout.flash_kernel, triton.layout.dp_overlap) == ("triton", False)

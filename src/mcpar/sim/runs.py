@@ -39,6 +39,9 @@ OPTIONAL_COLUMNS = {
     # The attention kernel: auto (see Layout), unfused, or a flash-style kernel: flash
     # (FlashAttention-2 or as fast), flash1 (FlashAttention-1), flash_triton (its Triton port).
     "attention": "auto",
+    # Data-parallel collectives overlapped with the backward and forward (false: exchanged
+    # after the last backward, as DeepSpeed's pipeline engine does).
+    "dp_overlap": "true",
 }
 # The flash kernel each flash ``attention`` value names (``workload.FLASH_KERNELS``).
 FLASH_ATTENTION_NAMES = {"flash": "fa2", "flash1": "fa1", "flash_triton": "triton"}
@@ -169,6 +172,10 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     elif tp_overlap and not (sp and ints["tp"] > 1):
         problems.append(problem(f"{rid}.tp_comm_overlap", "overlapping tensor-parallel "
                                 "collectives needs tp > 1 and seq_parallel; set it false"))
+    dp_overlap = _parse_bool(row.get("dp_overlap") or OPTIONAL_COLUMNS["dp_overlap"])
+    if dp_overlap is None:
+        problems.append(problem(f"{rid}.dp_overlap",
+                                f"expected true or false, got {row.get('dp_overlap')!r}"))
     attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
     if attention not in ("auto", "unfused", *FLASH_ATTENTION_NAMES):
         problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
@@ -200,7 +207,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
         recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
         attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
-        flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"),
+        flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"), dp_overlap=bool(dp_overlap),
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column

@@ -92,6 +92,11 @@ class Layout:
     # drain (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap; needs sequence
     # parallelism). mcpar's runtime does not do it: only published rows that ran it set it.
     tp_comm_overlap: bool = False
+    # Data-parallel collectives overlapped with compute (gradients with the backward, gathers
+    # with the forward) by the ``overlap`` share. False: the run's stack exchanges them between
+    # the last backward and the optimizer step (DeepSpeed's pipeline engine, whose ReduceGrads
+    # follows the schedule's last backward), all of it on the critical path.
+    dp_overlap: bool = True
     # Mixed precision by autocast (PyTorch AMP, mcpar's bfloat16): fp32 weights, gradients and
     # residual stream, 16-bit matmul inputs and outputs. False: 16-bit weight copies beside fp32
     # master weights (Megatron, DeepSpeed), the residual stream in 16 bits.
