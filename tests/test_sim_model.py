@@ -120,22 +120,22 @@ def test_shipped_parameters_are_the_documented_fit() -> None:
 def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     """Published runs the parameters were never fitted on (FSDP-only, GQA/SwiGLU, deep
     interleaved pipelines with cp, MoE, fp8, Megatron-Core's H100 weak-scaling table;
-    docs/cost_model.md): the model's median error stays near its documented 6.6%, below half
-    the one-constant baseline's 14.5%, and each source within its documented figure (before
+    docs/cost_model.md): the model's median error stays near its documented 6.4%, below half
+    the one-constant baseline's, and each source within its documented figure (before
     tensor-parallel overlap, the H100 attention share and BLOOM's unfused attention were
     priced: weak scaling 11.3%, BLOOM 15.6%; before MPT's Triton flash kernel, llm-foundry
-    14.6%)."""
+    14.6%; before Megatron's unfused cross-entropy, weak scaling 5.1%)."""
     holdout = packaged_runs(ACC, "holdout_runs.csv")
     assert len(holdout) >= 36
     assert not {r.id for r in holdout} & {r.id for r in RUNS}
     table = accuracy_table(holdout, GPU_EFFICIENCY, naive_constant(RUNS))
     model = summary([row["ratio"] for row in table])
     naive = summary([row["naive_ratio"] for row in table])
-    assert model["median_abs_error"] <= 0.067, table
+    assert model["median_abs_error"] <= 0.065, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
     groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
-    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.11,
-              "llmfoundry-mpt-fsdp": 0.085, "torchtitan": 0.125}
+    bounds = {"megatron-core-h100-weak": 0.048, "nvidia-dgxc": 0.063, "bigscience-bloom": 0.107,
+              "llmfoundry-mpt-fsdp": 0.082, "torchtitan": 0.125}
     for group, bound in bounds.items():
         assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
 
@@ -156,7 +156,7 @@ def test_dropping_a_term_and_refitting_worsens_the_heldout_rows_it_touches(term:
 @pytest.mark.slow
 def test_leave_one_out_stays_within_the_issue_bounds() -> None:
     """Each calibration row predicted with the parameters refitted without it: median <= 4%,
-    every source's median <= 10% (documented: 1.9%; sc21 1.5%, the dgxc row 5.2%)."""
+    every source's median <= 10% (documented: 2.5%; sc21 1.9%, the dgxc row 5.2%)."""
     loo = leave_one_out(RUNS, restarts=1)
     rs = [r for _, r in loo]
     assert summary(rs)["worst_abs_error"] <= 0.15, loo
@@ -380,6 +380,28 @@ def test_older_flash_kernels_run_at_their_published_speed_against_flash_attentio
     assert all(r.layout.attention_kind == "flash" for r in mpt)
 
 
+def test_megatrons_unfused_cross_entropy_moves_its_counted_bytes() -> None:
+    """Megatron's vocab-parallel cross-entropy (52 bytes per logit element, counted from its
+    code) against a fused kernel's 16: only the head's element-wise time moves, by the bytes'
+    difference over the memory rate; the Megatron rows (SC21, BLOOM, the weak-scaling table)
+    say so."""
+    cluster = make_cluster(ACC["h100-80gb"], 8, 8, 400)
+    m = ModelShape(layers=2, hidden=2048, heads=16, kv_heads=16, ffn=8192, ffn_kind="gelu",
+                   vocab=131072, seq_len=4096)
+    lay = Layout(tp=2, dp=4, global_batch=4, micro_batch=1)
+    fused = simulate(m, lay, cluster)
+    unfused = simulate(m, lay.with_(cross_entropy="megatron"), cluster)
+    rl = roofline(cluster, lay, GPU_EFFICIENCY)
+    extra = (52 - 16) * 4096 * 131072 / 2 / rl.mem_bw
+    assert unfused.breakdown["elementwise"] - fused.breakdown["elementwise"] == pytest.approx(extra)
+    assert unfused.breakdown["gemm"] == fused.breakdown["gemm"]
+    megatron = {r.id for r in RUNS + packaged_runs(ACC, "holdout_runs.csv")
+                if r.layout.cross_entropy == "megatron"}
+    assert {r.id for r in RUNS if r.id.startswith("sc21")} <= megatron
+    assert {"bloom-176b-384g", "mcore-weak-1.7b", "mcore-weak-462b"} <= megatron
+    assert not any(i.startswith(("dgxc", "mpt", "tt")) for i in megatron)
+
+
 def test_data_parallel_traffic_not_overlapped_is_all_exposed() -> None:
     """``dp_overlap`` false (DeepSpeed's pipeline engine reduces gradients after the last
     backward): every second of the data-parallel exchange lands on the step; BLOOM's row says
@@ -401,21 +423,27 @@ def test_data_parallel_traffic_not_overlapped_is_all_exposed() -> None:
 def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:
     header = ",".join(RUN_COLUMNS)
     text = RUN_CSV_TEXT = resources_text("published_runs.csv")
-    assert text.splitlines()[0] == header + ",tp_comm_overlap,attention"
+    assert text.splitlines()[0] == header + ",tp_comm_overlap,attention,cross_entropy"
     bloom = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("bloom"))
     assert bloom.layout.attention_kind == "unfused"
+    assert bloom.layout.cross_entropy == "megatron"
     weak = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id == "mcore-weak-32b")
     assert weak.layout.tp_comm_overlap
     # The required columns alone still read (the stack's columns are optional).
-    plain = "\n".join(line.rsplit(",", 2)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
-    assert not read_runs_text(plain, "t.csv", ACC)[0].layout.tp_comm_overlap
-    row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 2)[0]
+    plain = "\n".join(line.rsplit(",", 3)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
+    alone = read_runs_text(plain, "t.csv", ACC)[0].layout
+    assert not alone.tp_comm_overlap and alone.cross_entropy == "fused"
+    row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 3)[0]
     header = text.splitlines()[0] + ",dp_overlap"
-    for tail, column in ((",maybe,auto,true", "tp_comm_overlap"),
-                         (",true,auto,true", "tp_comm_overlap"),
-                         (",false,ring,true", "attention"), (",false,flash,often", "dp_overlap")):
+    for tail, column in ((",maybe,auto,fused,true", "tp_comm_overlap"),
+                         (",true,auto,fused,true", "tp_comm_overlap"),
+                         (",false,ring,fused,true", "attention"),
+                         (",false,flash,fused,often", "dp_overlap"),
+                         (",false,flash,apex,true", "cross_entropy")):
         with pytest.raises(UserError) as err:
             read_runs_text(header + "\n" + row + tail, "t.csv", ACC)
         assert f"sc21-1.7B.{column}" in str(err.value), err.value
-    triton = read_runs_text(header + "\n" + row + ",false,flash_triton,false", "t.csv", ACC)[0]
-    assert (triton.layout.flash_kernel, triton.layout.dp_overlap) == ("triton", False)
+    stack = read_runs_text(header + "\n" + row + ",false,flash_triton,megatron,false", "t.csv",
+                           ACC)[0].layout
+    assert (stack.flash_kernel, stack.cross_entropy, stack.dp_overlap) == (
+        "triton", "megatron", False)

@@ -57,8 +57,13 @@ MOE_LOAD_IMBALANCE = 1.1
 # the other GEMM of the pair (their SMs are not kept from it, and not priced).
 UB_SCATTER_SMS = (24, 20)
 UB_SPLITS = 4  # chunks of the pipelined reduce-scatter
-# Cross-entropy over the vocabulary in fp32: logits read/written twice forward and backward.
-CE_PASSES = 4
+# Bytes the cross-entropy moves per logit element, (forward, backward), by kernel
+# (``workload.CROSS_ENTROPY``). fused: one fp32 read and write each way. megatron: Megatron's
+# vocab-parallel cross-entropy as its code runs it, unfused: forward, the 16-bit logits cast to
+# fp32 (2 + 4), the max (4), subtracting it in place (4 + 4), exp in place (4 + 4), the sum (4)
+# and the division into the softmax it saves (4 + 4); backward, the softmax scaled in place by
+# the loss gradient (4 + 4) and cast back to 16 bits (4 + 2).
+CE_BYTES = {"fused": (8.0, 8.0), "megatron": (38.0, 14.0)}
 
 
 @dataclass
@@ -334,11 +339,11 @@ def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     t = lay.tp
     tok = tokens_per_gpu(m, lay)
     gemm = rl.gemm(tok, m.vocab / t, m.hidden)
-    ce = rl.stream(4.0 * tok * m.vocab / t * CE_PASSES / 2)  # per pass: half of the passes
+    ce_f, ce_b = (rl.stream(b * tok * m.vocab / t) for b in CE_BYTES[lay.cross_entropy])
     norm = rl.stream(2 * rl.act_bytes * tok * m.hidden)
-    out = PassTimes(fwd=gemm + ce + norm, bwd=2 * gemm + ce + 2 * norm)
+    out = PassTimes(fwd=gemm + ce_f + norm, bwd=2 * gemm + ce_b + 2 * norm)
     out.add("gemm", 3 * gemm)
-    out.add("elementwise", 2 * ce + 3 * norm)
+    out.add("elementwise", ce_f + ce_b + 3 * norm)
     # The input gradient of the vocabulary-parallel head is summed over tensor ranks, and the
     # vocabulary-parallel cross-entropy reduces three per-token values (max, sum of exponentials,
     # the target's logit): small messages, where latency is the cost.

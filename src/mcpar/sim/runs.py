@@ -23,7 +23,7 @@ from pathlib import Path
 from mcpar.errors import UserError, problem
 from mcpar.sim.costmodel import Prediction, check, simulate
 from mcpar.sim.hardware import GIB, Accelerator, Cluster, Efficiency, find_accelerator, make_cluster
-from mcpar.sim.workload import Layout, ModelShape
+from mcpar.sim.workload import CROSS_ENTROPY, Layout, ModelShape
 
 RUN_COLUMNS = (
     "id", "group", "grade", "gpu", "num_gpus", "gpus_per_node", "inter_node_gbps_per_gpu",
@@ -42,6 +42,8 @@ OPTIONAL_COLUMNS = {
     # Data-parallel collectives overlapped with the backward and forward (false: exchanged
     # after the last backward, as DeepSpeed's pipeline engine does).
     "dp_overlap": "true",
+    # The cross-entropy's kernel: fused, or megatron (Megatron's unfused vocab-parallel one).
+    "cross_entropy": "fused",
 }
 # The flash kernel each flash ``attention`` value names (``workload.FLASH_KERNELS``).
 FLASH_ATTENTION_NAMES = {"flash": "fa2", "flash1": "fa1", "flash_triton": "triton"}
@@ -176,6 +178,11 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     if dp_overlap is None:
         problems.append(problem(f"{rid}.dp_overlap",
                                 f"expected true or false, got {row.get('dp_overlap')!r}"))
+    cross_entropy = (row.get("cross_entropy") or OPTIONAL_COLUMNS["cross_entropy"]).strip()
+    if cross_entropy not in CROSS_ENTROPY:
+        problems.append(problem(f"{rid}.cross_entropy", f"unknown cross-entropy kernel "
+                                                        f"{cross_entropy!r}; use fused or "
+                                                        "megatron"))
     attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
     if attention not in ("auto", "unfused", *FLASH_ATTENTION_NAMES):
         problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
@@ -208,6 +215,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
         attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
         flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"), dp_overlap=bool(dp_overlap),
+        cross_entropy=cross_entropy,
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column

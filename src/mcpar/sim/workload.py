@@ -28,8 +28,9 @@ from mcpar.registry.schedule import (
 )
 from mcpar.registry.zero import ZERO_STAGES, ZeroFacts, zero_stage
 
-__all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
-           "layout_problems", "model_preset", "model_problems", "rank_layers", "stage_blocks"]
+__all__ = ["CROSS_ENTROPY", "FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset",
+           "ModelShape", "layout_problems", "model_preset", "model_problems", "rank_layers",
+           "stage_blocks"]
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
 # secondary copy of every block sharded inside the node so that backward gathers stay there.
@@ -48,6 +49,10 @@ CONTEXT_MODES = ("ring", "ulysses", "flash_ring")
 # FlashAttention-2 (or a kernel as fast: cuDNN's, torch's SDPA), FlashAttention-1, or the
 # Triton port of FlashAttention that 2023 stacks (llm-foundry's ``attn_impl: triton``) used.
 FLASH_KERNELS = ("fa2", "fa1", "triton")
+# The cross-entropy's kernels (``compute.CE_BYTES``): fused, one pass each way over fp32 logits
+# (mcpar's price), or Megatron's vocab-parallel cross-entropy, unfused (its default before
+# --cross-entropy-loss-fusion).
+CROSS_ENTROPY = ("fused", "megatron")
 DEVICES = ("cuda", "cpu")
 
 
@@ -73,6 +78,7 @@ class Layout:
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused | math; auto: unfused for fp16 (see costmodel docs)
     flash_kernel: str = "fa2"  # see FLASH_KERNELS; only read where the attention is flash
+    cross_entropy: str = "fused"  # see CROSS_ENTROPY
     # Whose kernels the run uses where they keep different tensors (``device_kernels.py``):
     # dropout masks, and attention under dropout (a config's layout resolves the kernel).
     device: str = "cuda"
@@ -271,6 +277,7 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     for key, allowed in (("precision", PRECISIONS),
                          ("topology", TOPOLOGY),
                          ("attention", ATTENTION), ("flash_kernel", FLASH_KERNELS),
+                         ("cross_entropy", CROSS_ENTROPY),
                          ("device", DEVICES),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
