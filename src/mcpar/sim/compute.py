@@ -229,6 +229,8 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     out.add("elementwise", 3 * elementwise + masks)
     policy = RECOMPUTE_POLICIES.get(lay.recompute)  # what the backward pass runs again
     again = policy.recompute_seconds(LayerWork(forward=out.fwd, core=core_f, mlp=mlp))
+    if lay.alternate_mm_recompute:
+        again += alternate_mm_seconds(m, lay, rl) + elementwise + masks
     if again:
         out.add("recompute", again)
     passes = policy.tp_passes  # forward, backward (, forward again)
@@ -264,6 +266,21 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         a2a = 2 * all_to_all(routed_bytes, ep_group, cluster, eff.network)
         out.add("ep_comm", passes * a2a)
     return out
+
+
+def alternate_mm_seconds(m: ModelShape, lay: Layout, rl: Roofline) -> float:
+    """Forward seconds of every second matrix product of a block, in the order it runs them
+    (``Layout.alternate_mm_recompute``, torchtitan's op-level selective checkpointing: the
+    query, key, value and output projections, then the MLP's products, gate before up before
+    down); the attention core's output is kept."""
+    t = lay.tp
+    tok = tokens_per_gpu(m, lay)
+    h, f = float(m.hidden), float(m.ffn)
+    kv_local = max(m.kv_heads / t, 1.0) * m.head_dim
+    products = [rl.gemm(tok, h / t, h), rl.gemm(tok, kv_local, h), rl.gemm(tok, kv_local, h),
+                rl.gemm(tok, h, h / t)]
+    products += [rl.gemm(tok, f / t, h)] * (m.mlp_matrices - 1) + [rl.gemm(tok, h, f / t)]
+    return sum(products[1::2])
 
 
 def ring_core_times(m: ModelShape, lay: Layout, cluster: Cluster,

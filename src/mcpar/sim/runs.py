@@ -78,7 +78,10 @@ PRECISION_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "am
                    "fp8": "fp8", "fp8-hybrid": "fp8", "fp8-e4m3": "fp8", "fp32": "fp32",
                    "float32": "fp32", "tf32": "fp32"}
 RECOMPUTE_NAMES = {"none": "none", "no": "none", "": "none", "selective": "selective",
-                   "full": "full", "uniform": "full", "block": "full"}
+                   "full": "full", "uniform": "full", "block": "full", "selective_op": "none"}
+# Recompute names that rerun every second matrix product (``Layout.alternate_mm_recompute``):
+# torchtitan's op-level selective checkpointing, which keeps the attention core's output.
+ALTERNATE_MM_RECOMPUTE = ("selective_op",)
 
 
 def _parse_bool(text: str) -> bool | None:
@@ -166,7 +169,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     recompute = RECOMPUTE_NAMES.get(row.get("recompute", "").strip().lower())
     if recompute is None:
         problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
-                                                    " use none, selective or full"))
+                                                    " use none, selective, selective_op or full"))
     tp_overlap = _parse_bool(row.get("tp_comm_overlap") or OPTIONAL_COLUMNS["tp_comm_overlap"])
     if tp_overlap is None:
         problems.append(problem(f"{rid}.tp_comm_overlap",
@@ -213,6 +216,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         ep=max(1, ints["ep"]), zero_stage=ints["zero_stage"], seq_parallel=bool(sp),
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
         recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
+        alternate_mm_recompute=row.get("recompute", "").strip().lower() in ALTERNATE_MM_RECOMPUTE,
         attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
         flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"), dp_overlap=bool(dp_overlap),
         cross_entropy=cross_entropy,

@@ -98,6 +98,12 @@ class Layout:
     # drain (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap; needs sequence
     # parallelism). mcpar's runtime does not do it: only published rows that ran it set it.
     tp_comm_overlap: bool = False
+    # Besides ``recompute``'s policy, the backward reruns every second matrix product of a
+    # block's forward and all its element-wise work, keeping the attention core's and the other
+    # products' outputs: torchtitan's op-level selective checkpointing ('selective' with
+    # selective_ac_option 'op'). A published stack's policy, priced only (mcpar does not run it;
+    # memory is estimated as under ``recompute``'s policy).
+    alternate_mm_recompute: bool = False
     # Data-parallel collectives overlapped with compute (gradients with the backward, gathers
     # with the forward) by the ``overlap`` share. False: the run's stack exchanges them between
     # the last backward and the optimizer step (DeepSpeed's pipeline engine, whose ReduceGrads
