@@ -125,7 +125,8 @@ def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     tensor-parallel overlap, the H100 attention share and BLOOM's unfused attention were
     priced: weak scaling 11.3%, BLOOM 15.6%; before MPT's Triton flash kernel, llm-foundry
     14.6%; before Megatron's unfused cross-entropy, weak scaling 5.1%; before torchtitan's
-    op-level checkpointing, torchtitan 12.3%)."""
+    op-level checkpointing, torchtitan 12.3%; before BLOOM's whole-gradient all-reduce, BLOOM
+    10.6%)."""
     holdout = packaged_runs(ACC, "holdout_runs.csv")
     assert len(holdout) >= 36
     assert not {r.id for r in holdout} & {r.id for r in RUNS}
@@ -135,7 +136,7 @@ def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     assert model["median_abs_error"] <= 0.065, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
     groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
-    bounds = {"megatron-core-h100-weak": 0.048, "nvidia-dgxc": 0.063, "bigscience-bloom": 0.107,
+    bounds = {"megatron-core-h100-weak": 0.048, "nvidia-dgxc": 0.063, "bigscience-bloom": 0.095,
               "llmfoundry-mpt-fsdp": 0.082, "torchtitan": 0.10}
     for group, bound in bounds.items():
         assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
@@ -442,6 +443,29 @@ def test_data_parallel_traffic_not_overlapped_is_all_exposed() -> None:
         serial.breakdown["dp_comm"] - hidden.breakdown["dp_comm"])
     holdout = packaged_runs(ACC, "holdout_runs.csv")
     assert [r.id for r in holdout if not r.layout.dp_overlap] == ["bloom-176b-384g"]
+
+
+def test_bf16_optimizer_all_reduces_whole_gradients_beside_its_sharded_state() -> None:
+    """DeepSpeed's BF16 optimizer (BLOOM: zero stage 0 in its config, 'it implements its own
+    zero stage 1 equivalent') has its engine all-reduce the fp32 gradients, then gathers the
+    updated bf16 weights: a ring all-reduce where ZeRO-1 reduce-scatters, twice the bytes."""
+    cluster = a100(384, 50)
+    lay = Layout(tp=4, pp=12, dp=8, zero_stage=1, global_batch=2048, micro_batch=2,
+                 recompute="full", dp_overlap=False)
+    m = replace(GPT3, layers=72)
+    scatter = simulate(m, lay, cluster)
+    whole = simulate(m, lay.with_(grad_all_reduce=True), cluster)
+    rs = whole.dp_comm_s - scatter.dp_comm_s  # the all-reduce's second half: an all-gather
+    assert 0.9 < rs / (scatter.dp_comm_s * 2 / 3) < 1.1  # fp32 gradients: 2/3 of RS + AG(bf16)
+    assert whole.step_s - scatter.step_s == pytest.approx(rs)
+    bloom = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("bloom"))
+    assert bloom.layout.grad_all_reduce
+    header = resources_text("holdout_runs.csv").splitlines()[0]
+    row = next(line for line in resources_text("holdout_runs.csv").splitlines()
+               if line.startswith("mpt-70b-h100")).rsplit(",", 1)[0]
+    with pytest.raises(UserError) as err:  # FSDP (ZeRO-3) has no whole-gradient all-reduce
+        read_runs_text(header + "\n" + row + ",all_reduce", "t.csv", ACC)
+    assert "mpt-70b-h100-64g-s2048.grad_reduce" in str(err.value)
 
 
 def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:

@@ -266,7 +266,8 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             per_step += _exposed(z3.reduce, bwd_window, overlap, calls)
             total += (z3.forward + gathers) * lay.num_microbatches + z3.reduce
             continue
-        rs = calls * reduce_scatter(grads / calls, group, cluster, net, topo)
+        reduce = all_reduce if lay.grad_all_reduce else reduce_scatter
+        rs = calls * reduce(grads / calls, group, cluster, net, topo)
         ag_calls = _chunks(weights, bucket)
         ag = ag_calls * all_gather(weights / ag_calls, group, cluster, net, topo)
         if not lay.reduces_every_backward:  # stage 1, or 2 reducing once per step

@@ -44,6 +44,9 @@ OPTIONAL_COLUMNS = {
     "dp_overlap": "true",
     # The cross-entropy's kernel: fused, or megatron (Megatron's unfused vocab-parallel one).
     "cross_entropy": "fused",
+    # How ZeRO-1 gradients are reduced: reduce_scatter, or all_reduce (whole, as DeepSpeed's
+    # BF16 optimizer has them reduced).
+    "grad_reduce": "reduce_scatter",
 }
 # The flash kernel each flash ``attention`` value names (``workload.FLASH_KERNELS``).
 FLASH_ATTENTION_NAMES = {"flash": "fa2", "flash1": "fa1", "flash_triton": "triton"}
@@ -186,6 +189,15 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         problems.append(problem(f"{rid}.cross_entropy", f"unknown cross-entropy kernel "
                                                         f"{cross_entropy!r}; use fused or "
                                                         "megatron"))
+    grad_reduce = (row.get("grad_reduce") or OPTIONAL_COLUMNS["grad_reduce"]).strip()
+    if grad_reduce not in ("reduce_scatter", "all_reduce"):
+        problems.append(problem(f"{rid}.grad_reduce", f"unknown gradient reduction "
+                                                      f"{grad_reduce!r}; use reduce_scatter or "
+                                                      "all_reduce"))
+    elif grad_reduce == "all_reduce" and ints["zero_stage"] != 1:
+        problems.append(problem(f"{rid}.grad_reduce", "all_reduce beside sharded optimizer "
+                                                      "state describes ZeRO-1; give zero_stage "
+                                                      "1 or reduce_scatter"))
     attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
     if attention not in ("auto", "unfused", *FLASH_ATTENTION_NAMES):
         problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
@@ -219,7 +231,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         alternate_mm_recompute=row.get("recompute", "").strip().lower() in ALTERNATE_MM_RECOMPUTE,
         attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
         flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"), dp_overlap=bool(dp_overlap),
-        cross_entropy=cross_entropy,
+        cross_entropy=cross_entropy, grad_all_reduce=grad_reduce == "all_reduce",
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column

@@ -109,6 +109,10 @@ class Layout:
     # the last backward and the optimizer step (DeepSpeed's pipeline engine, whose ReduceGrads
     # follows the schedule's last backward), all of it on the critical path.
     dp_overlap: bool = True
+    # ZeRO-1 whose gradients are all-reduced whole, each rank then updating its shard of the
+    # optimizer state and gathering the weights (DeepSpeed's BF16 optimizer, which its engine
+    # hands to an all-reduce); False: reduce-scattered.
+    grad_all_reduce: bool = False
     # Mixed precision by autocast (PyTorch AMP, mcpar's bfloat16): fp32 weights, gradients and
     # residual stream, 16-bit matmul inputs and outputs. False: 16-bit weight copies beside fp32
     # master weights (Megatron, DeepSpeed), the residual stream in 16 bits.
@@ -301,6 +305,9 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.allocation == "topology_aware" and lay.zero_stage != 3:
         bad("allocation", "'topology_aware' (the hierarchical parameter store) keeps a copy of "
                           "gathered parameters, which needs zero_stage 3")
+    if lay.grad_all_reduce and lay.zero_stage != 1:
+        bad("grad_all_reduce", "all-reducing whole gradients beside sharded optimizer state "
+                               "describes ZeRO-1; it needs zero_stage 1")
     if lay.weight_gather != "none" and lay.zero_stage != 3:
         bad("weight_gather", f"{lay.weight_gather!r} quantizes ZeRO-3's parameter gathers; it "
                              "needs zero_stage 3")
