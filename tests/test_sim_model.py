@@ -30,7 +30,7 @@ from mcpar.sim.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from mcpar.sim.compute import pipelined_exposed, roofline
+from mcpar.sim.compute import layer_times, pipelined_exposed, roofline
 from mcpar.sim.costmodel import model_flops_per_token, simulate
 from mcpar.sim.hardware import GIB, cluster_preset, load_accelerators, make_cluster
 from mcpar.sim.memory import memory_per_gpu
@@ -120,20 +120,24 @@ def test_shipped_parameters_are_the_documented_fit() -> None:
 def test_holdout_runs_beat_the_one_constant_baseline() -> None:
     """Published runs the parameters were never fitted on (FSDP-only, GQA/SwiGLU, deep
     interleaved pipelines with cp, MoE, fp8, Megatron-Core's H100 weak-scaling table;
-    docs/cost_model.md): the model's median error stays near its documented 7.0%, below half
-    the one-constant baseline's 14.5%, and each source of Megatron/NeMo runs within its
-    documented figure (before tensor-parallel overlap, the H100 attention share and BLOOM's
-    unfused attention were priced: weak scaling 11.3%, BLOOM 15.6%)."""
+    docs/cost_model.md): the model's median error stays near its documented 6.4%, below half
+    the one-constant baseline's, and each source within its documented figure (before
+    tensor-parallel overlap, the H100 attention share and BLOOM's unfused attention were
+    priced: weak scaling 11.3%, BLOOM 15.6%; before MPT's Triton flash kernel, llm-foundry
+    14.6%; before Megatron's unfused cross-entropy, weak scaling 5.1%; before torchtitan's
+    op-level checkpointing, torchtitan 12.3%; before BLOOM's whole-gradient all-reduce, BLOOM
+    10.6%)."""
     holdout = packaged_runs(ACC, "holdout_runs.csv")
     assert len(holdout) >= 36
     assert not {r.id for r in holdout} & {r.id for r in RUNS}
     table = accuracy_table(holdout, GPU_EFFICIENCY, naive_constant(RUNS))
     model = summary([row["ratio"] for row in table])
     naive = summary([row["naive_ratio"] for row in table])
-    assert model["median_abs_error"] <= 0.072, table
+    assert model["median_abs_error"] <= 0.065, table
     assert model["median_abs_error"] <= naive["median_abs_error"] / 2, (model, naive)
     groups = group_summaries(holdout, [row["ratio"] for row in table])  # type: ignore[misc]
-    bounds = {"megatron-core-h100-weak": 0.055, "nvidia-dgxc": 0.07, "bigscience-bloom": 0.115}
+    bounds = {"megatron-core-h100-weak": 0.048, "nvidia-dgxc": 0.063, "bigscience-bloom": 0.095,
+              "llmfoundry-mpt-fsdp": 0.082, "torchtitan": 0.10}
     for group, bound in bounds.items():
         assert groups[group]["median_abs_error"] <= bound, (group, groups[group])
 
@@ -154,7 +158,7 @@ def test_dropping_a_term_and_refitting_worsens_the_heldout_rows_it_touches(term:
 @pytest.mark.slow
 def test_leave_one_out_stays_within_the_issue_bounds() -> None:
     """Each calibration row predicted with the parameters refitted without it: median <= 4%,
-    every source's median <= 10% (documented: 1.9%; sc21 1.5%, the dgxc row 5.2%)."""
+    every source's median <= 10% (documented: 2.5%; sc21 1.9%, the dgxc row 5.2%)."""
     loo = leave_one_out(RUNS, restarts=1)
     rs = [r for _, r in loo]
     assert summary(rs)["worst_abs_error"] <= 0.15, loo
@@ -359,20 +363,135 @@ def test_h100_attention_runs_at_flash_attention_2s_share_of_its_peak() -> None:
     assert h100.gemm_flops == pytest.approx(989e12 * eff.gemm)  # GEMMs keep the whole peak
 
 
+def test_older_flash_kernels_run_at_their_published_speed_against_flash_attention_2() -> None:
+    """FlashAttention-2 paper (section 4.1): 2x FlashAttention-1, 1.3-1.5x the Triton port
+    forward and 2x backward; only the attention core moves, and MPT's rows name the Triton
+    kernel their yamls set (attn_impl: triton)."""
+    cluster = make_cluster(ACC["a100-80gb"], 8, 8, 200)
+    m = replace(GPT3, seq_len=8192)
+    lay = Layout(tp=8, global_batch=1)
+    core = {k: simulate(m, lay.with_(flash_kernel=k), cluster).breakdown
+            for k in ("fa2", "fa1", "triton")}
+    fa2 = core["fa2"]["attention"]
+    assert core["fa1"]["attention"] == pytest.approx(2 * fa2)
+    fwd = fa2 / (1 + 2.5)  # the backward is FLASH_BWD_FACTOR forwards
+    assert core["triton"]["attention"] == pytest.approx(1.4 * fwd + 2 * 2.5 * fwd)
+    assert core["triton"]["gemm"] == core["fa2"]["gemm"]
+    mpt = [r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("mpt-")]
+    assert mpt and all(r.layout.flash_kernel == "triton" for r in mpt)
+    assert all(r.layout.attention_kind == "flash" for r in mpt)
+
+
+def test_megatrons_unfused_cross_entropy_moves_its_counted_bytes() -> None:
+    """Megatron's vocab-parallel cross-entropy (52 bytes per logit element, counted from its
+    code) against a fused kernel's 16: only the head's element-wise time moves, by the bytes'
+    difference over the memory rate; the Megatron rows (SC21, BLOOM, the weak-scaling table)
+    say so."""
+    cluster = make_cluster(ACC["h100-80gb"], 8, 8, 400)
+    m = ModelShape(layers=2, hidden=2048, heads=16, kv_heads=16, ffn=8192, ffn_kind="gelu",
+                   vocab=131072, seq_len=4096)
+    lay = Layout(tp=2, dp=4, global_batch=4, micro_batch=1)
+    fused = simulate(m, lay, cluster)
+    unfused = simulate(m, lay.with_(cross_entropy="megatron"), cluster)
+    rl = roofline(cluster, lay, GPU_EFFICIENCY)
+    extra = (52 - 16) * 4096 * 131072 / 2 / rl.mem_bw
+    assert unfused.breakdown["elementwise"] - fused.breakdown["elementwise"] == pytest.approx(extra)
+    assert unfused.breakdown["gemm"] == fused.breakdown["gemm"]
+    megatron = {r.id for r in RUNS + packaged_runs(ACC, "holdout_runs.csv")
+                if r.layout.cross_entropy == "megatron"}
+    assert {r.id for r in RUNS if r.id.startswith("sc21")} <= megatron
+    assert {"bloom-176b-384g", "mcore-weak-1.7b", "mcore-weak-462b"} <= megatron
+    assert not any(i.startswith(("dgxc", "mpt", "tt")) for i in megatron)
+
+
+def test_torchtitans_op_checkpointing_reruns_every_second_matrix_product() -> None:
+    """torchtitan's 'selective op' policy keeps every compute op's output but every second mm:
+    a Llama block's forward runs wq, wk, wv, wo, w1, w3, w2, so the backward reruns wk, wo and
+    w3 and all element-wise work, not the attention core; the 8B row says so."""
+    cluster = make_cluster(ACC["a100-80gb"], 8, 8, 200)
+    m = ModelShape(layers=2, hidden=4096, heads=32, kv_heads=8, ffn=14336, ffn_kind="swiglu",
+                   vocab=128256, seq_len=8192)
+    lay = Layout(dp=8, global_batch=8, micro_batch=1)
+    plain = simulate(m, lay, cluster)
+    op = simulate(m, lay.with_(alternate_mm_recompute=True), cluster)
+    rl = roofline(cluster, lay, GPU_EFFICIENCY)
+    tok, h = 8192, 4096
+    mms = rl.gemm(tok, 1024, h) + rl.gemm(tok, h, h) + rl.gemm(tok, 14336, h)
+    elementwise_fwd = layer_times(m, lay, cluster, GPU_EFFICIENCY, rl).parts["elementwise"] / 3
+    assert "recompute" not in plain.breakdown
+    assert op.breakdown["recompute"] == pytest.approx(2 * (mms + elementwise_fwd))
+    assert op.breakdown["attention"] == plain.breakdown["attention"]
+    tt = {r.id: r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("tt-")}
+    assert tt["tt-a100-llama3-8b-64g"].layout.alternate_mm_recompute
+    assert tt["tt-a100-llama3-8b-64g"].layout.recompute == "none"
+    assert not tt["tt-a100-llama3-70b-64g"].layout.alternate_mm_recompute
+
+
+def test_data_parallel_traffic_not_overlapped_is_all_exposed() -> None:
+    """``dp_overlap`` false (DeepSpeed's pipeline engine reduces gradients after the last
+    backward): every second of the data-parallel exchange lands on the step; BLOOM's row says
+    so, the other held-out rows overlap."""
+    cluster = a100(384, 50)
+    lay = Layout(tp=4, pp=12, dp=8, zero_stage=1, global_batch=2048, micro_batch=2,
+                 recompute="full")
+    m = replace(GPT3, layers=72)
+    hidden = simulate(m, lay, cluster)
+    serial = simulate(m, lay.with_(dp_overlap=False), cluster)
+    assert hidden.breakdown["dp_comm"] < serial.breakdown["dp_comm"]
+    assert serial.breakdown["dp_comm"] == pytest.approx(serial.dp_comm_s)
+    assert serial.step_s - hidden.step_s == pytest.approx(
+        serial.breakdown["dp_comm"] - hidden.breakdown["dp_comm"])
+    holdout = packaged_runs(ACC, "holdout_runs.csv")
+    assert [r.id for r in holdout if not r.layout.dp_overlap] == ["bloom-176b-384g"]
+
+
+def test_bf16_optimizer_all_reduces_whole_gradients_beside_its_sharded_state() -> None:
+    """DeepSpeed's BF16 optimizer (BLOOM: zero stage 0 in its config, 'it implements its own
+    zero stage 1 equivalent') has its engine all-reduce the fp32 gradients, then gathers the
+    updated bf16 weights: a ring all-reduce where ZeRO-1 reduce-scatters, twice the bytes."""
+    cluster = a100(384, 50)
+    lay = Layout(tp=4, pp=12, dp=8, zero_stage=1, global_batch=2048, micro_batch=2,
+                 recompute="full", dp_overlap=False)
+    m = replace(GPT3, layers=72)
+    scatter = simulate(m, lay, cluster)
+    whole = simulate(m, lay.with_(grad_all_reduce=True), cluster)
+    rs = whole.dp_comm_s - scatter.dp_comm_s  # the all-reduce's second half: an all-gather
+    assert 0.9 < rs / (scatter.dp_comm_s * 2 / 3) < 1.1  # fp32 gradients: 2/3 of RS + AG(bf16)
+    assert whole.step_s - scatter.step_s == pytest.approx(rs)
+    bloom = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("bloom"))
+    assert bloom.layout.grad_all_reduce
+    header = resources_text("holdout_runs.csv").splitlines()[0]
+    row = next(line for line in resources_text("holdout_runs.csv").splitlines()
+               if line.startswith("mpt-70b-h100")).rsplit(",", 1)[0]
+    with pytest.raises(UserError) as err:  # FSDP (ZeRO-3) has no whole-gradient all-reduce
+        read_runs_text(header + "\n" + row + ",all_reduce", "t.csv", ACC)
+    assert "mpt-70b-h100-64g-s2048.grad_reduce" in str(err.value)
+
+
 def test_run_rows_take_the_stack_columns_and_name_a_bad_one() -> None:
     header = ",".join(RUN_COLUMNS)
     text = RUN_CSV_TEXT = resources_text("published_runs.csv")
-    assert text.splitlines()[0] == header + ",tp_comm_overlap,attention"
+    assert text.splitlines()[0] == header + ",tp_comm_overlap,attention,cross_entropy"
     bloom = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id.startswith("bloom"))
     assert bloom.layout.attention_kind == "unfused"
+    assert bloom.layout.cross_entropy == "megatron"
     weak = next(r for r in packaged_runs(ACC, "holdout_runs.csv") if r.id == "mcore-weak-32b")
     assert weak.layout.tp_comm_overlap
     # The required columns alone still read (the stack's columns are optional).
-    plain = "\n".join(line.rsplit(",", 2)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
-    assert not read_runs_text(plain, "t.csv", ACC)[0].layout.tp_comm_overlap
-    row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 2)[0]
-    for tail, column in ((",maybe,auto", "tp_comm_overlap"), (",true,auto", "tp_comm_overlap"),
-                         (",false,ring", "attention")):
+    plain = "\n".join(line.rsplit(",", 3)[0] for line in RUN_CSV_TEXT.splitlines()[:2])
+    alone = read_runs_text(plain, "t.csv", ACC)[0].layout
+    assert not alone.tp_comm_overlap and alone.cross_entropy == "fused"
+    row = RUN_CSV_TEXT.splitlines()[1].rsplit(",", 3)[0]
+    header = text.splitlines()[0] + ",dp_overlap"
+    for tail, column in ((",maybe,auto,fused,true", "tp_comm_overlap"),
+                         (",true,auto,fused,true", "tp_comm_overlap"),
+                         (",false,ring,fused,true", "attention"),
+                         (",false,flash,fused,often", "dp_overlap"),
+                         (",false,flash,apex,true", "cross_entropy")):
         with pytest.raises(UserError) as err:
-            read_runs_text(text.splitlines()[0] + "\n" + row + tail, "t.csv", ACC)
+            read_runs_text(header + "\n" + row + tail, "t.csv", ACC)
         assert f"sc21-1.7B.{column}" in str(err.value), err.value
+    stack = read_runs_text(header + "\n" + row + ",false,flash_triton,megatron,false", "t.csv",
+                           ACC)[0].layout
+    assert (stack.flash_kernel, stack.cross_entropy, stack.dp_overlap) == (
+        "triton", "megatron", False)

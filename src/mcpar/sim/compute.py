@@ -33,6 +33,11 @@ ACT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 2, "fp32": 4}
 HIDDEN_TENSORS_FWD = 2 * 2 + 2 * 3.5
 SCORE_TENSORS_FWD, SCORE_TENSORS_BWD = 4.5, 5.5
 FLASH_BWD_FACTOR = 2.5
+# Speed of each flash kernel (``workload.FLASH_KERNELS``) relative to FlashAttention-2, forward
+# and backward, as the FlashAttention-2 paper measured them (Dao 2023, section 4.1, A100): it runs
+# about 2x FlashAttention-1's speed, and 1.3-1.5x (forward) and about 2x (backward) the speed of
+# the Triton port of FlashAttention. The ``attention`` efficiency is FlashAttention-2's.
+FLASH_KERNEL_SPEED = {"fa2": (1.0, 1.0), "fa1": (0.5, 0.5), "triton": (1 / 1.4, 0.5)}
 # mcpar's ring blocks (``parallel/ring_attention.py``), eager fp32 ops over each block's scores,
 # in score-sized reads + writes beyond the GEMMs' own, counted from the code: forward, the
 # scale (2), the log-sum-exp (3: its max and its sum of exponentials) and the probabilities
@@ -52,8 +57,13 @@ MOE_LOAD_IMBALANCE = 1.1
 # the other GEMM of the pair (their SMs are not kept from it, and not priced).
 UB_SCATTER_SMS = (24, 20)
 UB_SPLITS = 4  # chunks of the pipelined reduce-scatter
-# Cross-entropy over the vocabulary in fp32: logits read/written twice forward and backward.
-CE_PASSES = 4
+# Bytes the cross-entropy moves per logit element, (forward, backward), by kernel
+# (``workload.CROSS_ENTROPY``). fused: one fp32 read and write each way. megatron: Megatron's
+# vocab-parallel cross-entropy as its code runs it, unfused: forward, the 16-bit logits cast to
+# fp32 (2 + 4), the max (4), subtracting it in place (4 + 4), exp in place (4 + 4), the sum (4)
+# and the division into the softmax it saves (4 + 4); backward, the softmax scaled in place by
+# the loss gradient (4 + 4) and cast back to 16 bits (4 + 2).
+CE_BYTES = {"fused": (8.0, 8.0), "megatron": (38.0, 14.0)}
 
 
 @dataclass
@@ -171,8 +181,9 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         core_f, core_b = ring_core_times(m, lay, cluster, rl)
     elif lay.attention_kind == "flash":
         flops = 2.0 * tok * m.seq_len * h / t  # 4 T s h over the causal half
-        core_f = flops / rl.attn_flops
-        core_b = FLASH_BWD_FACTOR * core_f
+        speed_f, speed_b = FLASH_KERNEL_SPEED[lay.flash_kernel]
+        core_f = flops / rl.attn_flops / speed_f
+        core_b = FLASH_BWD_FACTOR * flops / rl.attn_flops / speed_b
     else:
         batch = lay.micro_batch * heads_local
         sq = m.seq_len / lay.cp
@@ -218,6 +229,8 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     out.add("elementwise", 3 * elementwise + masks)
     policy = RECOMPUTE_POLICIES.get(lay.recompute)  # what the backward pass runs again
     again = policy.recompute_seconds(LayerWork(forward=out.fwd, core=core_f, mlp=mlp))
+    if lay.alternate_mm_recompute:
+        again += alternate_mm_seconds(m, lay, rl) + elementwise + masks
     if again:
         out.add("recompute", again)
     passes = policy.tp_passes  # forward, backward (, forward again)
@@ -253,6 +266,21 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
         a2a = 2 * all_to_all(routed_bytes, ep_group, cluster, eff.network)
         out.add("ep_comm", passes * a2a)
     return out
+
+
+def alternate_mm_seconds(m: ModelShape, lay: Layout, rl: Roofline) -> float:
+    """Forward seconds of every second matrix product of a block, in the order it runs them
+    (``Layout.alternate_mm_recompute``, torchtitan's op-level selective checkpointing: the
+    query, key, value and output projections, then the MLP's products, gate before up before
+    down); the attention core's output is kept."""
+    t = lay.tp
+    tok = tokens_per_gpu(m, lay)
+    h, f = float(m.hidden), float(m.ffn)
+    kv_local = max(m.kv_heads / t, 1.0) * m.head_dim
+    products = [rl.gemm(tok, h / t, h), rl.gemm(tok, kv_local, h), rl.gemm(tok, kv_local, h),
+                rl.gemm(tok, h, h / t)]
+    products += [rl.gemm(tok, f / t, h)] * (m.mlp_matrices - 1) + [rl.gemm(tok, h, f / t)]
+    return sum(products[1::2])
 
 
 def ring_core_times(m: ModelShape, lay: Layout, cluster: Cluster,
@@ -328,11 +356,11 @@ def head_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     t = lay.tp
     tok = tokens_per_gpu(m, lay)
     gemm = rl.gemm(tok, m.vocab / t, m.hidden)
-    ce = rl.stream(4.0 * tok * m.vocab / t * CE_PASSES / 2)  # per pass: half of the passes
+    ce_f, ce_b = (rl.stream(b * tok * m.vocab / t) for b in CE_BYTES[lay.cross_entropy])
     norm = rl.stream(2 * rl.act_bytes * tok * m.hidden)
-    out = PassTimes(fwd=gemm + ce + norm, bwd=2 * gemm + ce + 2 * norm)
+    out = PassTimes(fwd=gemm + ce_f + norm, bwd=2 * gemm + ce_b + 2 * norm)
     out.add("gemm", 3 * gemm)
-    out.add("elementwise", 2 * ce + 3 * norm)
+    out.add("elementwise", ce_f + ce_b + 3 * norm)
     # The input gradient of the vocabulary-parallel head is summed over tensor ranks, and the
     # vocabulary-parallel cross-entropy reduces three per-token values (max, sum of exponentials,
     # the target's logit): small messages, where latency is the cost.

@@ -17,10 +17,11 @@ Step = pipeline time + exposed once-per-step gradient/parameter traffic + optimi
   reduce-scatters every micro-batch; stage 3 also all-gathers the weights for the forward and
   again for the backward of every micro-batch. Gradient traffic overlaps the last micro-batch's
   backward, weight gathers the forward; ``overlap`` is the share of that overlappable time
-  actually hidden, and the last bucket never is. Each bucket (``bucket_mb``; by default
-  Megatron's max(40M, 1M x dp) elements) pays the collective's latency; ZeRO-3 moves one layer
-  per call, and with the hierarchical parameter store its backward gathers stay in the node and
-  its reduce-scatter goes in two levels (``zero3``).
+  actually hidden, and the last bucket never is; a stack that exchanges them between the last
+  backward and the optimizer step (``Layout.dp_overlap`` false) hides none. Each bucket
+  (``bucket_mb``; by default Megatron's max(40M, 1M x dp) elements) pays the collective's
+  latency; ZeRO-3 moves one layer per call, and with the hierarchical parameter store its
+  backward gathers stay in the node and its reduce-scatter goes in two levels (``zero3``).
 - Compression: fp16/bf16 halve fp32 gradient bytes; ``1bit`` is 1-bit Adam's compression stage
   (signs + scales, about 1/32 of fp32, after its warm-up); ``powersgd`` sends rank-r factors
   P (n x r) and Q (m x r) of each weight matrix's gradient in two all-reduce rounds (a DDP
@@ -223,6 +224,7 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
     if expert:
         groups.append((expert, Group(lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)))
     net, topo = eff.network, lay.topology
+    overlap = eff.overlap if lay.dp_overlap else 0.0
     layers_rank = max(1, round(m.layers / lay.pp))
     per_micro = per_step = total = encode = 0.0
     for index, (count, group) in enumerate(groups):
@@ -242,7 +244,7 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             encode += cost.encode_s
             # An exchange started from the backward pass hides behind it; one inside the
             # optimizer step (1-bit Adam's momentum) does not.
-            per_step += (_exposed(cost.comm_s, bwd_window, eff.overlap, calls)
+            per_step += (_exposed(cost.comm_s, bwd_window, overlap, calls)
                          if cost.overlappable else cost.comm_s)
             total += cost.comm_s
             continue
@@ -252,28 +254,29 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             z3_lay = lay if index == 0 else lay.with_(allocation="default")
             z3 = zero3_traffic(count, w_b, g_b, group, z3_lay, cluster, net, topo, calls, rl)
             # Prefetching hides the next block's gather behind the current block's compute.
-            per_micro += _exposed(z3.forward, fwd_window, eff.overlap, calls)
+            per_micro += _exposed(z3.forward, fwd_window, overlap, calls)
             encode += z3.encode * lay.num_microbatches
             if lay.reduces_every_backward:
-                per_micro += _exposed(z3.backward, bwd_window, eff.overlap, 2 * calls)
+                per_micro += _exposed(z3.backward, bwd_window, overlap, 2 * calls)
                 total += (z3.forward + z3.backward) * lay.num_microbatches
                 continue
             # The gathers every backward, the reduce-scatters once per step.
             gathers = z3.backward - z3.reduce
-            per_micro += _exposed(gathers, bwd_window, eff.overlap, calls)
-            per_step += _exposed(z3.reduce, bwd_window, eff.overlap, calls)
+            per_micro += _exposed(gathers, bwd_window, overlap, calls)
+            per_step += _exposed(z3.reduce, bwd_window, overlap, calls)
             total += (z3.forward + gathers) * lay.num_microbatches + z3.reduce
             continue
-        rs = calls * reduce_scatter(grads / calls, group, cluster, net, topo)
+        reduce = all_reduce if lay.grad_all_reduce else reduce_scatter
+        rs = calls * reduce(grads / calls, group, cluster, net, topo)
         ag_calls = _chunks(weights, bucket)
         ag = ag_calls * all_gather(weights / ag_calls, group, cluster, net, topo)
         if not lay.reduces_every_backward:  # stage 1, or 2 reducing once per step
-            per_step += _exposed(rs, bwd_window, eff.overlap, calls)
-            per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
+            per_step += _exposed(rs, bwd_window, overlap, calls)
+            per_step += _exposed(ag, fwd_window, overlap, ag_calls)
             total += rs + ag
         else:
-            per_micro += _exposed(rs, bwd_window, eff.overlap, calls)
-            per_step += _exposed(ag, fwd_window, eff.overlap, ag_calls)
+            per_micro += _exposed(rs, bwd_window, overlap, calls)
+            per_step += _exposed(ag, fwd_window, overlap, ag_calls)
             total += rs * lay.num_microbatches + ag
     return DPCost(per_micro, per_step, total, encode)
 

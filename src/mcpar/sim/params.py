@@ -32,5 +32,5 @@ PRIOR_SIGMA = {"gemm": 0.15, "attention": 0.3, "memory": 0.3, "network": 0.3, "o
                "layer_overhead_s": 1.5}
 
 # Fitted by `python -m mcpar.sim.calibration --fit` on data/published_runs.csv.
-GPU_EFFICIENCY = Efficiency(gemm=0.7138, attention=0.6062, memory=0.657, network=0.8014,
-                            overlap=0.9038, layer_overhead_s=1.666e-05)
+GPU_EFFICIENCY = Efficiency(gemm=0.7149, attention=0.6064, memory=0.6689, network=0.7857,
+                            overlap=0.9033, layer_overhead_s=1.666e-05)

@@ -23,7 +23,7 @@ from pathlib import Path
 from mcpar.errors import UserError, problem
 from mcpar.sim.costmodel import Prediction, check, simulate
 from mcpar.sim.hardware import GIB, Accelerator, Cluster, Efficiency, find_accelerator, make_cluster
-from mcpar.sim.workload import Layout, ModelShape
+from mcpar.sim.workload import CROSS_ENTROPY, Layout, ModelShape
 
 RUN_COLUMNS = (
     "id", "group", "grade", "gpu", "num_gpus", "gpus_per_node", "inter_node_gbps_per_gpu",
@@ -36,8 +36,20 @@ RUN_COLUMNS = (
 # run's software did where stacks differ in a way the model prices (docs/cost_model.md).
 OPTIONAL_COLUMNS = {
     "tp_comm_overlap": "false",  # tensor-parallel collectives pipelined with their GEMMs
-    "attention": "auto",  # the attention kernel: flash, unfused, or auto (see Layout)
+    # The attention kernel: auto (see Layout), unfused, or a flash-style kernel: flash
+    # (FlashAttention-2 or as fast), flash1 (FlashAttention-1), flash_triton (its Triton port).
+    "attention": "auto",
+    # Data-parallel collectives overlapped with the backward and forward (false: exchanged
+    # after the last backward, as DeepSpeed's pipeline engine does).
+    "dp_overlap": "true",
+    # The cross-entropy's kernel: fused, or megatron (Megatron's unfused vocab-parallel one).
+    "cross_entropy": "fused",
+    # How ZeRO-1 gradients are reduced: reduce_scatter, or all_reduce (whole, as DeepSpeed's
+    # BF16 optimizer has them reduced).
+    "grad_reduce": "reduce_scatter",
 }
+# The flash kernel each flash ``attention`` value names (``workload.FLASH_KERNELS``).
+FLASH_ATTENTION_NAMES = {"flash": "fa2", "flash1": "fa1", "flash_triton": "triton"}
 PREDICTION_COLUMNS = (
     "predicted_step_s", "predicted_tflops_per_gpu", "predicted_mfu",
     "predicted_memory_gb_per_gpu", "predicted_comm_fraction", "predicted_bubble_fraction",
@@ -69,7 +81,10 @@ PRECISION_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "am
                    "fp8": "fp8", "fp8-hybrid": "fp8", "fp8-e4m3": "fp8", "fp32": "fp32",
                    "float32": "fp32", "tf32": "fp32"}
 RECOMPUTE_NAMES = {"none": "none", "no": "none", "": "none", "selective": "selective",
-                   "full": "full", "uniform": "full", "block": "full"}
+                   "full": "full", "uniform": "full", "block": "full", "selective_op": "none"}
+# Recompute names that rerun every second matrix product (``Layout.alternate_mm_recompute``):
+# torchtitan's op-level selective checkpointing, which keeps the attention core's output.
+ALTERNATE_MM_RECOMPUTE = ("selective_op",)
 
 
 def _parse_bool(text: str) -> bool | None:
@@ -157,7 +172,7 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     recompute = RECOMPUTE_NAMES.get(row.get("recompute", "").strip().lower())
     if recompute is None:
         problems.append(problem(f"{rid}.recompute", f"unknown recompute {row.get('recompute')!r};"
-                                                    " use none, selective or full"))
+                                                    " use none, selective, selective_op or full"))
     tp_overlap = _parse_bool(row.get("tp_comm_overlap") or OPTIONAL_COLUMNS["tp_comm_overlap"])
     if tp_overlap is None:
         problems.append(problem(f"{rid}.tp_comm_overlap",
@@ -165,10 +180,29 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
     elif tp_overlap and not (sp and ints["tp"] > 1):
         problems.append(problem(f"{rid}.tp_comm_overlap", "overlapping tensor-parallel "
                                 "collectives needs tp > 1 and seq_parallel; set it false"))
+    dp_overlap = _parse_bool(row.get("dp_overlap") or OPTIONAL_COLUMNS["dp_overlap"])
+    if dp_overlap is None:
+        problems.append(problem(f"{rid}.dp_overlap",
+                                f"expected true or false, got {row.get('dp_overlap')!r}"))
+    cross_entropy = (row.get("cross_entropy") or OPTIONAL_COLUMNS["cross_entropy"]).strip()
+    if cross_entropy not in CROSS_ENTROPY:
+        problems.append(problem(f"{rid}.cross_entropy", f"unknown cross-entropy kernel "
+                                                        f"{cross_entropy!r}; use fused or "
+                                                        "megatron"))
+    grad_reduce = (row.get("grad_reduce") or OPTIONAL_COLUMNS["grad_reduce"]).strip()
+    if grad_reduce not in ("reduce_scatter", "all_reduce"):
+        problems.append(problem(f"{rid}.grad_reduce", f"unknown gradient reduction "
+                                                      f"{grad_reduce!r}; use reduce_scatter or "
+                                                      "all_reduce"))
+    elif grad_reduce == "all_reduce" and ints["zero_stage"] != 1:
+        problems.append(problem(f"{rid}.grad_reduce", "all_reduce beside sharded optimizer "
+                                                      "state describes ZeRO-1; give zero_stage "
+                                                      "1 or reduce_scatter"))
     attention = (row.get("attention") or OPTIONAL_COLUMNS["attention"]).strip().lower()
-    if attention not in ("auto", "flash", "unfused"):
+    if attention not in ("auto", "unfused", *FLASH_ATTENTION_NAMES):
         problems.append(problem(f"{rid}.attention", f"unknown attention kernel {attention!r}; "
-                                                    "use auto, flash or unfused"))
+                                                    "use auto, flash, flash1, flash_triton or "
+                                                    "unfused"))
     if ints["pp"] * max(1, ints["vp"]) > MAX_STAGES:
         problems.append(problem(f"{rid}.pp", f"pp {ints['pp']} x vp {max(1, ints['vp'])} is "
                                              f"more than {MAX_STAGES} pipeline stages; give "
@@ -194,7 +228,10 @@ def parse_run(row: dict[str, str], accelerators: dict[str, Accelerator]) -> Run:
         ep=max(1, ints["ep"]), zero_stage=ints["zero_stage"], seq_parallel=bool(sp),
         global_batch=ints["global_batch"], micro_batch=ints["micro_batch"],
         recompute=recompute, precision=precision, tp_comm_overlap=bool(tp_overlap),
-        attention=attention,
+        alternate_mm_recompute=row.get("recompute", "").strip().lower() in ALTERNATE_MM_RECOMPUTE,
+        attention="flash" if attention in FLASH_ATTENTION_NAMES else attention,
+        flash_kernel=FLASH_ATTENTION_NAMES.get(attention, "fa2"), dp_overlap=bool(dp_overlap),
+        cross_entropy=cross_entropy, grad_all_reduce=grad_reduce == "all_reduce",
     )
     cluster = make_cluster(accel, ints["num_gpus"], ints["gpus_per_node"], inter, name=rid)
     check(model, layout, cluster, rid)  # an impossible model or layout, named by column

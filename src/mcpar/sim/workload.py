@@ -28,8 +28,9 @@ from mcpar.registry.schedule import (
 )
 from mcpar.registry.zero import ZERO_STAGES, ZeroFacts, zero_stage
 
-__all__ = ["FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset", "ModelShape",
-           "layout_problems", "model_preset", "model_problems", "rank_layers", "stage_blocks"]
+__all__ = ["CROSS_ENTROPY", "FFN_KINDS", "GATED_FFN", "MODEL_PRESETS", "Layout", "ModelPreset",
+           "ModelShape", "layout_problems", "model_preset", "model_problems", "rank_layers",
+           "stage_blocks"]
 PRECISIONS = ("fp16", "bf16", "fp8", "fp32")
 # default: ZeRO's flat shards; topology_aware: the hierarchical parameter store (ZeRO++ hpZ), a
 # secondary copy of every block sharded inside the node so that backward gathers stay there.
@@ -44,6 +45,14 @@ ATTENTION = ("auto", "flash", "unfused", "math")
 # Engine's, under Megatron/NeMo): flash blocks, the key-value heads on the wire, dK/dV passed on
 # while the next block computes. docs/cost_model.md ("Context parallelism").
 CONTEXT_MODES = ("ring", "ulysses", "flash_ring")
+# Which flash-style kernel a published run's attention ran (``compute.FLASH_KERNEL_SPEED``):
+# FlashAttention-2 (or a kernel as fast: cuDNN's, torch's SDPA), FlashAttention-1, or the
+# Triton port of FlashAttention that 2023 stacks (llm-foundry's ``attn_impl: triton``) used.
+FLASH_KERNELS = ("fa2", "fa1", "triton")
+# The cross-entropy's kernels (``compute.CE_BYTES``): fused, one pass each way over fp32 logits
+# (mcpar's price), or Megatron's vocab-parallel cross-entropy, unfused (its default before
+# --cross-entropy-loss-fusion).
+CROSS_ENTROPY = ("fused", "megatron")
 DEVICES = ("cuda", "cpu")
 
 
@@ -68,6 +77,8 @@ class Layout:
     compression: str = "none"
     topology: str = "auto"  # flat ring, hierarchical, or the faster of the two per collective
     attention: str = "auto"  # flash | unfused | math; auto: unfused for fp16 (see costmodel docs)
+    flash_kernel: str = "fa2"  # see FLASH_KERNELS; only read where the attention is flash
+    cross_entropy: str = "fused"  # see CROSS_ENTROPY
     # Whose kernels the run uses where they keep different tensors (``device_kernels.py``):
     # dropout masks, and attention under dropout (a config's layout resolves the kernel).
     device: str = "cuda"
@@ -87,6 +98,21 @@ class Layout:
     # drain (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap; needs sequence
     # parallelism). mcpar's runtime does not do it: only published rows that ran it set it.
     tp_comm_overlap: bool = False
+    # Besides ``recompute``'s policy, the backward reruns every second matrix product of a
+    # block's forward and all its element-wise work, keeping the attention core's and the other
+    # products' outputs: torchtitan's op-level selective checkpointing ('selective' with
+    # selective_ac_option 'op'). A published stack's policy, priced only (mcpar does not run it;
+    # memory is estimated as under ``recompute``'s policy).
+    alternate_mm_recompute: bool = False
+    # Data-parallel collectives overlapped with compute (gradients with the backward, gathers
+    # with the forward) by the ``overlap`` share. False: the run's stack exchanges them between
+    # the last backward and the optimizer step (DeepSpeed's pipeline engine, whose ReduceGrads
+    # follows the schedule's last backward), all of it on the critical path.
+    dp_overlap: bool = True
+    # ZeRO-1 whose gradients are all-reduced whole, each rank then updating its shard of the
+    # optimizer state and gathering the weights (DeepSpeed's BF16 optimizer, which its engine
+    # hands to an all-reduce); False: reduce-scattered.
+    grad_all_reduce: bool = False
     # Mixed precision by autocast (PyTorch AMP, mcpar's bfloat16): fp32 weights, gradients and
     # residual stream, 16-bit matmul inputs and outputs. False: 16-bit weight copies beside fp32
     # master weights (Megatron, DeepSpeed), the residual stream in 16 bits.
@@ -260,7 +286,9 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
             bad(field, text)
     for key, allowed in (("precision", PRECISIONS),
                          ("topology", TOPOLOGY),
-                         ("attention", ATTENTION), ("device", DEVICES),
+                         ("attention", ATTENTION), ("flash_kernel", FLASH_KERNELS),
+                         ("cross_entropy", CROSS_ENTROPY),
+                         ("device", DEVICES),
                          ("allocation", ALLOCATION), ("weight_gather", WEIGHT_GATHER)):
         if getattr(lay, key) not in allowed:
             bad(key, f"{getattr(lay, key)!r} is not one of {allowed}")
@@ -277,6 +305,9 @@ def layout_problems(m: ModelShape, lay: Layout, num_gpus: int, gpus_per_node: in
     if lay.allocation == "topology_aware" and lay.zero_stage != 3:
         bad("allocation", "'topology_aware' (the hierarchical parameter store) keeps a copy of "
                           "gathered parameters, which needs zero_stage 3")
+    if lay.grad_all_reduce and lay.zero_stage != 1:
+        bad("grad_all_reduce", "all-reducing whole gradients beside sharded optimizer state "
+                               "describes ZeRO-1; it needs zero_stage 1")
     if lay.weight_gather != "none" and lay.zero_stage != 3:
         bad("weight_gather", f"{lay.weight_gather!r} quantizes ZeRO-3's parameter gathers; it "
                              "needs zero_stage 3")
