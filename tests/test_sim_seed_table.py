@@ -32,7 +32,7 @@ def test_each_mechanism_is_recognised_in_a_layout() -> None:
                                                      compression="bf16"),
         "int8 inter-node reduce-scatter (qgZ)": base.with_(allocation="topology_aware",
                                                            compression="int8"),
-        "zero-bubble schedules (ZB-H1, ZB-H2)": base.with_(zero_stage=0, pp=4, dp=16,
+        "zero-bubble schedules (ZB-H1, ZB-H2, ZBV)": base.with_(zero_stage=0, pp=4, dp=16,
                                                            schedule="zb_h1"),
     }
     assert set(using) == {mech.name for mech in MECHANISMS}

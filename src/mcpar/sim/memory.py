@@ -360,9 +360,11 @@ def held_limits(m: ModelShape, lay: Layout,
                     DEFAULT_SCHEDULE)))
     if max(per_held * held + fixed for per_held, held, fixed in terms) <= bound:
         return None
-    # One chunk activation of rank r is its layers' per micro-batch over its chunks.
-    return tuple(max(1, int((bound - fixed) / (per_held / lay.vp))) if per_held > 0
-                 else 2 * lay.pp * lay.vp for per_held, _, fixed in terms)
+    # One chunk activation of rank r is its layers' per micro-batch over its chunks. A rank
+    # within the bound keeps what its unbounded order holds: the same limits for layouts that
+    # differ only in bytes, so the orders built for them are built once.
+    return tuple(min(round(held * lay.vp), max(1, int((bound - fixed) / (per_held / lay.vp))))
+                 if per_held > 0 else round(held * lay.vp) for per_held, held, fixed in terms)
 
 
 def _rank_activation_terms(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None,

@@ -113,7 +113,7 @@ MECHANISMS = (
               SearchSpace(zero_stages=(3,), compression=NONE, topology=FLAT, allocation=STORE,
                           weight_gather=ANY_GATHER),
               lambda lay: lay.allocation == "topology_aware" and lay.compression == "bf16"),
-    Mechanism("zero-bubble schedules (ZB-H1, ZB-H2)", "pipelines with an unsplit backward",
+    Mechanism("zero-bubble schedules (ZB-H1, ZB-H2, ZBV)", "pipelines with an unsplit backward",
               SearchSpace(pp=PIPELINES, schedules=SPLIT_SCHEDULES),
               SearchSpace(pp=PIPELINES, schedules=WHOLE_SCHEDULES),
               lambda lay: lay.pp > 1 and SCHEDULES.get(lay.schedule).splits_backward),

@@ -228,7 +228,11 @@ def costed_candidates(orders: Orders, pp: int, stage_of: StageOf, costs: ActionC
     if limits is not None:
         caps = [min(c, cap) for c, cap in zip(caps, limits, strict=True)]
     candidates = [orders]
-    for threshold in FILL_THRESHOLDS:
+    # A skeleton that runs more forwards before its first B than a rank may hold leaves no
+    # fill within the limits (no W can run before that B): none is tried.
+    ahead = [next((i for i, a in enumerate(s) if a.kind == "B"), len(s)) for s in skeletons]
+    thresholds = FILL_THRESHOLDS if all(n <= c for n, c in zip(ahead, caps, strict=True)) else ()
+    for threshold in thresholds:
         try:
             candidates.append(fill_weight_grads(skeletons, pp, stage_of, costs, caps,
                                                 threshold))
@@ -276,7 +280,10 @@ class ZBH1(_ZeroBubble):
         # run a backward sooner gives a stash back, and leaves a unit of the drain unfilled.
         order = one_f_one_b([Action("F", 0, k) for k in range(m)],
                             [Action("B", 0, k) for k in range(m)], self.warmup(pp_rank, pp, m))
-        for lag in range(self.lag(pp_rank, pp, m), 0, -1):
+        # A lag L holds the warm-up's forwards, one more, and L stashes (at most m): start there.
+        start = min(self.lag(pp_rank, pp, m),
+                    limits[pp_rank] - self.warmup(pp_rank, pp, m) - 1)
+        for lag in range(max(start, 0), 0, -1):
             placed = with_weight_grads(order, lag)
             if held_peaks((tuple(placed),))[0] <= limits[pp_rank]:
                 return placed
@@ -329,7 +336,7 @@ def v_orders(pp: int, m: int) -> Orders:
     return costed_v_orders(pp, m, ActionCosts.uniform(pp, 1.0, 1.0, 1.0, MESSAGE_LATENCY))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)  # the planner asks for a few (pp, m) in turn, many times
 def costed_v_orders(pp: int, m: int, costs: ActionCosts,
                     limits: tuple[int, ...] | None = None) -> Orders:
     """Every rank's ZBV order at the measured ``costs``: of the phased and the greedy orders
@@ -406,7 +413,7 @@ def _v_phased_order(pp: int, m: int, rank: int) -> list[Action]:
     return order
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)
 def v_greedy_orders(pp: int, m: int, caps: tuple[int, ...] | None = None) -> Orders:
     """Every rank's greedy ZBV order: the list schedule at unit costs (the module's text),
     rank ``r`` holding at most ``caps[r]`` chunk activations (``2p`` each without caps)."""
@@ -560,8 +567,25 @@ class ZBV(PipelineSchedule):
 
     def limited_actions(self, pp_rank: int, pp: int, m: int, v: int, limits: tuple[int, ...],
                         costs: ActionCosts | None) -> list[Action]:
-        costs = costs or ActionCosts.uniform(pp, 1.0, 1.0, 1.0, MESSAGE_LATENCY)
+        if costs is None:
+            return list(unit_limited_v_orders(pp, m, limits)[pp_rank])
         return list(costed_v_orders(pp, m, costs, limits)[pp_rank])
+
+
+@functools.lru_cache(maxsize=64)
+def unit_limited_v_orders(pp: int, m: int, limits: tuple[int, ...]) -> Orders:
+    """ZBV's orders within ``limits`` at unit costs (the planner's and the memory estimate's,
+    asked for thousands of layouts): the unbounded order where it holds within them, else the
+    unit-cost greedy capped at them (at unit costs with latency the shortest within them; the
+    fills and the timed greedy, quadratic in the actions, are for measured costs), else the
+    unbounded order where the limits leave no V able to turn."""
+    free = v_orders(pp, m)
+    if within(free, limits):
+        return free
+    try:
+        return v_greedy_orders(pp, m, tuple(min(2 * pp, c) for c in limits))
+    except RuntimeError:
+        return free
 
 
 for _schedule in (ZBH1(), ZBH2(), ZBV()):
