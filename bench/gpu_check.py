@@ -14,6 +14,10 @@ Measured (each section runs on its own; a failure is recorded in its place, the 
   MFU against the datasheet's dense bf16 peak (989 TFLOP/s for H100/H200), the first step's
   compile time, and the peak memory measured against the MemoryController's estimate (the
   one ``mcpar check`` prints);
+- ``device_profile``: the rates ``parallelism.auto`` plans a CUDA job on
+  (``mcpar.sim.deviceprofile``: GEMM in bf16 and fp32, causal attention, element-wise
+  bandwidth, launch costs), each over what the hardware table's row at the efficiencies
+  fitted on published runs assumes;
 - ``multi_rank``: data, tensor, pipeline and expert parallelism at 2 ranks on the one device
   (gloo carrying CUDA tensors, ``MCPAR_DIST_BACKEND=gloo``: NCCL refuses two ranks on one GPU).
 
@@ -242,6 +246,39 @@ def check_onebit(ctx: dict[str, Any], log: Log) -> dict[str, Any]:
     return result
 
 
+def check_device_profile(ctx: dict[str, Any], log: Log) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from mcpar.sim.deviceprofile import measure_device, table_row
+    from mcpar.sim.params import GPU_EFFICIENCY
+
+    small = ({"gemm": 128, "attention": (1, 2, 64, 16), "stream": 1 << 16} if ctx["dry_run"]
+             else None)
+    precision = "fp32" if ctx["dry_run"] else "bf16"
+    profile = measure_device(ctx["torch_device"], precision, small,
+                             seconds=0.02 if ctx["dry_run"] else 0.3, collectives=False)
+    accel = table_row(torch_device_name(ctx))[0]
+    assumed = {"gemm": accel.peak(precision) * GPU_EFFICIENCY.gemm,
+               "attention": accel.peak(precision) * GPU_EFFICIENCY.attention
+               * accel.attention_share,
+               "stream": accel.hbm_bw * GPU_EFFICIENCY.memory}
+    got = {"gemm": profile.flops_per_thread, "attention": profile.attention_flops_per_thread,
+           "stream": profile.mem_bw_total}
+    result = {"profile": asdict(profile), "table_row": accel.name,
+              "measured_over_fitted": {k: got[k] / assumed[k] for k in got}}
+    log(f"device profile ({precision}): GEMM {got['gemm'] / 1e12:.1f} TFLOP/s, attention "
+        f"{got['attention'] / 1e12:.1f}, stream {got['stream'] / 1e9:.0f} GB/s; over the "
+        f"{accel.name} row's fitted figures: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["measured_over_fitted"].items()))
+    return result
+
+
+def torch_device_name(ctx: dict[str, Any]) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if ctx["device"] == "cuda" else "cpu"
+
+
 def check_throughput(ctx: dict[str, Any], log: Log) -> dict[str, Any]:
     if ctx["dry_run"]:
         model = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
@@ -305,7 +342,8 @@ def check_multi_rank(ctx: dict[str, Any], log: Log) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[dict[str, Any], Log], dict[str, Any]]] = {
     "grouped_experts": check_grouped_experts, "onebit": check_onebit,
-    "parity": check_parity, "multi_rank": check_multi_rank, "throughput": check_throughput,
+    "device_profile": check_device_profile, "parity": check_parity,
+    "multi_rank": check_multi_rank, "throughput": check_throughput,
 }
 
 

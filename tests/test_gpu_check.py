@@ -34,6 +34,9 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert max(grouped["max_abs_diff"].values()) <= 1e-5 and grouped["equal_within_1e-5"]
     assert "fallback" in grouped["auto_kernel"]  # the CPU runs the loop and says so
     assert report["onebit"]["roundtrip_exact"] is True
+    rates = report["device_profile"]["profile"]
+    assert rates["flops_per_thread"] > 0 and rates["mem_bw_total"] > 0
+    assert set(report["device_profile"]["measured_over_fitted"]) == {"gemm", "attention", "stream"}
     assert report["multi_rank"]["data2"]["ok"], report["multi_rank"]
     eager = report["throughput"]["eager"]
     assert eager["tokens_per_s"] > 0 and 0.5 < eager["measured_over_estimate"] < 2.0

@@ -10,7 +10,9 @@
   clock, a new torch); it is measured again, so that the next plan is priced on what the run
   just saw, and ``summary.json``'s ``prediction`` says so.
 
-CUDA jobs rank on the hardware table's row for the device; they measure nothing here.
+On CUDA the same holds for the device's profile (``sim.deviceprofile``: its matrix-multiply,
+attention and memory rates, and NCCL between two of the host's devices), measured by the launcher
+before the workers take the devices.
 """
 
 from __future__ import annotations
@@ -24,28 +26,40 @@ from mcpar.device_select import select_device
 from mcpar.metrics import write_json_atomic
 
 
-def _on_cpu(cfg: JobConfig) -> bool:
-    return select_device(cfg.training.device).type == "cpu"
+def _device_type(cfg: JobConfig) -> str:
+    return select_device(cfg.training.device).type
+
+
+def _measure(device_type: str, remeasure: bool) -> None:
+    """Measure this machine's profile of ``device_type`` and save it (why: one line)."""
+    if device_type == "cuda":
+        from mcpar.sim.deviceprofile import load_device_profile
+
+        load_device_profile(remeasure=remeasure)
+    else:
+        from mcpar.sim.localprofile import load_local_cluster
+
+        load_local_cluster(remeasure=remeasure)
 
 
 def calibrate_before_plan(cfg: JobConfig) -> None:
-    """Measure the local profile now when ``parallelism.auto`` or the profile report would price
-    the job on one that is not valid for this machine (``lookup_profile``); says why in one
-    line."""
-    if not (cfg.parallelism.auto or cfg.training.profile.enabled) or not _on_cpu(cfg):
+    """Measure the profile of the job's device now when ``parallelism.auto`` or the profile
+    report would price the job on one that is not valid for this machine (``lookup_profile``);
+    says why in one line."""
+    if not (cfg.parallelism.auto or cfg.training.profile.enabled):
         return
-    from mcpar.sim.localprofile import load_local_cluster
     from mcpar.sim.profilestore import lookup_profile
 
-    found = lookup_profile()
+    device_type = _device_type(cfg)
+    found = lookup_profile(device_type=device_type)
     if found.status != "valid":
-        load_local_cluster(remeasure=found.status == "broken")
+        _measure(device_type, remeasure=found.status == "broken")
 
 
 def remeasure_after_drift(cfg: JobConfig, run_dir: Path) -> None:
     """Measure the local profile again when the run's step was off the prediction by more than
     the margin; record it in ``summary.json``'s ``prediction`` (``profile_remeasured``)."""
-    if not cfg.parallelism.auto or not _on_cpu(cfg):
+    if not cfg.parallelism.auto:
         return
     path = run_dir / "summary.json"
     try:
@@ -58,12 +72,12 @@ def remeasure_after_drift(cfg: JobConfig, run_dir: Path) -> None:
     error = float(prediction.get("step_error", 0.0))
     if not abs(error) > PREDICTION_MARGIN:
         return
-    from mcpar.sim.localprofile import load_local_cluster
     from mcpar.sim.profilestore import profile_path
 
     print(f"mcpar: the step was {error:+.0%} off the planner's prediction (margin "
           f"{PREDICTION_MARGIN:.0%}): measuring this machine again so that the next plan is "
           "priced on it", flush=True)
-    load_local_cluster(remeasure=True)
-    prediction["profile_remeasured"] = str(profile_path())
+    device_type = _device_type(cfg)
+    _measure(device_type, remeasure=True)
+    prediction["profile_remeasured"] = str(profile_path(device_type))
     write_json_atomic(path, summary)

@@ -1,6 +1,8 @@
 """What the plan predicted for this run: the cost model (``mcpar simulate``) on this job's config.
 
-On CUDA the cluster is the hardware table's row for this GPU; on CPU it is the machine's saved
+On CUDA the cluster is the hardware table's row for this GPU, at the rates measured on it when
+its device profile is valid (``sim.deviceprofile.cuda_cluster``, what ``parallelism.auto``
+ranks on too); on CPU it is the machine's saved
 local profile when it is this machine's (``sim.profilestore.lookup_profile``; ``mcpar simulate
 --cluster local`` measures and saves it, and ``mcpar profile`` before its workers start:
 ``commands.calibration``). Without one (a worker of torchrun or Slurm, which measure nothing), or
@@ -21,20 +23,15 @@ if TYPE_CHECKING:
 def predicted(cfg: JobConfig, world_size: int, device: torch.device) -> tuple[dict | None, str]:
     """The prediction's figures and where they come from, or None and why not."""
     from mcpar.sim.costmodel import simulate
+    from mcpar.sim.deviceprofile import cuda_cluster
     from mcpar.sim.fromconfig import CONFIG_KEYS, config_layout, config_model
-    from mcpar.sim.hardware import GPU_ALIASES, cluster_preset
     from mcpar.sim.localprofile import local_cluster
     from mcpar.sim.profilestore import lookup_profile
 
     try:
         if device.type == "cuda":
-            name = torch.cuda.get_device_name(device).lower()
-            alias = next((a for a in sorted(GPU_ALIASES, key=len, reverse=True) if a in name),
-                         None)
-            if alias is None:
-                return None, f"no hardware-table row for {name}"
-            cluster = cluster_preset(f"{alias}x{world_size}")
-            source = f"cost model, {cluster.accel.name} x {world_size}"
+            cluster, machine = cuda_cluster(world_size)
+            source = f"cost model, {machine}"
         else:
             found = lookup_profile()
             if found.profile is None:

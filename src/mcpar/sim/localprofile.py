@@ -171,20 +171,29 @@ def _block_overhead() -> tuple[float, float]:
 COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
 
 
-def _collective_worker(rank: int, port: int, queue: object) -> None:
-    """Prices gloo's all-reduce, all-gather, reduce-scatter and a send/recv pair between two
-    processes (one thread each) as training meets them: each call follows a burst of compute,
-    so the ranks arrive a little apart and the data is cold. The cost of an operation is the
-    time of (burst + operation) loops minus that of burst-only loops; rank 0 reports it."""
+def _collective_worker(rank: int, port: int, queue: object, backend: str = "gloo",
+                       device_type: str = "cpu", sizes: tuple[int, ...] | None = None) -> None:
+    """Prices the backend's all-reduce, all-gather, reduce-scatter and a send/recv pair between
+    two processes (one thread or one device each) as training meets them: each call follows a
+    burst of compute, so the ranks arrive a little apart and the data is cold. The cost of an
+    operation is the time of (burst + operation) loops minus that of burst-only loops; rank 0
+    reports it. ``backend`` gloo on the CPU, or NCCL between two CUDA devices
+    (``deviceprofile``)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    from mcpar.device import synchronize
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=2,
+                            init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=60))
-    a, b = torch.randn(512, 256), torch.randn(256, 512)
+    a, b = torch.randn(512, 256, device=device), torch.randn(256, 512, device=device)
 
     def burst() -> None:
         for _ in range(3):  # about the compute between two tensor-parallel collectives
@@ -201,16 +210,18 @@ def _collective_worker(rank: int, port: int, queue: object) -> None:
 
     def loop(fn: Callable[[], object] | None, iters: int) -> float:
         dist.barrier()
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             burst()
             if fn is not None:
                 fn()
+        synchronize(device)  # a device's collectives return once queued: time them done
         return time.perf_counter() - t0
 
     results: dict[str, list[tuple[int, float]]] = {op: [] for op in ("ar", "ag", "rs", "p2p")}
-    for n in COLLECTIVE_SIZES:
-        full, half = torch.zeros(n // 4), torch.zeros(n // 8)
+    for n in sizes or COLLECTIVE_SIZES:
+        full, half = torch.zeros(n // 4, device=device), torch.zeros(n // 8, device=device)
         ops = {"ar": lambda full=full: dist.all_reduce(full),
                "ag": lambda full=full, half=half: dist.all_gather_single(full, half),
                "rs": lambda full=full, half=half: dist.reduce_scatter_single(half, full),
@@ -247,21 +258,23 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(mt - slope * mx, 1e-6), slope
 
 
-def _collective_costs() -> dict[str, tuple[float, float]]:
+def _collective_costs(backend: str = "gloo", device_type: str = "cpu",
+                      sizes: tuple[int, ...] | None = None) -> dict[str, tuple[float, float]]:
     """Per operation: (alpha, beta) of t = alpha + n beta between two ranks (n: the full buffer,
-    or the message for p2p)."""
+    or the message for p2p), over ``backend`` between two ``device_type`` workers."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_collective_worker,
+                         args=(r, port, queue, backend, device_type, sizes)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(180)
     if queue.empty():
-        raise RuntimeError("the gloo collective micro-benchmark did not report")
+        raise RuntimeError(f"the {backend} collective micro-benchmark did not report")
     return {op: _line(points) for op, points in queue.get().items()}
 
 

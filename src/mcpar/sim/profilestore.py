@@ -5,7 +5,8 @@ else none, and why (``lookup_profile``).
 The file (``profile_path()``) holds the measured fields (``hardware.LocalProfile``) and:
 - ``machine``: the key it was measured under (``machine_key``): the CPU model (/proc/cpuinfo's
   "model name"), the cores this process may run on, the torch version, and the device type and
-  collective backend measured (the CPU and gloo: ``localprofile.measure``);
+  collective backend measured (the CPU and gloo: ``localprofile.measure``; a CUDA device and
+  NCCL: ``deviceprofile.measure_device``, whose key adds the accelerator's name and count);
 - ``measured``: when, in UTC;
 - ``notes.foreign_cpu_share``: the share of the cores other processes used meanwhile
   (``cpu_load``; a measurement past ``MAX_FOREIGN_SHARE`` is warned about);
@@ -35,10 +36,13 @@ from mcpar.sim.cpu_load import MAX_FOREIGN_SHARE
 from mcpar.sim.hardware import LocalProfile
 
 PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
+DEVICE_PROFILE_ENV = "MCPAR_DEVICE_PROFILE"  # the CUDA device's profile (``deviceprofile``)
 # The profile's note of the share of the cores other processes used while it was measured.
 FOREIGN_NOTE = "foreign_cpu_share"
 # What ``localprofile.measure`` measures: CPU workers talking over gloo.
 MEASURED_DEVICE, MEASURED_BACKEND = "cpu", "gloo"
+# The collective backend a device type's profile measures.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 STAMP_FIELDS = ("machine", "measured", "sha256")
 # What ``localprofile.measure`` writes: a profile without one of them predates its measurement.
 MEASURED_FIELDS = tuple(f.name for f in fields(LocalProfile))
@@ -46,9 +50,11 @@ MEASURED_FIELDS = tuple(f.name for f in fields(LocalProfile))
 Status = Literal["valid", "missing", "stale", "broken"]
 
 
-def profile_path() -> Path:
-    env = os.environ.get(PROFILE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "mcpar" / "local_profile.json"
+def profile_path(device_type: str = MEASURED_DEVICE) -> Path:
+    """Where the profile of this machine's ``device_type`` (cpu or cuda) is kept."""
+    env = os.environ.get(PROFILE_ENV if device_type == MEASURED_DEVICE else DEVICE_PROFILE_ENV)
+    name = "local_profile.json" if device_type == MEASURED_DEVICE else f"{device_type}_profile.json"
+    return Path(env) if env else Path.home() / ".cache" / "mcpar" / name
 
 
 def cores() -> int:
@@ -83,11 +89,22 @@ def torch_version() -> str:
         return str(torch.__version__)
 
 
+def accelerators() -> tuple[str, int]:
+    """The first CUDA device's name and how many this process sees."""
+    import torch
+
+    return torch.cuda.get_device_name(0), torch.cuda.device_count()
+
+
 def machine_key(device: str = MEASURED_DEVICE, backend: str = MEASURED_BACKEND
                 ) -> dict[str, str | int]:
-    """What a profile measured here now would be keyed to."""
-    return {"cpu_model": cpu_model(), "cores": cores(), "torch": torch_version(),
-            "device": device, "backend": backend}
+    """What a profile measured here now would be keyed to: on a CUDA device also its name and
+    how many there are (the collectives were measured between two of them, when there were)."""
+    key: dict[str, str | int] = {"cpu_model": cpu_model(), "cores": cores(),
+                                 "torch": torch_version(), "device": device, "backend": backend}
+    if device != MEASURED_DEVICE:
+        key["accelerator"], key["accelerators"] = accelerators()
+    return key
 
 
 def _digest(fields: dict[str, object]) -> str:
@@ -129,9 +146,11 @@ class ProfileLookup:
     measured: str = ""  # when the valid profile was measured
 
 
-def _fix(path: Path) -> str:
-    return (f"measure this machine again (python -m mcpar.sim.localprofile --out {path}) or "
-            f"delete the file (set by {PROFILE_ENV} or the default path)")
+def _fix(path: Path, device_type: str = MEASURED_DEVICE) -> str:
+    module, env = (("localprofile", PROFILE_ENV) if device_type == MEASURED_DEVICE
+                   else ("deviceprofile", DEVICE_PROFILE_ENV))
+    return (f"measure this machine again (python -m mcpar.sim.{module} --out {path}) or "
+            f"delete the file (set by {env} or the default path)")
 
 
 def _differences(saved: object, here: dict[str, str | int]) -> list[str]:
@@ -140,12 +159,14 @@ def _differences(saved: object, here: dict[str, str | int]) -> list[str]:
             for key, value in here.items() if saved.get(key) != value]
 
 
-def lookup_profile(path: Path | None = None) -> ProfileLookup:
-    """The one rule: the profile at ``path`` (default ``profile_path()``) when it was measured
-    on this machine (its key is ``machine_key()``) and its checksum matches, its fields sound;
-    else why not: missing, stale (no key, edited, another machine) or broken (not a profile, or
-    a measured field that is not a finite rate)."""
-    path = path or profile_path()
+def lookup_profile(path: Path | None = None, device_type: str = MEASURED_DEVICE
+                   ) -> ProfileLookup:
+    """The one rule: the profile of ``device_type`` at ``path`` (default
+    ``profile_path(device_type)``) when it was measured on this machine (its key is
+    ``machine_key``'s for that device and its backend) and its checksum matches, its fields
+    sound; else why not: missing, stale (no key, edited, another machine) or broken (not a
+    profile, or a measured field that is not a finite rate)."""
+    path = path or profile_path(device_type)
     if not path.is_file():
         return ProfileLookup(path, "missing", why=f"no local profile at {path}")
     try:
@@ -155,7 +176,7 @@ def lookup_profile(path: Path | None = None) -> ProfileLookup:
         stamp = {k: doc.pop(k) for k in STAMP_FIELDS if k in doc}
         profile = LocalProfile(**doc)
     except (OSError, UnicodeDecodeError, ValueError, TypeError) as err:
-        line = problem(str(path), f"not a local profile ({err}); {_fix(path)}")
+        line = problem(str(path), f"not a local profile ({err}); {_fix(path, device_type)}")
         return ProfileLookup(path, "broken", why=f"the local profile {path} is unreadable ({err})",
                              problems=(line,))
     if "sha256" not in stamp or "machine" not in stamp:
@@ -171,11 +192,13 @@ def lookup_profile(path: Path | None = None) -> ProfileLookup:
         return ProfileLookup(path, "stale", why=(
             f"the local profile {path} was measured by an earlier version (it lacks "
             f"{', '.join(unmeasured)})"))
-    differs = _differences(stamp["machine"], machine_key())
+    differs = _differences(stamp["machine"], machine_key(device_type, BACKENDS[device_type]))
     if differs:
         return ProfileLookup(path, "stale", why=(
             f"the local profile {path} is of another machine ({'; '.join(differs)})"))
-    problems = field_problems(profile, path, _fix(path))
+    # One CUDA device has no peer to time collectives with: the hardware table's links stand.
+    problems = field_problems(profile, path, _fix(path, device_type),
+                              needs_collectives=device_type == MEASURED_DEVICE)
     if problems:
         return ProfileLookup(path, "broken", why=f"the local profile {path} is unsound "
                              f"({'; '.join(problems)})", problems=tuple(problems))
@@ -202,7 +225,8 @@ def _finite(value: object, least: float, strict: bool) -> bool:
     return math.isfinite(value) and (value > least if strict else value >= least)
 
 
-def field_problems(profile: LocalProfile, path: Path, fix: str) -> list[str]:
+def field_problems(profile: LocalProfile, path: Path, fix: str,
+                   needs_collectives: bool = True) -> list[str]:
     """One line per field that is not what a measurement gives (a non-finite, zero or negative
     rate, a cost missing), naming ``path.field`` and ``fix``."""
     problems: list[str] = []
@@ -220,7 +244,7 @@ def field_problems(profile: LocalProfile, path: Path, fix: str) -> list[str]:
         if not _finite(getattr(profile, key), 0.0, strict=False):
             bad(key, "a finite number >= 0", getattr(profile, key))
     ops = profile.collectives if isinstance(profile.collectives, dict) else {}
-    if "ar" not in ops:
+    if needs_collectives and "ar" not in ops:
         bad("collectives.ar", "[alpha, beta] of the all-reduce", None)
     for op, cost in ops.items():
         if not (isinstance(cost, list | tuple) and len(cost) == 2

@@ -20,7 +20,8 @@ placement (a run directory's resolved config, every key written) is kept the sam
 
 Cost of a plan: the cost model's step time (``sim.costmodel.simulate``) on the machine the job
 runs on (``ranking_cluster``): on CUDA the hardware table's row of the device (by its name; the
-A100-80GB row when the table has none), the job's world in 8-GPU nodes; on CPU this machine's
+A100-80GB row when the table has none), the job's world in 8-GPU nodes, at the rates measured on
+the device when its profile is valid (``sim.deviceprofile.cuda_cluster``); on CPU this machine's
 calibrated local profile when it is this machine's (``sim.profilestore.lookup_profile``, the rule
 the MFU's CPU peak follows too), else declared CPU figures (``DECLARED_CPU``) and why the
 profile was not used, with how to calibrate. Only the ranking of plans matters here, but it
@@ -50,22 +51,15 @@ from mcpar.device_select import memory_budget_bytes, select_device
 from mcpar.errors import UserError, problem
 from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
+from mcpar.sim.deviceprofile import cuda_cluster
 from mcpar.sim.fromconfig import config_layout, config_model
-from mcpar.sim.hardware import (
-    GPU_ALIASES,
-    OFFLOAD_BANDWIDTH,
-    Cluster,
-    LocalProfile,
-    load_accelerators,
-    make_cluster,
-)
+from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, Cluster, LocalProfile
 from mcpar.sim.localprofile import local_cluster
 from mcpar.sim.memory import format_bytes
 from mcpar.sim.profilestore import cores, lookup_profile
 from mcpar.topology import ParallelDims
 
 BUDGET_KEY = "controllers.memory.memory_budget_gb"
-REFERENCE_GPU = "a100-80gb"  # a CUDA device the hardware table has no row for
 MODES = ("none", "selective", "full")
 Blocks = tuple[int, int, int]  # blocks with none, selective, full recompute
 
@@ -247,20 +241,7 @@ def _cpu_profile() -> tuple[LocalProfile, str]:
 def ranking_cluster(device_type: str, world: int) -> tuple[Cluster, str]:
     """The machine plans are ranked on, ``world`` devices of it, and its name for the report."""
     if device_type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(0)
-        table = load_accelerators()
-        lowered = name.lower()
-        row = next((GPU_ALIASES[a] for a in sorted(GPU_ALIASES, key=len, reverse=True)
-                    if a in lowered), "").lower()
-        if row in table:
-            accel, what = table[row], f"{table[row].name} of the hardware table ({name})"
-        else:
-            accel = table[REFERENCE_GPU]
-            what = f"{accel.name} of the hardware table ({name} has no row; the nearest kept)"
-        return make_cluster(accel, world, min(8, world), accel.typical_inter_gbps), \
-            f"{what} x {world}"
+        return cuda_cluster(world)
     profile, what = _cpu_profile()
     return replace(local_cluster(profile), num_gpus=world), f"{what}, {world} worker(s)"
 
