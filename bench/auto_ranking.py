@@ -11,7 +11,8 @@ What it does
     2. Trains once more with only the model's keys and ``parallelism.auto=true``: the planner's
        own pick among every layout of the world, measured the same way.
     3. Repeats the rounds (``--repeats``) and keeps each layout's median over them. Reports
-       Spearman's rho between predicted and measured step times, the median relative
+       Spearman's rho between predicted and measured step times (and, the ceiling any
+       prediction can reach here, between the rounds' own measurements), the median relative
        error of the step and of the peak, and the auto pick's measured throughput against the
        set's best and median.
     Another job sharing the cores would slow some runs and not others, so each run waits for an
@@ -19,9 +20,9 @@ What it does
     ran (``local_sim_check``'s rule); the JSON records the share.
 
 How to run
-    python bench/auto_ranking.py [--steps 14] [--out bench/data/auto_ranking.json] [--only ...]
+    python bench/auto_ranking.py [--steps 20] [--out bench/data/auto_ranking.json] [--only ...]
 
-    Prints one JSON object on stdout; progress goes to stderr. About 8 minutes a round on 2
+    Prints one JSON object on stdout; progress goes to stderr. About 9 minutes a round on 2
     cores (``--repeats``, default 3).
     The planner prices every run on one local profile, measured at the start on an idle machine
     (or ``--profile``, a saved one valid here) and restored before each run, since a run whose
@@ -168,7 +169,9 @@ def _row(name: str, rounds: list[tuple[dict[str, object], float]]) -> dict[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=14)
+    # The trainer's measured step is the median after the first; the next few steps still
+    # warm up (allocator, buffers), so a longer run leaves them less weight.
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=None, help="layouts to run")
     parser.add_argument("--no-auto", action="store_true", help="skip the planner's own pick")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -216,6 +219,14 @@ def main() -> int:
         pred = [float(r["predicted_step_s"]) for r in rows]  # type: ignore[arg-type]
         meas = [float(r["measured_step_s"]) for r in rows]  # type: ignore[arg-type]
         result["spearman_rho"] = round(spearman(pred, meas), 3)
+        # The measurement's own repeatability, the ceiling of any prediction's rho: each pair
+        # of rounds ranked against each other, and the prediction against each round alone.
+        by_round = [[float(r["rounds_step_s"][k]) for r in rows]  # type: ignore[index]
+                    for k in range(args.repeats)]
+        result["round_to_round_rho"] = [
+            round(spearman(by_round[i], by_round[j]), 3)
+            for i in range(args.repeats) for j in range(i + 1, args.repeats)]
+        result["predicted_vs_each_round_rho"] = [round(spearman(pred, r), 3) for r in by_round]
         result["median_abs_step_error"] = round(statistics.median(
             abs(float(r["step_error"])) for r in rows), 3)  # type: ignore[arg-type]
         result["median_abs_peak_error"] = round(statistics.median(

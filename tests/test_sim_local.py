@@ -107,3 +107,31 @@ def test_local_profile_predicts_a_real_run(tmp_path: Path) -> None:
         if 0.5 < predicted / measured < 2.0:
             break
     assert 0.5 < predicted / measured < 2.0, attempts
+
+
+def test_a_measured_gather_overlap_hides_zero3s_prefetched_gathers_only() -> None:
+    """The profile's share of a prefetched all-gather that hides behind compute prices ZeRO-3's
+    gathers; its reductions, and every exchange of a layout without ZeRO-3, stay unhidden."""
+    def step(overrides: list[str], hidden: float | None) -> tuple[float, dict[str, float]]:
+        notes = {**PROFILE.notes, **({} if hidden is None else {"gather_overlap": hidden})}
+        cluster = replace(local_cluster(replace(PROFILE, notes=notes)), num_gpus=4)
+        cfg = load_config(None, SMALL + overrides)
+        pred = simulate(config_model(cfg), config_layout(cfg, 4), cluster)
+        return pred.step_s, pred.breakdown
+
+    zero3 = ["controllers.memory.zero_stage=3"]
+    assert local_cluster(PROFILE).gather_overlap is None  # measured before the note existed
+    unhidden, _ = step(zero3, None)
+    assert step(zero3, 0.0)[0] == pytest.approx(unhidden)
+    half, full = step(zero3, 0.5)[1]["zero_comm"], step(zero3, 1.0)[1]["zero_comm"]
+    assert full < half < step(zero3, 0.0)[1]["zero_comm"]
+    # Fully hidden gathers leave the reduce-scatters (and the last gather, which nothing hides).
+    assert full > 0.2 * step(zero3, 0.0)[1]["zero_comm"]
+    assert step([], 1.0)[0] == pytest.approx(step([], 0.0)[0])
+
+
+def test_the_gather_overlap_is_measured_as_a_share() -> None:
+    from mcpar.sim.localprofile import _collective_costs
+
+    lines, hidden = _collective_costs(sizes=(16384, 262144))
+    assert set(lines) == {"ar", "ag", "rs", "p2p"} and 0.0 <= hidden <= 1.0

@@ -143,7 +143,15 @@ def _chunks(nbytes: float, bucket: float) -> int:
 def _exposed(comm: float, window: float, overlap: float, calls: int) -> float:
     """Communication left on the critical path when it may hide behind `window` of compute;
     the last of its `calls` (the last bucket) never can."""
-    hidden = overlap * min(comm, window)
+    return _exposed_parts([(comm, overlap)], window, calls)
+
+
+def _exposed_parts(parts: list[tuple[float, float]], window: float, calls: int) -> float:
+    """``_exposed`` of traffic made of parts that hide in different shares, (seconds, overlap)
+    each, behind one `window` (with one share: ``overlap * min(comm, window)`` hidden)."""
+    comm = sum(seconds for seconds, _ in parts)
+    hidden = min(sum(seconds * share for seconds, share in parts),
+                 max(share for _, share in parts) * window)
     return max(comm - hidden, comm / calls)
 
 
@@ -225,6 +233,11 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
         groups.append((expert, Group(lay.dp * lay.cp // lay.ep, lay.tp * lay.ep)))
     net, topo = eff.network, lay.topology
     overlap = eff.overlap if lay.dp_overlap else 0.0
+    # ZeRO-3's gathers are prefetched, launched a block ahead; where a profile measured how
+    # much of such a gather hides (a CPU's backend moves its bytes without the cores that
+    # compute, while a reduction needs them), that share, else the fitted overlap.
+    prefetched = (cluster.gather_overlap if cluster.gather_overlap is not None
+                  else eff.overlap) if lay.dp_overlap else 0.0
     layers_rank = max(1, round(m.layers / lay.pp))
     per_micro = per_step = total = encode = 0.0
     for index, (count, group) in enumerate(groups):
@@ -254,15 +267,16 @@ def dp_cost(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency, rl: R
             z3_lay = lay if index == 0 else lay.with_(allocation="default")
             z3 = zero3_traffic(count, w_b, g_b, group, z3_lay, cluster, net, topo, calls, rl)
             # Prefetching hides the next block's gather behind the current block's compute.
-            per_micro += _exposed(z3.forward, fwd_window, overlap, calls)
+            per_micro += _exposed(z3.forward, fwd_window, prefetched, calls)
             encode += z3.encode * lay.num_microbatches
+            gathers = z3.backward - z3.reduce
             if lay.reduces_every_backward:
-                per_micro += _exposed(z3.backward, bwd_window, overlap, 2 * calls)
+                per_micro += _exposed_parts([(gathers, prefetched), (z3.reduce, overlap)],
+                                            bwd_window, 2 * calls)
                 total += (z3.forward + z3.backward) * lay.num_microbatches
                 continue
             # The gathers every backward, the reduce-scatters once per step.
-            gathers = z3.backward - z3.reduce
-            per_micro += _exposed(gathers, bwd_window, overlap, calls)
+            per_micro += _exposed(gathers, bwd_window, prefetched, calls)
             per_step += _exposed(z3.reduce, bwd_window, overlap, calls)
             total += (z3.forward + gathers) * lay.num_microbatches + z3.reduce
             continue

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mcpar.sim.hardware import (
+    GATHER_OVERLAP_NOTE,
     GPU_ALIASES,
     Accelerator,
     Cluster,
@@ -161,14 +162,16 @@ def measure_device(device: torch.device, precision: str = "bf16",
     stream = stream_rate(device, int(shapes["stream"]), seconds)  # type: ignore[call-overload]
     op, block = fixed_costs(device, seconds)
     links: dict[str, list[float]] = {}
+    notes = {f"{precision}_flops": flops, "fp32_flops": fp32}
     if collectives and device.type == "cuda" and torch.cuda.device_count() >= 2:
         from mcpar.sim.localprofile import _collective_costs
 
-        links = {k: list(v) for k, v in _collective_costs("nccl", "cuda", NCCL_SIZES).items()}
+        lines, notes[GATHER_OVERLAP_NOTE] = _collective_costs("nccl", "cuda", NCCL_SIZES)
+        links = {k: list(v) for k, v in lines.items()}
     return LocalProfile(cores=1, flops_per_thread=flops, attention_flops_per_thread=attention,
                         mem_bw_per_thread=stream, mem_bw_total=stream, op_overhead_s=op,
                         layer_overhead_s=block, mask_rate_per_thread=0.0, collectives=links,
-                        notes={f"{precision}_flops": flops, "fp32_flops": fp32})
+                        notes=notes)
 
 
 def table_row(device_name: str, table: dict[str, Accelerator] | None = None
@@ -204,7 +207,10 @@ def device_cluster(profile: LocalProfile, accel: Accelerator, world: int) -> Clu
     # The lines were measured between two devices of one host: they price one node's groups.
     ops = ({k: (a, b) for k, (a, b) in profile.collectives.items()} if world <= per_node
            else {})
-    return dataclasses.replace(cluster, efficiency=eff, op_costs=ops)
+    hidden = profile.notes.get(GATHER_OVERLAP_NOTE)
+    return dataclasses.replace(cluster, efficiency=eff, op_costs=ops,
+                               gather_overlap=float(hidden) if ops and hidden is not None
+                               else None)
 
 
 def cuda_cluster(world: int) -> tuple[Cluster, str]:

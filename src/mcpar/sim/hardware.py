@@ -114,6 +114,9 @@ class Cluster:
     # t = alpha + n beta between two ranks; empty: the textbook ring costs on the links above.
     op_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     reserved_bytes: float = RESERVED_BYTES  # per device, beside the job's memory
+    # A measured profile's share of a prefetched all-gather (ZeRO-3's parameter store) that
+    # hides behind compute (``localprofile._gather_overlap``); None: ``efficiency.overlap``.
+    gather_overlap: float | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -224,6 +227,10 @@ def cluster_preset(name: str, table: dict[str, Accelerator] | None = None,
     if n < 1 or n % per_node:
         raise UserError(problem(key, f"{n} GPUs is not a whole number of 8-GPU nodes"))
     return replace(make_cluster(accel, n, per_node, accel.typical_inter_gbps), name=name)
+
+
+# The profile's note of the share of a prefetched all-gather that hides behind compute.
+GATHER_OVERLAP_NOTE = "gather_overlap"
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pathlib import Path
 from mcpar.errors import UserError
 from mcpar.sim.cpu_load import foreign_share
 from mcpar.sim.hardware import (
+    GATHER_OVERLAP_NOTE,
     Accelerator,
     Cluster,
     Efficiency,
@@ -235,9 +236,44 @@ def _collective_worker(rank: int, port: int, queue: object, backend: str = "gloo
                 costs.append((loop(fn, iters) - bare) / iters)
             per_call = max(statistics.median(costs), 1e-6) / (2 if op == "p2p" else 1)
             results[op].append((n, per_call))
+    hidden = _gather_overlap(burst, loop, device, (sizes or COLLECTIVE_SIZES)[-1])
     if rank == 0:
-        queue.put(results)  # type: ignore[attr-defined]
+        queue.put((results, hidden))  # type: ignore[attr-defined]
     dist.destroy_process_group()
+
+
+def _gather_overlap(burst: Callable[[], None], loop: Callable[[Callable[[], object] | None, int],
+                                                              float],
+                    device: object, nbytes: int, repeats: int = 5) -> float:
+    """The share of an all-gather launched before a stretch of compute that hides behind it,
+    as the parameter store's prefetch launches the next block's (``(serial - overlapped) /
+    (serial - compute alone)``, the median of ``repeats``, in [0, 1]). On a CPU the backend
+    moves an all-gather's bytes in its own threads without the cores' arithmetic; a reduction
+    needs them, and ``Efficiency.overlap`` (0 on a CPU) stands for those."""
+    import torch
+    import torch.distributed as dist
+
+    full = torch.zeros(nbytes // 4, device=device)  # type: ignore[arg-type]
+    half = torch.zeros(nbytes // 8, device=device)  # type: ignore[arg-type]
+
+    def compute() -> None:
+        for _ in range(8):  # a few times the gather: a block's forward beside its prefetch
+            burst()
+
+    def serial() -> None:
+        compute()
+        dist.all_gather_single(full, half)
+
+    def overlapped() -> None:
+        work = dist.all_gather_single(full, half, async_op=True)
+        compute()
+        work.wait()
+
+    shares = []
+    for _ in range(repeats):
+        alone, one_after, beside = loop(compute, 2), loop(serial, 2), loop(overlapped, 2)
+        shares.append((one_after - beside) / max(one_after - alone, 1e-9))
+    return min(1.0, max(0.0, statistics.median(shares)))
 
 
 def _free_port() -> int:
@@ -259,9 +295,11 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _collective_costs(backend: str = "gloo", device_type: str = "cpu",
-                      sizes: tuple[int, ...] | None = None) -> dict[str, tuple[float, float]]:
+                      sizes: tuple[int, ...] | None = None
+                      ) -> tuple[dict[str, tuple[float, float]], float]:
     """Per operation: (alpha, beta) of t = alpha + n beta between two ranks (n: the full buffer,
-    or the message for p2p), over ``backend`` between two ``device_type`` workers."""
+    or the message for p2p), over ``backend`` between two ``device_type`` workers; and the share
+    of a prefetched all-gather that hides behind compute (``_gather_overlap``)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -275,7 +313,8 @@ def _collective_costs(backend: str = "gloo", device_type: str = "cpu",
         p.join(180)
     if queue.empty():
         raise RuntimeError(f"the {backend} collective micro-benchmark did not report")
-    return {op: _line(points) for op, points in queue.get().items()}
+    results, hidden = queue.get()
+    return {op: _line(points) for op, points in results.items()}, hidden
 
 
 def measure() -> LocalProfile:
@@ -296,13 +335,13 @@ def _measure() -> LocalProfile:
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
     masks_all = _mask_rate(n)
-    costs = _collective_costs()
+    costs, gather_overlap = _collective_costs()
     return LocalProfile(
         cores=n, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
         layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
         collectives={k: list(v) for k, v in costs.items()},
-        notes={"flops_all_cores": flops_all},
+        notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap},
     )
 
 
@@ -328,7 +367,13 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
                    inter_bw=1.0 / (2 * ar_beta), alpha_intra=ar_alpha / 2,
                    alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
-                   reserved_bytes=0.0)
+                   reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE))
+
+
+def _note(profile: LocalProfile, key: str) -> float | None:
+    """A measured note of the profile, None where an earlier version did not measure it."""
+    value = profile.notes.get(key) if isinstance(profile.notes, dict) else None
+    return float(value) if isinstance(value, int | float) else None
 
 
 def load_local_cluster(path: Path | None = None, remeasure: bool = False) -> Cluster:
