@@ -40,6 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_workers import emit_result
 from local_sim_check import MAX_FOREIGN, foreign_share, measure_when_idle, wait_for_idle
 
 from mcpar.sim.profilestore import PROFILE_ENV, lookup_profile, save_profile
@@ -238,10 +239,7 @@ def main() -> int:
             chosen = float(auto["measured_step_s"])  # type: ignore[arg-type]
             result["auto_vs_best_throughput"] = round(best / chosen, 3)
             result["auto_vs_median_throughput"] = round(median / chosen, 3)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 

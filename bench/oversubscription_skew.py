@@ -29,12 +29,14 @@ late, more so in relative terms the shorter the stretch, and not at all with a c
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_workers import emit_result
 
 
 def _worker(rank: int, world: int, port: int, matmuls: list[int], repeats: int,
@@ -94,15 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     if queue.empty():
         print("oversubscription_skew: the workers did not report", file=sys.stderr)
         return 1
-    import os
-
     result = {"benchmark": "oversubscription_skew", "workers": args.workers,
               "cores": os.cpu_count(), "repeats": args.repeats,
               "by_matmuls": {str(k): v for k, v in queue.get().items()}}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_result(result, args.out)
     return 0
 
 
