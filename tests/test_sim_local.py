@@ -135,3 +135,42 @@ def test_the_gather_overlap_is_measured_as_a_share() -> None:
 
     lines, hidden = _collective_costs(sizes=(16384, 262144))
     assert set(lines) == {"ar", "ag", "rs", "p2p"} and 0.0 <= hidden <= 1.0
+
+
+def test_the_attention_rate_follows_the_measured_head_dimension() -> None:
+    """A CPU's attention kernel runs small heads well below its rate at head dimension 64; the
+    profile times it by head dimension and the model's heads are priced at theirs."""
+    from mcpar.sim.compute import head_dim_factor
+    from mcpar.sim.localprofile import attention_note
+
+    ref = PROFILE.attention_flops_per_thread
+    notes = {**PROFILE.notes, attention_note(16): 0.6 * ref, attention_note(64): ref,
+             attention_note(128): 1.2 * ref}
+    measured = local_cluster(replace(PROFILE, notes=notes))
+    assert measured.attention_head_dims == {16: 0.6, 64: 1.0, 128: 1.2}
+    assert head_dim_factor(measured, 32) == pytest.approx(0.8)  # halfway in log2
+    assert head_dim_factor(measured, 8) == 0.6 and head_dim_factor(measured, 256) == 1.2
+    assert head_dim_factor(local_cluster(PROFILE), 16) == 1.0  # not measured: one rate
+
+    def attention_s(cluster: object, heads: int) -> float:
+        cfg = load_config(None, SMALL + [f"model.num_heads={heads}"])
+        pred = simulate(config_model(cfg), config_layout(cfg, 1),
+                        replace(cluster, num_gpus=1))  # type: ignore[type-var]
+        return pred.breakdown["attention"]
+
+    # 16 heads of 16 on hidden 256: the same FLOPs as 4 heads of 64, at 0.6 of the rate.
+    assert attention_s(measured, 16) == pytest.approx(attention_s(measured, 4) / 0.6)
+    assert attention_s(local_cluster(PROFILE), 16) == pytest.approx(
+        attention_s(local_cluster(PROFILE), 4))
+
+
+def test_the_profile_times_attention_at_each_head_dimension(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    from mcpar.sim import localprofile as lp
+
+    timed: list[tuple[int, int]] = []
+    monkeypatch.setattr(lp, "_attention_rate",
+                        lambda heads, dh: timed.append((heads, dh)) or 1e9 * dh)
+    rates = lp._attention_rates()
+    assert timed == [(16, 16), (8, 32), (4, 64), (2, 128)]  # hidden 256 in each
+    assert rates[lp.REFERENCE_HEAD_DIM] == 64e9

@@ -14,6 +14,7 @@ pass: forward, backward, and the forward again under full recompute.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerWork
@@ -160,6 +161,22 @@ def tokens_per_gpu(m: ModelShape, lay: Layout) -> float:
     return lay.micro_batch * m.seq_len / lay.cp
 
 
+def head_dim_factor(cluster: Cluster, head_dim: int) -> float:
+    """The attention kernel's rate at ``head_dim`` over the one the efficiency holds, where the
+    profile measured it by head dimension (``Cluster.attention_head_dims``): interpolated in
+    log2 of the head dimension between the measured ones, the nearest outside them; 1 else."""
+    rates = sorted(cluster.attention_head_dims.items())
+    if not rates:
+        return 1.0
+    if head_dim <= rates[0][0]:
+        return rates[0][1]
+    for (d0, r0), (d1, r1) in zip(rates, rates[1:], strict=False):
+        if head_dim <= d1:
+            w = (math.log2(head_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
+            return r0 + w * (r1 - r0)
+    return rates[-1][1]
+
+
 def tp_group(lay: Layout) -> Group:
     return Group(lay.tp, 1)
 
@@ -182,8 +199,9 @@ def layer_times(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficiency,
     elif lay.attention_kind == "flash":
         flops = 2.0 * tok * m.seq_len * h / t  # 4 T s h over the causal half
         speed_f, speed_b = FLASH_KERNEL_SPEED[lay.flash_kernel]
-        core_f = flops / rl.attn_flops / speed_f
-        core_b = FLASH_BWD_FACTOR * flops / rl.attn_flops / speed_b
+        rate = rl.attn_flops * head_dim_factor(cluster, dh)
+        core_f = flops / rate / speed_f
+        core_b = FLASH_BWD_FACTOR * flops / rate / speed_b
     else:
         batch = lay.micro_batch * heads_local
         sq = m.seq_len / lay.cp

@@ -117,6 +117,10 @@ class Cluster:
     # A measured profile's share of a prefetched all-gather (ZeRO-3's parameter store) that
     # hides behind compute (``localprofile._gather_overlap``); None: ``efficiency.overlap``.
     gather_overlap: float | None = None
+    # A measured profile's causal-attention rate at each head dimension it timed, over the rate
+    # its ``efficiency.attention`` holds (head dimension 64): small heads run a CPU's attention
+    # kernel well below it. Empty: one rate for every head dimension.
+    attention_head_dims: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:

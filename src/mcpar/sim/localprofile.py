@@ -86,12 +86,24 @@ def _matmul_rate(threads: int) -> float:
     return flops / elapsed
 
 
-def _attention_rate() -> float:
+# The head dimensions whose attention rate the profile times (hidden 256 split into heads);
+# 64 is the reference, ``attention_flops_per_thread``.
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+REFERENCE_HEAD_DIM = 64
+
+
+def _attention_rates() -> dict[int, float]:
+    """Causal attention forward+backward FLOP/s of one thread at each head dimension of
+    ``ATTENTION_HEAD_DIMS`` (8 sequences of 128, heads of the dimension making 256)."""
+    return {dh: _attention_rate(256 // dh, dh) for dh in ATTENTION_HEAD_DIMS}
+
+
+def _attention_rate(heads: int = 4, dh: int = REFERENCE_HEAD_DIM) -> float:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    b, heads, s, dh = 8, 4, 128, 64
+    b, s = 8, 128
     q, k, v = (torch.randn(b, heads, s, dh, requires_grad=True) for _ in range(3))
 
     def step() -> None:
@@ -330,7 +342,8 @@ def _measure() -> LocalProfile:
     n = cores_here()
     flops_1 = _matmul_rate(1)
     flops_all = _matmul_rate(n)
-    attn_1 = _attention_rate()
+    attention = _attention_rates()
+    attn_1 = attention[REFERENCE_HEAD_DIM]
     mem_1 = _stream_rate(1)
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
@@ -341,7 +354,8 @@ def _measure() -> LocalProfile:
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
         layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
         collectives={k: list(v) for k, v in costs.items()},
-        notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap},
+        notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap,
+               **{attention_note(dh): rate for dh, rate in attention.items()}},
     )
 
 
@@ -367,7 +381,20 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
                    inter_bw=1.0 / (2 * ar_beta), alpha_intra=ar_alpha / 2,
                    alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
-                   reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE))
+                   reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE),
+                   attention_head_dims=_head_dim_rates(profile))
+
+
+def attention_note(head_dim: int) -> str:
+    """The profile's note of the attention rate at ``head_dim``."""
+    return f"attention_flops_dh{head_dim}"
+
+
+def _head_dim_rates(profile: LocalProfile) -> dict[int, float]:
+    """Each measured head dimension's attention rate over the reference one's."""
+    rates = {dh: _note(profile, attention_note(dh)) for dh in ATTENTION_HEAD_DIMS}
+    return {dh: rate / profile.attention_flops_per_thread for dh, rate in rates.items()
+            if rate is not None and profile.attention_flops_per_thread > 0}
 
 
 def _note(profile: LocalProfile, key: str) -> float | None:
