@@ -12,7 +12,7 @@ clocks, driver and torch is measured here, the way ``localprofile`` measures a C
   and dispatch);
 - between two of this host's devices, when it has two, the collective backend's (NCCL's)
   all-reduce, all-gather, reduce-scatter and send/recv, as ``t = alpha + n beta`` lines, with the
-  same micro-benchmark as gloo's (``localprofile._collective_worker``).
+  same micro-benchmark as gloo's (``microbench.collective_costs``).
 
 The profile is a ``LocalProfile`` with one worker per device (``cores`` 1, the per-thread rates
 are the device's), saved and keyed by ``profilestore`` (the key names the accelerator and how many
@@ -31,8 +31,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +43,7 @@ from mcpar.sim.hardware import (
     load_accelerators,
     make_cluster,
 )
+from mcpar.sim.microbench import attention_rate, collective_costs, sustained_time, tiny_block
 from mcpar.sim.params import GPU_EFFICIENCY
 from mcpar.sim.profilestore import lookup_profile, save_profile
 
@@ -60,50 +59,15 @@ NCCL_SIZES = (1 << 20, 1 << 24, 1 << 26, 1 << 28)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _timed(fn: Callable[[], object], device: torch.device, seconds: float) -> float:
-    """Mean seconds per call over at least ``seconds`` of back-to-back calls, the device's queue
-    drained before and after (a device's kernels return once queued)."""
-    from mcpar.device import synchronize
-
-    fn()
-    synchronize(device)
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        if calls % 8 == 0 or device.type == "cpu":
-            synchronize(device)
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                return elapsed / calls
-
-
 def gemm_rate(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.2) -> float:
     """FLOP/s of ``size`` cubed matrix products in the forward, input-gradient and
     weight-gradient layouts."""
     import torch
 
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    elapsed = sum(_timed(fn, device, seconds) for fn in (
+    elapsed = sum(sustained_time(fn, device, seconds) for fn in (
         lambda: a @ b, lambda: a @ b.t(), lambda: a.t() @ b))
     return 3 * 2 * size**3 / elapsed
-
-
-def attention_rate(device: torch.device, dtype: torch.dtype,
-                   shape: tuple[int, int, int, int], seconds: float = 0.2) -> float:
-    """Causal attention forward and backward, in the cost model's FLOPs (2 T s h over the causal
-    half forward, 2.5 times that backward)."""
-    import torch
-    import torch.nn.functional as F
-
-    b, heads, s, dh = shape
-    q, k, v = (torch.randn(b, heads, s, dh, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
-
-    def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-    return 2 * (b * s) * s * (heads * dh) * 3.5 / _timed(step, device, seconds)
 
 
 def stream_rate(device: torch.device, elements: int, seconds: float = 0.2) -> float:
@@ -113,7 +77,7 @@ def stream_rate(device: torch.device, elements: int, seconds: float = 0.2) -> fl
     a, b, c = (torch.randn(elements, device=device) for _ in range(3))
     moved = elapsed = 0.0
     for fn, tensors in ((lambda: c.copy_(a), 2), (lambda: torch.add(a, b, out=c), 3)):
-        elapsed += _timed(fn, device, seconds)
+        elapsed += sustained_time(fn, device, seconds)
         moved += tensors * 4 * elements
     return moved / elapsed
 
@@ -121,27 +85,9 @@ def stream_rate(device: torch.device, elements: int, seconds: float = 0.2) -> fl
 def fixed_costs(device: torch.device, seconds: float = 0.2) -> tuple[float, float]:
     """(seconds of one tiny op forward and backward, seconds of one tiny transformer block's
     forward and backward beyond that): what launches and dispatch cost, whatever the sizes."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    h, heads = 16, 2
-    x = torch.randn(1, 8, h, device=device, requires_grad=True)
-    layers = nn.ModuleList([nn.LayerNorm(h), nn.LayerNorm(h), nn.Linear(h, 3 * h),
-                            nn.Linear(h, h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)]).to(device)
-    ln1, ln2, qkv, proj, fc, out = layers
-
-    def one_op() -> None:
-        (x * 2).sum().backward()
-
-    def block() -> None:
-        q, k, v = (t.view(1, 8, heads, -1).transpose(1, 2) for t in qkv(ln1(x)).chunk(3, dim=2))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        z = x + proj(a.transpose(1, 2).reshape(1, 8, h))
-        (z + out(F.gelu(fc(ln2(z))))).sum().backward()
-
-    op = _timed(one_op, device, seconds)
-    return op, max(_timed(block, device, seconds) - op, 0.0)
+    one_op, block = tiny_block(device)
+    op = sustained_time(one_op, device, seconds)
+    return op, max(sustained_time(block, device, seconds) - op, 0.0)
 
 
 def measure_device(device: torch.device, precision: str = "bf16",
@@ -163,11 +109,7 @@ def measure_device(device: torch.device, precision: str = "bf16",
     links: dict[str, list[float]] = {}
     notes = {f"{precision}_flops": flops, "fp32_flops": fp32}
     if collectives and device.type == "cuda" and torch.cuda.device_count() >= 2:
-        from mcpar.sim.localprofile import _collective_costs
-
-        # Its gather-overlap share times a burst sized for a CPU, microseconds on a GPU: there
-        # the overlap fitted on published runs stands.
-        lines, _hidden = _collective_costs("nccl", "cuda", NCCL_SIZES)
+        lines, _ = collective_costs("nccl", "cuda", NCCL_SIZES)
         links = {k: list(v) for k, v in lines.items()}
     return LocalProfile(cores=1, flops_per_thread=flops, attention_flops_per_thread=attention,
                         mem_bw_per_thread=stream, mem_bw_total=stream, op_overhead_s=op,

@@ -115,7 +115,7 @@ class Cluster:
     op_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     reserved_bytes: float = RESERVED_BYTES  # per device, beside the job's memory
     # A measured profile's share of a prefetched all-gather (ZeRO-3's parameter store) that
-    # hides behind compute (``localprofile._gather_overlap``); None: ``efficiency.overlap``.
+    # hides behind compute (``microbench._gather_overlap``); None: ``efficiency.overlap``.
     gather_overlap: float | None = None
     # A measured profile's causal-attention rate at each head dimension it timed, over the rate
     # its ``efficiency.attention`` holds (head dimension 64): small heads run a CPU's attention

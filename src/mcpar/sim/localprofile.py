@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mcpar.errors import UserError
 from mcpar.sim.cpu_load import foreign_share
@@ -34,6 +35,7 @@ from mcpar.sim.hardware import (
     cluster_preset,
     load_accelerators,
 )
+from mcpar.sim.microbench import attention_rate, collective_costs, sustained_time, tiny_block
 from mcpar.sim.profilestore import (
     FOREIGN_NOTE,
     lookup_profile,
@@ -42,6 +44,9 @@ from mcpar.sim.profilestore import (
     under_load,
 )
 from mcpar.sim.profilestore import cores as cores_here
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -56,17 +61,15 @@ def _best_time(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> fl
     return statistics.median(times)
 
 
+def _cpu() -> torch.device:
+    import torch
+
+    return torch.device("cpu")
+
+
 def _sustained_time(fn: Callable[[], object], seconds: float = 0.3) -> float:
-    """Mean time per call over at least `seconds` of back-to-back calls: a training step runs
-    for seconds, not for the millisecond in which a core may run faster."""
-    fn()
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            return elapsed / calls
+    """``microbench.sustained_time`` on the CPU."""
+    return sustained_time(fn, _cpu(), seconds)
 
 
 def _matmul_rate(threads: int) -> float:
@@ -100,18 +103,9 @@ def _attention_rates() -> dict[int, float]:
 
 def _attention_rate(heads: int = 4, dh: int = REFERENCE_HEAD_DIM) -> float:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    b, s = 8, 128
-    q, k, v = (torch.randn(b, heads, s, dh, requires_grad=True) for _ in range(3))
-
-    def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-    # The cost model's FLOPs: 2 T s h forward over the causal half, backward 2.5 x that.
-    flops = 2 * (b * s) * s * (heads * dh) * 3.5
-    return flops / _sustained_time(step, 0.3)
+    return attention_rate(torch.device("cpu"), torch.float32, (8, heads, 128, dh), 0.3)
 
 
 def _mask_rate(threads: int) -> float:
@@ -153,180 +147,11 @@ def _stream_rate(threads: int) -> float:
 def _block_overhead() -> tuple[float, float]:
     """(seconds per tiny op forward+backward, seconds per tiny block forward+backward)."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
     torch.set_num_threads(1)
-    h, heads = 16, 2
-    x = torch.randn(1, 8, h, requires_grad=True)
-    w = torch.randn(8, h, requires_grad=True)
-
-    def one_op() -> None:
-        (x * 2).sum().backward()
-
-    ln1, ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-    qkv, proj, fc, out = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.Linear(h, 4 * h), \
-        nn.Linear(4 * h, h)
-
-    def block() -> None:
-        y = ln1(x)
-        q, k, v = (t.view(1, 8, heads, -1).transpose(1, 2) for t in qkv(y).chunk(3, dim=2))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        z = x + proj(a.transpose(1, 2).reshape(1, 8, h))
-        z = z + out(F.gelu(fc(ln2(z))))
-        z.sum().backward()
-
-    del w
+    one_op, block = tiny_block(torch.device("cpu"))
     op = _best_time(one_op, inner=50)
     return op, _best_time(block, inner=20) - op  # the final sum/backward is not the block's
-
-
-COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
-
-
-def _collective_worker(rank: int, port: int, queue: object, backend: str = "gloo",
-                       device_type: str = "cpu", sizes: tuple[int, ...] | None = None) -> None:
-    """Prices the backend's all-reduce, all-gather, reduce-scatter and a send/recv pair between
-    two processes (one thread or one device each) as training meets them: each call follows a
-    burst of compute, so the ranks arrive a little apart and the data is cold. The cost of an
-    operation is the time of (burst + operation) loops minus that of burst-only loops; rank 0
-    reports it. ``backend`` gloo on the CPU, or NCCL between two CUDA devices
-    (``deviceprofile``)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from mcpar.device import synchronize
-
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=2,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))
-    a, b = torch.randn(512, 256, device=device), torch.randn(256, 512, device=device)
-
-    def burst() -> None:
-        for _ in range(3):  # about the compute between two tensor-parallel collectives
-            a @ b
-
-    def p2p(buf: torch.Tensor) -> None:
-        # One transfer each way; counted as two sends.
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-
-    def loop(fn: Callable[[], object] | None, iters: int) -> float:
-        dist.barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            burst()
-            if fn is not None:
-                fn()
-        synchronize(device)  # a device's collectives return once queued: time them done
-        return time.perf_counter() - t0
-
-    results: dict[str, list[tuple[int, float]]] = {op: [] for op in ("ar", "ag", "rs", "p2p")}
-    for n in sizes or COLLECTIVE_SIZES:
-        full, half = torch.zeros(n // 4, device=device), torch.zeros(n // 8, device=device)
-        ops = {"ar": lambda full=full: dist.all_reduce(full),
-               "ag": lambda full=full, half=half: dist.all_gather_single(full, half),
-               "rs": lambda full=full, half=half: dist.reduce_scatter_single(half, full),
-               "p2p": lambda full=full: p2p(full)}
-        for op, fn in ops.items():
-            fn()
-            iters = 12 if n <= 2**20 else 6
-            costs = []
-            for _ in range(3):
-                bare = loop(None, iters)
-                costs.append((loop(fn, iters) - bare) / iters)
-            per_call = max(statistics.median(costs), 1e-6) / (2 if op == "p2p" else 1)
-            results[op].append((n, per_call))
-    hidden = _gather_overlap(burst, loop, device, (sizes or COLLECTIVE_SIZES)[-1])
-    if rank == 0:
-        queue.put((results, hidden))  # type: ignore[attr-defined]
-    dist.destroy_process_group()
-
-
-def _gather_overlap(burst: Callable[[], None], loop: Callable[[Callable[[], object] | None, int],
-                                                              float],
-                    device: object, nbytes: int, repeats: int = 5) -> float:
-    """The share of an all-gather launched before a stretch of compute that hides behind it,
-    as the parameter store's prefetch launches the next block's (``(serial - overlapped) /
-    (serial - compute alone)``, the median of ``repeats``, in [0, 1]). On a CPU the backend
-    moves an all-gather's bytes in its own threads without the cores' arithmetic; a reduction
-    needs them, and ``Efficiency.overlap`` (0 on a CPU) stands for those."""
-    import torch
-    import torch.distributed as dist
-
-    full = torch.zeros(nbytes // 4, device=device)  # type: ignore[arg-type]
-    half = torch.zeros(nbytes // 8, device=device)  # type: ignore[arg-type]
-
-    def compute() -> None:
-        for _ in range(8):  # a few times the gather: a block's forward beside its prefetch
-            burst()
-
-    def serial() -> None:
-        compute()
-        dist.all_gather_single(full, half)
-
-    def overlapped() -> None:
-        work = dist.all_gather_single(full, half, async_op=True)
-        compute()
-        work.wait()
-
-    shares = []
-    for _ in range(repeats):
-        alone, one_after, beside = loop(compute, 2), loop(serial, 2), loop(overlapped, 2)
-        shares.append((one_after - beside) / max(one_after - alone, 1e-9))
-    return min(1.0, max(0.0, statistics.median(shares)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of time against bytes, both kept non-negative."""
-    xs, ts = [float(n) for n, _ in points], [t for _, t in points]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-12)
-    return max(mt - slope * mx, 1e-6), slope
-
-
-def _collective_costs(backend: str = "gloo", device_type: str = "cpu",
-                      sizes: tuple[int, ...] | None = None
-                      ) -> tuple[dict[str, tuple[float, float]], float]:
-    """Per operation: (alpha, beta) of t = alpha + n beta between two ranks (n: the full buffer,
-    or the message for p2p), over ``backend`` between two ``device_type`` workers; and the share
-    of a prefetched all-gather that hides behind compute (``_gather_overlap``)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collective_worker,
-                         args=(r, port, queue, backend, device_type, sizes)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    if queue.empty():
-        raise RuntimeError(f"the {backend} collective micro-benchmark did not report")
-    results, hidden = queue.get()
-    return {op: _line(points) for op, points in results.items()}, hidden
 
 
 def measure() -> LocalProfile:
@@ -348,7 +173,7 @@ def _measure() -> LocalProfile:
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
     masks_all = _mask_rate(n)
-    costs, gather_overlap = _collective_costs()
+    costs, gather_overlap = collective_costs()
     return LocalProfile(
         cores=n, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
