@@ -409,6 +409,7 @@ def real_model_part(args: argparse.Namespace, comm: CommunicationController) -> 
                                     meter.wrap_loss(loss_fn), torch.device("cpu"),
                                     weight_grads=store,
                                     **placement(schedule, rank, pp, m, v, limits=limits))
+        executor.hold_received = meter.holding  # as the trainer wires it
         result = measure(executor, step_tasks(schedule, rank, pp, m, v, limits=limits),
                          batches, args.warmup, args.repeats, meter)
         model.zero_grad(set_to_none=True)

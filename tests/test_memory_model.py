@@ -129,7 +129,8 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     the two LayerNorms' fp32 statistics (8 bytes per token each) and the flash kernel's fp32
     log-sum-exp (per query and head); 4 + 4 + 8 bytes per parameter. The last rank (one block,
     the head, three fp32 logit-sized tensors of the loss) holds less in all, so the first rank's
-    figures are the estimate, with the int64 indices its embeddings' backward keeps."""
+    figures are the estimate, with the int64 indices its embeddings' backward keeps and the fp32
+    gradient its first backward receives beside them."""
     path, _ = write_config(tmp_path, "pipeline2-1f1b")
     plan = resolve_plan(load_config(str(path)), None)
     assert [b - a for a, b in plan.stage_cut] == [5, 1]
@@ -138,7 +139,8 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     heads = plan.config.model.num_heads
     # The embeddings' int64 indices (token ids, one row of position ids) per micro-batch.
     indices = 2 * 8 * (b * s + s)
-    activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s) + indices
+    received = 4 * x
+    activations = 5 * 2 * (64 * x + 2 * 8 * b * s + 4 * b * heads * s) + indices + received
     params = params_per_pipeline_rank(plan.config, plan.parallel_dims())[0]
     assert plan.memory.estimate.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
                                   ("optimizer state", 8 * params),

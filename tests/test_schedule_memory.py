@@ -77,7 +77,8 @@ def measured_rank(schedule_name: str, pp: int, rank: int, m: int, bounded: bool 
                 grad = None if out.dim() == 0 else torch.randn(out.shape, generator=gen)
                 if store is not None:
                     store.capturing = key
-                torch.autograd.backward(out, grad)
+                with meter.holding(grad):  # as the executor holds what it receives
+                    torch.autograd.backward(out, grad)
                 if store is not None:
                     store.capturing = None
             else:

@@ -229,6 +229,7 @@ class Trainer:
         if self.store is not None:  # ZeRO-3: a chunk's weights are freed after each backward
             self.compute.after_backward = self.store.release_chunk
         self.meter.weight_grads = self.executor.weight_grads
+        self.executor.hold_received = self.meter.holding
         self._log(*runtime.notes)
 
     def _build_recovery(self, env: DistEnv | None, resume: bool) -> None:

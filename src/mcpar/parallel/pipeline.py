@@ -41,6 +41,10 @@ def global_stage(chunk: int, pp_rank: int, pp: int, placement: str = "round_robi
     return placed_stage(chunk, pp_rank, pp, placement)
 
 
+def _not_counted(_tensor: torch.Tensor | None) -> AbstractContextManager[object]:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class PipelineStats:
     """Timings of the last ``run``: seconds, relative to its start."""
@@ -105,6 +109,10 @@ class PipelineExecutor:
         self.activation_dtype = activation_dtype
         self.forward_context = forward_context
         self.last_stats = PipelineStats()
+        # What holds the gradient a backward receives while that backward runs: a memory
+        # meter's ``holding`` counts it with the activations (the trainer sets it).
+        self.hold_received: Callable[[torch.Tensor | None], AbstractContextManager[object]] = \
+            _not_counted
         # Per-step state, set by begin() and cleared by end().
         self._inputs: list[torch.Tensor] | None = None
         self._targets: list[torch.Tensor] | None = None
@@ -341,7 +349,8 @@ class PipelineExecutor:
             # B: the linear layers keep their weight-gradient work under this key for W.
             self.weight_grads.capturing = (chunk, micro)
         try:
-            torch.autograd.backward(out, grad_out)
+            with self.hold_received(grad_out):
+                torch.autograd.backward(out, grad_out)
         finally:
             if self.weight_grads is not None:
                 self.weight_grads.capturing = None

@@ -322,6 +322,16 @@ def embedding_activation_bytes(m: ModelShape, lay: Layout, weights16: bool = Fal
     return indices + dropout_mask_bytes(lay.device, resid) * tokens * m.hidden / sp
 
 
+def received_gradient_bytes(m: ModelShape, lay: Layout, weights16: bool = False) -> float:
+    """The gradient a pipeline stage's backward receives from the next stage (the residual
+    stream's size and dtype, split by tp under sequence parallelism), held while that backward
+    runs: at the peak of a rank without the head (its first backward starts beside every
+    activation in flight), where the meter counts it too."""
+    resid = 4 if lay.autocast and not weights16 else ACT_BYTES[lay.precision]
+    sp = lay.tp if lay.seq_parallel else 1
+    return resid * lay.micro_batch * m.seq_len / lay.cp * m.hidden / sp
+
+
 def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None = None,
                      weights16: bool = False) -> list[float]:
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
@@ -385,6 +395,8 @@ def _rank_activation_terms(m: ModelShape, lay: Layout, modes: tuple[str, ...] | 
         start += n
     head_held = (entry.head_in_flight(lay.pp, lay.num_microbatches, lay.vp)
                  if lay.pp > 1 else 1)
+    head = head_activation_bytes(m, lay, weights16, head_held)
+    received = received_gradient_bytes(m, lay, weights16) if lay.pp > 1 else 0.0
     out = []
     for r, held in enumerate(rank_modes):
         # Micro-batches in flight per layer of this rank (layers are alike).
@@ -393,9 +405,10 @@ def _rank_activation_terms(m: ModelShape, lay: Layout, modes: tuple[str, ...] | 
                      + (embedding_activation_bytes(m, lay, weights16) if r == 0 else 0.0))
         working = max(max((per_mode[mode][1] for mode in held), default=0.0),
                       context_workspace_bytes(m, lay) if held else 0.0)
+        # The head's loss transients and a received gradient are alive at different moments
+        # (the last stage's backward receives none): the rank with the head peaks at the larger.
         out.append((per_micro, flight, working
-                    + (head_activation_bytes(m, lay, weights16, head_held)
-                       if r == last_rank else 0.0)))
+                    + (max(head, received) if r == last_rank else received)))
     return out
 
 

@@ -8,17 +8,18 @@ rest of the run pays nothing for it.
   this rank holds, each storage once.
 - Activations: the tensors autograd saves for the backward pass, seen through
   ``torch.autograd.graph.saved_tensors_hooks``: each storage is counted once however many views of
-  it are saved, from the moment it is first saved until the last node saving it has run its
-  backward (the graph drops the packed object, and with it the count); the peak of that sum over
-  the step is the measurement. Parameters (and ZeRO-3's gathered weights, which parameters point
+  it are saved, from the moment it is first saved until the last node saving it has run its backward
+  (the graph drops the packed object, and with it the count); the peak of that sum over the step is
+  the measurement. The gradient a pipeline backward receives is counted too, for as long as that
+  backward runs (``holding``). Parameters (and ZeRO-3's gathered weights, which parameters point
   into) are left out: they are counted with the model states or the gathered working set. Under
-  recompute, what the step saves is the recomputed modules' inputs (``torch.utils.checkpoint``
-  saves them outside its own hooks, so they are seen here); the re-forward's working set, which
-  checkpoint keeps to itself, is measured by running one recomputed module's forward once more
-  under these hooks (the first one of the step, with the RNG state forked so dropout draws are
-  untouched) and counting the storages it saves that were not saved already. The gradient of the
-  logits, alive while the backward pass starts, is counted when it appears (a hook on the loss's
-  input) on top of what is saved at that moment.
+  recompute, what the step saves is the recomputed modules' inputs (``torch.utils.checkpoint`` saves
+  them outside its own hooks, so they are seen here); the re-forward's working set, which checkpoint
+  keeps to itself, is measured by running one recomputed module's forward once more under these
+  hooks (the first one of the step, with the RNG state forked so dropout draws are untouched) and
+  counting the storages it saves that were not saved already. The gradient of the logits, alive
+  while the backward pass starts, is counted when it appears (a hook on the loss's input) on top of
+  what is saved at that moment.
 - Gathered working set (ZeRO-3): the largest sum of the parameters' storages seen while the step
   saves tensors (the gathered layers and root parameters; the shards are model state).
 - Communication buffers: under ZeRO-2 and 3, the largest gradient bucket (a full-size buffer is
@@ -174,6 +175,19 @@ class MemoryMeter:
             out = forward(*args)
         del out
         self.working = probe.peak
+
+    @contextlib.contextmanager
+    def holding(self, tensor: torch.Tensor | None) -> Iterator[None]:
+        """``tensor`` counted with the activations while the block runs, its storage once with
+        the saved ones: a tensor a task holds beside what autograd saves (the gradient a
+        pipeline backward receives, alive through that backward under every schedule, and
+        under a split one kept on for W as its last layer's output gradient)."""
+        meter = self.active
+        packed = meter.pack(tensor) if meter is not None and tensor is not None else None
+        try:
+            yield
+        finally:
+            del packed  # the count drops with it (``_Saved.__del__``)
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """The loss, with the backward's first transients counted while a step is measured: at
