@@ -126,35 +126,77 @@ def test_train_runs_the_choice_and_reports_predicted_against_measured(tmp_path: 
     drifted = abs(prediction["step_error"]) > prediction["margin"]
     assert ("profile_remeasured" in prediction) == drifted
     assert ("the term off most is" in prediction["warning"]) == drifted
+    # Every replica's step is logged with the slowest replica and how far apart they came.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if layout["data"] > 1:
+        assert all(0 <= r["slowest_rank"] < 4 and r["grad_sync_spread_s"] >= 0
+                   for r in records if "step" in r)
+    assert prediction["terms"]["slowest replica's lateness"]["predicted"] == 0.0
 
 
 CHOSEN = {"layout": "tensor 1 x pipeline 1 x data 4", "predicted_step_s": 1.0,
           "predicted_peak_bytes": 100 << 20, "predicted_dp_exposed_s": 0.1}
 
 
-@pytest.mark.parametrize(("steps", "exposed", "peak", "named"), [
-    ([9.0, 1.1, 1.1, 1.1], [0.0, 0.1, 0.1, 0.1], 100 << 20, None),  # within every margin
-    ([9.0, 2.0, 2.0, 2.0], [0.0, 0.1, 0.1, 0.1], 100 << 20, "compute"),
-    ([9.0, 2.0, 2.0, 2.0], [0.0, 1.1, 1.1, 1.1], 100 << 20,
+LATE = "slowest replica's lateness"
+TERMS = {"compute", "exposed data-parallel communication", LATE}
+
+
+@pytest.mark.parametrize(("steps", "exposed", "straggling", "peak", "named"), [
+    ([9.0, 1.1, 1.1, 1.1], [0.0, 0.1, 0.1, 0.1], None, 100 << 20, None),  # within every margin
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 0.1, 0.1, 0.1], None, 100 << 20, "compute"),
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 1.1, 1.1, 1.1], None, 100 << 20,
      "exposed data-parallel communication"),
-    ([9.0, 1.0, 1.0, 1.0], [0.0, 0.1, 0.1, 0.1], 120 << 20, "memory"),
+    # The same wait, but this rank waited 1.0 s of it for a replica that came 0.8 s after the
+    # replicas' mean: the wire took 0.1 s, as predicted, and the straggler is named.
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 1.1, 1.1, 1.1], [(0.0, 0.0)] + [(1.0, 0.8)] * 3, 100 << 20,
+     LATE),
+    # This rank was the slowest itself (no wait of its own), 0.9 s behind the mean.
+    ([9.0, 2.0, 2.0, 2.0], [0.0, 0.1, 0.1, 0.1], [(0.0, 0.0)] + [(0.0, 0.9)] * 3, 100 << 20,
+     LATE),
+    ([9.0, 1.0, 1.0, 1.0], [0.0, 0.1, 0.1, 0.1], None, 120 << 20, "memory"),
 ])
 def test_a_drift_past_the_margin_names_the_term_that_is_off(
-        steps: list[float], exposed: list[float], peak: int, named: str | None) -> None:
+        steps: list[float], exposed: list[float], straggling: list[tuple[float, float]] | None,
+        peak: int, named: str | None) -> None:
     from mcpar.auto_layout import predicted_against_measured
 
-    out = predicted_against_measured(CHOSEN, steps, {"measured": {"total": peak}}, exposed)
+    out = predicted_against_measured(CHOSEN, steps, {"measured": {"total": peak}}, exposed,
+                                     straggling)
     assert out["measured_step_s"] == steps[1]  # the first step pays the warm-up
     terms = out["terms"]
-    assert terms["exposed data-parallel communication"]["measured"] == exposed[1]
-    assert terms["compute"]["measured"] == pytest.approx(steps[1] - exposed[1])
+    own_wait, late = straggling[1] if straggling else (0.0, 0.0)
+    wire = exposed[1] - own_wait
+    assert terms["exposed data-parallel communication"]["measured"] == pytest.approx(wire)
+    assert terms[LATE] == {"predicted": 0.0, "measured": late}
+    # The three terms add up to the measured step.
+    assert terms["compute"]["measured"] == pytest.approx(steps[1] - wire - late)
     assert terms["compute"]["predicted"] == pytest.approx(0.9)
     if named is None:
         assert out["warning"] == ""
     else:
         assert f"the term off {'most ' if named != 'memory' else ''}is {named}" in out["warning"]
-        other = {"compute", "exposed data-parallel communication"} - {named}
-        assert not any(f"is {o} (" in out["warning"] for o in other)
+        assert not any(f"is {o} (" in out["warning"] for o in TERMS - {named})
+
+
+@pytest.mark.parametrize("slowest", [0, 1, 3])
+def test_straggling_names_the_last_replica_whichever_rank_it_is(slowest: int) -> None:
+    """Ranks 0-3 replicas of one another, ranks 4-7 of each other (another stage): the group's
+    last rank is named wherever it is, each rank's own wait is its distance to it, and the
+    other group's times change nothing."""
+    from mcpar.step_agreement import straggling_of
+
+    came = [0.50, 0.52, 0.54, 0.56, 9.0, 9.0, 9.0, 9.0]
+    came[slowest] = 0.70
+    group = [0, 1, 2, 3]
+    mean = sum(came[:4]) / 4
+    for rank in group:
+        s = straggling_of(came, group, rank)
+        assert s is not None and s.slowest_rank == slowest
+        assert s.spread_s == pytest.approx(0.70 - min(came[:4]))
+        assert s.behind_mean_s == pytest.approx(0.70 - mean)
+        assert s.own_wait_s == pytest.approx(0.70 - came[rank])
+    assert (straggling_of(came, [2], 2)) is None  # no replicas: nothing to wait for
 
 
 def test_when_the_plan_refuses_every_layout_its_own_words_are_given() -> None:

@@ -14,7 +14,8 @@ from mcpar.metrics import REQUIRED_FIELDS, TB_TAGS, RunLogger, flatten_scalars, 
 # Every key the trainer writes into a metrics record (trainer.py's ``record``, the profiler's
 # "mfu", and the optional ones).
 TRAINER_KEYS = (*REQUIRED_FIELDS, "comm_bytes_by_axis", "exposed_comm_s", "skipped", "compile_s",
-                "moe", "mfu", "consistency_check_s", "val_loss")
+                "moe", "mfu", "consistency_check_s", "val_loss", "slowest_rank",
+                "grad_sync_spread_s")
 GROUPS = {"train", "val", "perf", "memory", "comm", "moe"}
 
 

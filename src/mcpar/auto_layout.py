@@ -368,31 +368,43 @@ def _median_after_first(values: list[float]) -> float:
 
 
 def _terms(chosen: dict[str, object], step: float, measured_step: float,
-           exposed: list[float]) -> dict[str, dict[str, float]]:
+           exposed: list[float], straggling: list[tuple[float, float]]
+           ) -> dict[str, dict[str, float]]:
     """The step's terms, predicted and measured: the data-parallel traffic waited for after the
-    compute (measured: the WAIT_GRADS tasks' time, ``exposed_comm_s``), and the rest (compute,
-    in-step tensor/pipeline communication, the bubble and the optimizer; measured: the step
-    minus that wait). Without a profile window the bubble is not measured apart."""
+    compute (measured: the WAIT_GRADS tasks' time, ``exposed_comm_s``, less this rank's wait
+    for the slowest replica to come), the slowest replica's lateness behind the replicas' mean
+    (``Straggling.behind_mean_s``; the cost model's ranks all run alike, so it predicts none),
+    and the rest (compute, in-step tensor/pipeline communication, the bubble and the optimizer;
+    measured: the step minus the other two). Without a profile window the bubble is not
+    measured apart."""
     dp = float(chosen.get("predicted_dp_exposed_s", 0.0))  # type: ignore[arg-type]
-    dp_measured = _median_after_first(exposed) if exposed else 0.0
-    return {"compute": {"predicted": step - dp, "measured": measured_step - dp_measured},
+    own_wait = [w for w, _ in straggling] or [0.0] * len(exposed)
+    wire = [max(0.0, e - w) for e, w in zip(exposed, own_wait, strict=False)]
+    dp_measured = _median_after_first(wire) if wire else 0.0
+    late = _median_after_first([b for _, b in straggling]) if straggling else 0.0
+    return {"compute": {"predicted": step - dp,
+                        "measured": measured_step - dp_measured - late},
+            "slowest replica's lateness": {"predicted": 0.0, "measured": late},
             "exposed data-parallel communication": {"predicted": dp, "measured": dp_measured}}
 
 
 def predicted_against_measured(chosen: dict[str, object], step_times: list[float],
                                memory: dict[str, dict[str, int]],
-                               exposed_comm: list[float] | None = None) -> dict[str, object]:
+                               exposed_comm: list[float] | None = None,
+                               straggling: list[tuple[float, float]] | None = None
+                               ) -> dict[str, object]:
     """``summary.json``'s ``prediction``: the chosen layout's predicted step time and peak per
     rank beside the measured ones (the median step after the first), their relative errors, the
-    step's terms predicted and measured (``_terms``), and a warning for each figure off by more
-    than its margin, naming the term that is off most."""
+    step's terms predicted and measured (``_terms``; ``straggling``: per step, this rank's wait
+    for its slowest replica and that replica's lateness behind their mean), and a warning for
+    each figure off by more than its margin, naming the term that is off most."""
     measured = _median_after_first(step_times)
     predicted = float(chosen["predicted_step_s"])  # type: ignore[arg-type]
     peak = float(chosen["predicted_peak_bytes"])  # type: ignore[arg-type]
     measured_peak = float(memory.get("measured", {}).get("total", 0))
     error = measured / predicted - 1 if predicted > 0 else float("nan")
     peak_error = measured_peak / peak - 1 if peak > 0 else float("nan")
-    terms = _terms(chosen, predicted, measured, exposed_comm or [])
+    terms = _terms(chosen, predicted, measured, exposed_comm or [], straggling or [])
     warnings = []
     if abs(error) > PREDICTION_MARGIN:
         name, term = max(terms.items(),

@@ -70,6 +70,7 @@ TB_TAGS: dict[str, str] = {
     "peak_mem_bytes": "memory/peak_mem_bytes",
     "comm_bytes": "comm/bytes", "comm_time_s": "comm/time_s",
     "exposed_comm_s": "comm/exposed_s", "comm_bytes_by_axis": "comm/bytes_by_axis",
+    "grad_sync_spread_s": "perf/grad_sync_spread_s", "slowest_rank": "perf/slowest_rank",
 }
 # The run's headline figures, which the HParams plugin shows beside the hyperparameters.
 _HPARAM_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s", "perf/mfu")

@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +63,7 @@ from mcpar.parallel.parallelize import parallelize
 from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.plan import JobPlan
 from mcpar.profiler.session import RunProfiler
+from mcpar.step_agreement import StepFigures, StepResult, Straggling, agree_on_step
 from mcpar.topology import detect_node_of_rank
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
@@ -78,17 +78,6 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
     floor = opt.lr * opt.min_lr_ratio
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean over the ranks that hold a loss
-    grad_norm: float
-    peak_mem_bytes: int  # the largest rank's
-    max_params_per_rank: int
-    stop_requested: bool  # some rank got SIGTERM
-    skipped: bool  # non-finite loss or gradients somewhere: no optimizer step
-    moe: dict[str, object] | None = None  # routing metrics of a MoE model
 
 
 class Trainer:
@@ -415,20 +404,16 @@ class Trainer:
 
     def _gather_step_stats(self, local_loss: float | None, grad_norm: float,
                            nonfinite: bool) -> StepResult:
-        """The step's figures agreed over the world in one collective: mean loss over the
-        ranks that hold one, the largest peak memory and per-rank parameter count, whether any
-        rank was asked to stop (SIGTERM), and whether any rank saw a non-finite value."""
-        local = torch.tensor([0.0 if local_loss is None else local_loss,
-                              float(local_loss is not None),
-                              float(peak_memory_bytes(self.device)),
-                              float(sum(p.numel() for p in self.pm.params)),
-                              float(self.recovery.stop_requested), float(nonfinite)],
-                             dtype=torch.float64)
-        rows = torch.stack(self.comm.all_gather(local, axis="world"))
-        held = rows[:, 1] > 0
-        loss = float(rows[held, 0].sum() / held.sum())
-        return StepResult(loss, grad_norm, int(rows[:, 2].max()), int(rows[:, 3].max()),
-                          bool(rows[:, 4].max() > 0), bool(rows[:, 5].max() > 0))
+        """The step's figures agreed over the world in one collective (``agree_on_step``), the
+        straggling measured in this rank's gradient-reduction group (the MemoryController's
+        shard axis: its replicas)."""
+        return agree_on_step(
+            self.comm, StepFigures(local_loss, grad_norm, nonfinite,
+                                   peak_memory_bytes(self.device),
+                                   sum(p.numel() for p in self.pm.params),
+                                   self.recovery.stop_requested,
+                                   self.compute.grad_wait_start_s()),
+            self.comm.group_ranks(self.plan.memory.shard_axis), self.rank)
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -461,6 +446,7 @@ class Trainer:
         steps_run, interval = 0, cfg.optimization.checkpoint.interval
         step_times: list[float] = []
         exposed_comm: list[float] = []  # per step, for the prediction's terms
+        behind_slowest: list[Straggling | None] = []  # per step, likewise
         for step in range(self.start_step, tr.steps):
             self.profiler.before_step(step)
             self.comm.stats.reset_step()
@@ -489,7 +475,14 @@ class Trainer:
                 "exposed_comm_s": self.compute.exposed_comm_s(),
                 "skipped": result.skipped,
             }
+            straggling = result.straggling
+            if straggling is not None:
+                # The replicas came to their gradient reductions this far apart: the slowest
+                # rank's lateness, which the exposed communication above includes.
+                record["slowest_rank"] = straggling.slowest_rank
+                record["grad_sync_spread_s"] = straggling.spread_s
             exposed_comm.append(record["exposed_comm_s"])
+            behind_slowest.append(straggling)
             if compile_s > 0:
                 record["compile_s"] = compile_s
             if result.moe is not None:
@@ -553,7 +546,9 @@ class Trainer:
                 lambda t: self.comm.all_gather(t, axis="world"))
         if self.plan.auto is not None:  # the planner's prediction beside the measurement
             summary["prediction"] = predicted_against_measured(
-                self.plan.auto.to_json()["chosen"], step_times, summary["memory"], exposed_comm)
+                self.plan.auto.to_json()["chosen"], step_times, summary["memory"], exposed_comm,
+                [(0.0, 0.0) if s is None else (s.own_wait_s, s.behind_mean_s)
+                 for s in behind_slowest])
         self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:
             if "prediction" in summary and summary["prediction"]["warning"]:

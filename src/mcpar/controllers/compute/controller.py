@@ -151,6 +151,12 @@ class ComputeController:
         """perf_counter() when the last step's first task began (the task log's zero)."""
         return self._start
 
+    def grad_wait_start_s(self) -> float:
+        """Seconds from the last step's start to its WAIT_GRADS task: when this rank had done
+        its compute and came to wait for the gradient reductions (0 if the step had none)."""
+        return next((r.start for r in self.task_log if r.name == TaskKind.WAIT_GRADS.value),
+                    0.0)
+
     def exposed_comm_s(self) -> float:
         """Seconds of the last step spent waiting for gradient reductions after the compute
         (the WAIT_GRADS task): the communication the schedule did not hide."""
