@@ -159,11 +159,17 @@ def _row(name: str, rounds: list[tuple[dict[str, object], float]]) -> dict[str, 
     predicted = float(p["predicted_step_s"])  # type: ignore[arg-type]
     predicted_peak = float(p["predicted_peak_bytes"])  # type: ignore[arg-type]
     step, peak = statistics.median(steps), statistics.median(peaks)
+    # Each term of the step (the summary's: compute, the slowest replica's lateness, the
+    # exposed gradient exchange), predicted and measured, the measured one's median over rounds.
+    terms = {term: {"predicted": round(float(parts["predicted"]), 4),
+                    "measured": round(statistics.median(
+                        float(r["terms"][term]["measured"]) for r, _ in rounds), 4)}  # type: ignore[index]
+             for term, parts in p["terms"].items()}  # type: ignore[union-attr]
     return {"layout": name, "chosen": p["layout"], "predicted_step_s": round(predicted, 4),
             "measured_step_s": round(step, 4), "rounds_step_s": [round(t, 4) for t in steps],
             "step_error": round(step / predicted - 1, 3),
             "predicted_peak_bytes": int(predicted_peak), "measured_peak_bytes": int(peak),
-            "peak_error": round(peak / predicted_peak - 1, 3),
+            "peak_error": round(peak / predicted_peak - 1, 3), "terms": terms,
             "foreign_cpu_share": round(max(f for _, f in rounds), 3),
             "remeasured_after": any("profile_remeasured" in r for r, _ in rounds)}
 

@@ -84,6 +84,12 @@ def test_loss_parity(reference: list[dict], name: str,
     assert abs(reference[-1]["val_loss"] - records[-1]["val_loss"]) <= 1e-3
     summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"]["world_size"] == nproc
+    # The replicas' straggling is logged where there are replicas, and only there (tensor and
+    # pipeline ranks are not each other's replicas).
+    replicated = summary["layout"]["data"] > 1
+    assert all(("slowest_rank" in r) == replicated for r in records), name
+    assert all(0 <= r["slowest_rank"] < nproc and r["grad_sync_spread_s"] >= 0
+               for r in records if replicated)
 
 
 @pytest.mark.slow

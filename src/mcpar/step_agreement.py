@@ -11,7 +11,8 @@ wire. Each rank times it from its own step start; the previous step's collective
 starts up (to the spread of the few operations after it), and only durations are compared, so
 it holds across hosts whose clocks differ. A straggler (a slow device, a time-sliced core, a
 noisy neighbour) shows as the same rank last step after step; ranks time-sliced on shared cores
-as a different rank last each step.
+as a different rank last each step. (The profile report's straggler section goes further on a
+profiled window: each rank's work split by kind, from the task logs.)
 """
 
 from __future__ import annotations
