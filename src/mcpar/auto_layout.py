@@ -378,8 +378,8 @@ def _terms(chosen: dict[str, object], step: float, measured_step: float,
     measured: the step minus the other two). Without a profile window the bubble is not
     measured apart."""
     dp = float(chosen.get("predicted_dp_exposed_s", 0.0))  # type: ignore[arg-type]
-    own_wait = [w for w, _ in straggling] or [0.0] * len(exposed)
-    wire = [max(0.0, e - w) for e, w in zip(exposed, own_wait, strict=False)]
+    straggling = straggling or [(0.0, 0.0)] * len(exposed)  # no replicas: no wait for one
+    wire = [max(0.0, e - w) for e, (w, _) in zip(exposed, straggling, strict=True)]
     dp_measured = _median_after_first(wire) if wire else 0.0
     late = _median_after_first([b for _, b in straggling]) if straggling else 0.0
     return {"compute": {"predicted": step - dp,

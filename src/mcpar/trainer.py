@@ -407,16 +407,13 @@ class Trainer:
         """The step's figures agreed over the world in one collective (``agree_on_step``), the
         straggling measured in this rank's gradient-reduction group (the MemoryController's
         shard axis: its replicas)."""
-        axis = self.plan.memory.shard_axis
-        replicas = (self.comm.group_ranks(axis) if getattr(self.dims, axis) > 1
-                    else [self.rank])
         return agree_on_step(
             self.comm, StepFigures(local_loss, grad_norm, nonfinite,
                                    peak_memory_bytes(self.device),
                                    sum(p.numel() for p in self.pm.params),
                                    self.recovery.stop_requested,
                                    self.compute.grad_wait_start_s()),
-            replicas, self.rank)
+            self.comm.group_ranks(self.plan.memory.shard_axis), self.rank)
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:

@@ -227,9 +227,15 @@ class Communicator:
 
     def _group_ranks(self, axis: str) -> list[int]:
         group = self._group(axis)
-        if group is None:
-            return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
-        return dist.get_process_group_ranks(group)
+        if group is not None:
+            return dist.get_process_group_ranks(group)
+        if not dist.is_initialized():
+            return [0]
+        # No group: the world itself, or an axis of size 1, whose group is this rank alone (as
+        # ``all_gather`` along it returns this rank's tensor alone).
+        if axis == "world" or self.axis_size(axis) > 1:
+            return list(range(dist.get_world_size()))
+        return [dist.get_rank()]
 
     def _timed(self, key: tuple[str, str, str], nbytes: float, work: dist.Work | None,
                start: float, async_op: bool, then: Callable[[], None] | None = None
