@@ -203,14 +203,13 @@ def splits(schedule: str) -> bool:
 
 def placement(schedule: str, rank: int, pp: int, m: int, v: int,
               costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None) -> dict:
-    """The executor's stage placement and receive order, as the ComputeController's plan
-    gives them."""
+    """The executor's stage placement and receives on this CPU, as the ComputeController's
+    plan gives them."""
     plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                        micro_batch_size=1, num_microbatches=m, global_batch_size=m,
                        stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
                        action_costs=costs, held_limits=limits)
-    return {"stages": plan.stages_of(rank), "stage_ranks": plan.stage_ranks(),
-            "send_order": plan.send_order(rank)}
+    return plan.executor_wiring(rank, "cpu")
 
 
 class SleepingWeightGrads(WeightGradStore):

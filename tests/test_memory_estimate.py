@@ -87,6 +87,10 @@ def test_the_estimate_is_within_10_percent_of_the_measured_peak(
         assert 0 < measured["communication buffers"] <= 2 * 0.01 * 2**20
     for row in ("parameters", "gradients", "optimizer state", "activations"):
         assert abs(estimate[row] - measured[row]) <= 0.10 * measured["total"], (name, row)
+    if "pipeline2" in name and "zero" not in name:
+        # Nothing else on the wire but the receives a rank keeps posted ahead: on CPU two, from
+        # its one peer at pipeline 2, each a micro-batch's residual stream.
+        assert estimate["communication buffers"] == measured["communication buffers"] > 0, name
 
 
 def test_zero3_gathers_what_the_estimate_says(

@@ -5,6 +5,7 @@ layout is worked out by hand, so that the two cannot drift together either."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -21,9 +22,15 @@ from mcpar.plan import resolve_plan
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.hardware import LocalProfile, cluster_preset
-from mcpar.sim.memory import memory_per_gpu, rank_params
+from mcpar.sim.memory import (
+    memory_per_gpu,
+    posted_receive_bytes,
+    rank_params,
+    sending_peers,
+)
 from mcpar.sim.profilestore import save_profile
 from mcpar.sim.stages import partition_layers as sim_cut
+from mcpar.sim.workload import Layout, ModelShape
 
 SMALL = {"num_layers": 4, "hidden_size": 128, "num_heads": 8, "seq_len": 128, "vocab_size": 256}
 
@@ -130,7 +137,8 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     log-sum-exp (per query and head); 4 + 4 + 8 bytes per parameter. The last rank (one block,
     the head, three fp32 logit-sized tensors of the loss) holds less in all, so the first rank's
     figures are the estimate, with the int64 indices its embeddings' backward keeps and the fp32
-    gradient its first backward receives beside them."""
+    gradient its first backward receives beside them; on CPU, the two receives it keeps posted
+    ahead from its peer, each of that gradient's size."""
     path, _ = write_config(tmp_path, "pipeline2-1f1b")
     plan = resolve_plan(load_config(str(path)), None)
     assert [b - a for a, b in plan.stage_cut] == [5, 1]
@@ -145,8 +153,9 @@ def test_pipeline_memory_by_hand(tmp_path: Path) -> None:
     assert plan.memory.estimate.rows() == [("parameters", 4 * params), ("gradients", 4 * params),
                                   ("optimizer state", 8 * params),
                                   ("activations", activations),
-                                  ("communication buffers", 0), ("gathered working set", 0),
-                                  ("total", 16 * params + activations)]
+                                  ("communication buffers", 2 * received),
+                                  ("gathered working set", 0),
+                                  ("total", 16 * params + activations + 2 * received)]
 
 
 def test_autocast_keeps_fp32_weights_and_residual_stream() -> None:
@@ -194,3 +203,24 @@ def test_default_simulate_on_this_machine_matches_check(
     assert sim.returncode == 0, sim.stderr
     assert memory_block(check.stdout) == memory_block(sim.stdout)
     assert "+ 0.00 reserved by the device" in sim.stdout
+
+
+def test_posted_receives_by_hand() -> None:
+    """On CPU a pipeline rank keeps two receives posted per peer that sends to it: one peer at
+    the ends of a one-chunk pipeline and of a V (rank 0 holds stages 0 and 2p-1, both beside
+    rank 1's), two inside, and two on every rank when interleaved (rank 0's stage p follows
+    rank p-1's). Each is a micro-batch's residual stream (fp32 under autocast); none on CUDA."""
+    model = ModelShape(layers=8, hidden=64, heads=4, kv_heads=4, ffn=256, ffn_kind="gelu",
+                       seq_len=32, vocab=128)
+    stream = 2 * 32 * 64 * 4  # micro-batch 2, fp32
+    for schedule, vp, peers in (("1f1b", 1, [1, 2, 2, 1]), ("zbv", 2, [1, 2, 2, 1]),
+                                ("interleaved_1f1b", 2, [2, 2, 2, 2])):
+        lay = Layout(pp=4, vp=vp, schedule=schedule, micro_batch=2, autocast=True,
+                     device="cpu")
+        assert [sending_peers(lay, r) for r in range(4)] == peers, schedule
+        assert [posted_receive_bytes(model, lay, r) for r in range(4)] == [
+            2 * n * stream for n in peers]
+        assert posted_receive_bytes(model, dataclasses.replace(lay, device="cuda"), 1) == 0
+    two = Layout(pp=2, schedule="1f1b", micro_batch=2, autocast=True, device="cpu")
+    assert [sending_peers(two, r) for r in range(2)] == [1, 1]
+    assert posted_receive_bytes(model, dataclasses.replace(two, pp=1), 0) == 0

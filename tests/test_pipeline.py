@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import spawn_workers
 
+from mcpar.comm.communicator import CommHandle
 from mcpar.config import ModelConfig
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.plan import ComputePlan
@@ -34,7 +35,7 @@ from mcpar.launch.env import find_free_port
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor, global_stage
 from mcpar.parallel.stage import cut_model
-from mcpar.parallel.tasks import TaskKind
+from mcpar.parallel.tasks import STAGE_TASKS, TaskKind
 from mcpar.registry.schedule import SCHEDULES
 from mcpar.topology import ParallelDims
 
@@ -188,11 +189,10 @@ def test_messages_between_two_ranks_arrive_in_the_order_sent(pp: int) -> None:
                     if to != r:
                         sent.setdefault((r, to), []).append((a.kind, s, a.micro))
         assert (sent, received) == message_orders(schedule, pp, m, v)
-        if sent == received:
-            continue
-        # Read in another order (zbv): each rank posts its receives in the sender's order,
-        # which the plan hands the executor.
-        assert schedule == "zbv", (schedule, pp, m, v)
+        # Only zbv reads a peer's messages in another order than sent (not at every m).
+        assert sent == received or schedule == "zbv", (schedule, pp, m, v)
+        # Every rank posts its receives in the sender's order, which the plan hands the executor
+        # (it also lets a rank post them ahead of their tasks).
         plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                            micro_batch_size=1, num_microbatches=m, global_batch_size=m,
                            stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
@@ -252,6 +252,66 @@ def lone_executor(m: int = 2, v: int = 1) -> PipelineExecutor:
     comm = CommunicationController(ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1))
     return PipelineExecutor(stages_of_rank(model, 2, v, 0), 0, 2, comm, m, (2, 16, 32),
                             lm_loss, torch.device("cpu"))
+
+
+class PeersAlreadySent:
+    """A Communicator stand-in for one pipeline rank whose peers have sent everything: a
+    receive completes at once. It records each receive as (peer, tag, tasks the rank had run
+    when it was posted)."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[int, int, int]] = []
+        self.tasks_run = 0
+
+    def irecv(self, tensor: torch.Tensor, src: int, axis: str = "pp", tag: int = 0) -> CommHandle:
+        self.posted.append((src, tag, self.tasks_run))
+        tensor.normal_()
+        return CommHandle(None)
+
+    def send(self, tensor: torch.Tensor, dst: int, axis: str = "pp", tag: int = 0) -> CommHandle:
+        return CommHandle(None)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_a_rank_keeps_receives_posted_ahead_in_each_peers_send_order(ahead: int) -> None:
+    # The middle rank of three under 1F1B: activations come from rank 0, gradients from rank 2.
+    pp, m, rank, shape = 3, 4, 1, (2, 16, 32)
+    model = get_model_spec("gpt").build(tiny_config(pp), 0)
+    plan = ComputePlan(pp=pp, virtual_stages=1, schedule="1f1b", sequence_parallel=False,
+                       micro_batch_size=2, num_microbatches=m, global_batch_size=2 * m,
+                       stage_cut=(), batch_splitting="fixed", balance=None)  # type: ignore
+    wiring = {**plan.executor_wiring(rank, "cpu"), "receives_ahead": ahead}
+    comm = PeersAlreadySent()
+    executor = PipelineExecutor(stages_of_rank(model, pp, 1, rank), rank, pp, comm,  # type: ignore
+                                m, shape, lm_loss, torch.device("cpu"), **wiring)
+    tasks = step_tasks("1f1b", rank, pp, m)
+    executor.begin(None, None)
+    read_at: dict[tuple[int, int], int] = {}  # (peer, tag) -> index of the task that reads it
+    for index, task in enumerate(tasks):
+        comm.tasks_run = index
+        if task.kind in (TaskKind.RECV_ACTIVATION, TaskKind.RECV_GRAD):
+            src = rank - 1 if task.kind is TaskKind.RECV_ACTIVATION else rank + 1
+            kind = "F" if task.kind is TaskKind.RECV_ACTIVATION else "B"
+            read_at[(src, executor._tag(kind, src, task.micro))] = index
+        if task.kind in STAGE_TASKS:
+            executor.run_task(task)
+    executor.end()
+
+    order = wiring["send_order"]
+    assert set(order) == {0, 2}
+    for src, messages in order.items():
+        tags = [executor._tag(*message) for message in messages]
+        posted = [(tag, at) for peer, tag, at in comm.posted if peer == src]
+        assert [tag for tag, _ in posted] == tags  # every message once, in the sender's order
+        for k, (tag, at) in enumerate(posted):
+            # Posted by the read of the message `ahead` before it (at the step's start for the
+            # first `ahead`), and never later than its own read.
+            due = 0 if k < ahead else read_at[(src, tags[k - ahead])] if ahead else \
+                read_at[(src, tag)]
+            assert at == due, (src, k, ahead)
+    # At most `ahead` posted and unread per peer, of one micro-batch's activations each (one,
+    # its own read's, without posting ahead).
+    assert executor.last_stats.posted_peak_bytes == (2 * ahead or 1) * 2 * 16 * 32 * 4
 
 
 def test_step_tasks_reject_too_few_micro_batches_for_interleaving() -> None:

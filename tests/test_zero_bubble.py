@@ -17,7 +17,14 @@ from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.metrics import read_metrics
 from mcpar.parallel.tasks import TaskKind
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import SCHEDULES, Action, ActionCosts, replay
+from mcpar.registry.schedule import (
+    SCHEDULES,
+    Action,
+    ActionCosts,
+    critical_path,
+    order_graph,
+    replay,
+)
 
 SPLIT = [s.name for s in SCHEDULES if s.splits_backward]
 # What a schedule needs beside its name (the reference, 1F1B, runs one stage per rank).
@@ -54,6 +61,23 @@ def test_zb_h1_reaches_its_theory_and_keeps_1f1b_first_rank_memory() -> None:
         assert replay(one, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * (m + pp - 1))
         assert max(h1.in_flight(pp, r, m, 1) for r in range(pp)) == \
             max(one.in_flight(pp, r, m, 1) for r in range(pp)) == min(pp, m)
+
+
+def test_messages_on_the_critical_path_of_each_split_schedule() -> None:
+    """What a message's cost adds to a step at F = B = W: ZB-H1's critical path crosses
+    4(p - 1) messages (at 1F1B's memory the first rank waits for its first B's round trip, and
+    the last rank for the forward that lets the first rank start), ZB-H2's p - 1, ZBV's
+    3(p - 1), whatever m."""
+    x = 1e-3  # a message, in forwards
+    for name, hops in (("zb_h1", 4), ("zb_h2", 1), ("zbv", 3)):
+        schedule = SCHEDULES.get(name)
+        v = 2 if name == "zbv" else 1
+        for pp, m in [(4, 8), (4, 16), (8, 16)]:
+            orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
+            graph = order_graph(orders, lambda c, r, s=schedule, p=pp, v=v: s.stage_of(c, r, p, v),
+                                pp, pp * v - 1, name)
+            free, priced = (critical_path(graph, lambda r, kind: 1.0, lat) for lat in (0.0, x))
+            assert (priced - free) / x == pytest.approx(hops * (pp - 1)), (name, pp, m)
 
 
 def test_zb_h2_fills_the_waits_a_costlier_b_opens() -> None:

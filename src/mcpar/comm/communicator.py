@@ -184,6 +184,9 @@ class Communicator:
         self.stats = CommStats()
         self._thread: ThreadPoolExecutor | None = None
         self._backend_of: dict[str, str] = {}  # mesh axis -> its group's backend
+        # (operation, mesh axis) whose asynchronous work has no future on the axis' backend
+        # (gloo's sends and receives): their completion is known only by wait().
+        self._futureless: set[tuple[str, str]] = set()
         # Set by the profiler: each collective is a named range of the torch.profiler trace.
         self.trace_ranges = False
 
@@ -246,9 +249,14 @@ class Communicator:
             def done(_fut: torch.futures.Future) -> None:
                 self.stats.record(key, nbytes, time.perf_counter() - start)
 
-            try:
-                future = work.get_future()
-            except RuntimeError:
+            future = None
+            if key[:2] not in self._futureless:
+                try:
+                    future = work.get_future()
+                except RuntimeError:
+                    # Asked once per operation: the failed ask costs more than the send.
+                    self._futureless.add(key[:2])
+            if future is None:
                 # gloo's point-to-point work has no future and reports completion only through
                 # wait(), which the pipeline calls late (end of step). Count the bytes now with
                 # the launch time; the receiver's blocking recv records the exposed wait.

@@ -6,8 +6,14 @@ schedules, ``mcpar.controllers.compute.schedules``, generate each step's task li
 that list), and every activation and activation-gradient must cross the wire through the
 Communicator, so that the bytes and seconds it reports are true counts. So this executor only
 knows how to run ONE task (``run_task``), with the Communicator's ``send`` (non-blocking) and
-``recv`` (blocking); the same executor runs a step without a pipeline (one stage that is both
-first and last).
+``recv`` (blocking) or ``irecv``; the same executor runs a step without a pipeline (one stage that
+is both first and last).
+
+Receives: given each peer's messages in its send order (``send_order``, the ComputeController's
+plan), the executor posts its receives in that order, and keeps ``receives_ahead`` of them
+posted per peer before their tasks come round, where the backend lets it
+(``mcpar.device_kernels.pipeline_receives_ahead`` says where, and why not on NCCL): a message
+then lands while the rank computes, instead of starting to move when the rank asks for it.
 
 Layout: by default rank ``r`` of ``pp`` holds global stages ``r, r + pp, ...`` (its local chunks
 0..v-1); a schedule may place them otherwise (the V of ``zbv``), and then the executor is given
@@ -56,6 +62,8 @@ class PipelineStats:
     total_s: float = 0.0  # wall time of the whole run on this rank
     # (kind, chunk, micro, start, end) per task, in the order run, for timelines and benches
     actions: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    # The most bytes of receive buffers posted and not yet read at once (receives posted ahead)
+    posted_peak_bytes: int = 0
 
 
 class PipelineExecutor:
@@ -83,7 +91,8 @@ class PipelineExecutor:
                  forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  weight_grads: WeightGradStore | None = None,
                  stages: list[int] | None = None, stage_ranks: list[int] | None = None,
-                 send_order: dict[int, list[tuple[str, int, int]]] | None = None):
+                 send_order: dict[int, list[tuple[str, int, int]]] | None = None,
+                 receives_ahead: int = 0):
         self.chunks = chunks
         self.weight_grads = weight_grads
         self.pp_rank = pp_rank
@@ -99,8 +108,11 @@ class PipelineExecutor:
         # its send order. Receives are then posted in that order, so that a backend matching
         # point-to-point messages by order, not tag (NCCL), pairs them right.
         self.send_order = send_order
+        # Receives kept posted per peer ahead of their tasks (with ``send_order`` only).
+        self.receives_ahead = receives_ahead if send_order is not None else 0
         self._posted: dict[tuple[str, int, int], tuple[CommHandle, torch.Tensor]] = {}
         self._posted_upto: dict[int, int] = {}
+        self._unread: dict[int, int] = {}  # peer -> receives posted and not read yet
         self.comm = comm
         self.num_microbatches = num_microbatches
         self.activation_shape = tuple(activation_shape)
@@ -212,6 +224,8 @@ class PipelineExecutor:
         self._inputs, self._targets = inputs, targets
         self._start = time.perf_counter()
         self._stats = PipelineStats(started_at=self._start)
+        for src in self.send_order or {}:
+            self._post_ahead(src)
 
     def run_task(self, task: Task) -> None:
         """Run one stage task (gradients accumulate in .grad)."""
@@ -259,7 +273,7 @@ class PipelineExecutor:
         """Drop the step's state (after a failure, or at its end)."""
         self._received, self._outputs, self._grads, self._saved = {}, {}, {}, {}
         self._sends, self._losses = [], {}
-        self._posted, self._posted_upto = {}, {}
+        self._posted, self._posted_upto, self._unread = {}, {}, {}
         self._inputs = self._targets = None
         if self.weight_grads is not None:
             self.weight_grads.clear()
@@ -287,19 +301,34 @@ class PipelineExecutor:
                                  device=self.device)
             self.comm.recv(tensor, src, axis="pp", tag=self._tag(kind, from_stage, micro))
             return tensor
-        key, order = (kind, from_stage, micro), self.send_order[src]
-        position = self._posted_upto.get(src, 0)
+        key = (kind, from_stage, micro)
         while key not in self._posted:  # post the peer's earlier messages first, in order
-            posted = order[position]
-            position += 1
-            tensor = torch.empty(self.activation_shape, dtype=self.activation_dtype,
-                                 device=self.device)
-            self._posted[posted] = (self.comm.irecv(tensor, src, axis="pp",
-                                                    tag=self._tag(*posted)), tensor)
-        self._posted_upto[src] = position
+            self._post_next(src)
         handle, tensor = self._posted.pop(key)
+        self._unread[src] -= 1
+        self._post_ahead(src)
         handle.wait()
         return tensor
+
+    def _post_next(self, src: int) -> None:
+        """Post the receive of ``src``'s next message in its send order."""
+        position = self._posted_upto.get(src, 0)
+        message = self.send_order[src][position]  # type: ignore[index]
+        self._posted_upto[src] = position + 1
+        self._unread[src] = self._unread.get(src, 0) + 1
+        tensor = torch.empty(self.activation_shape, dtype=self.activation_dtype,
+                             device=self.device)
+        self._posted[message] = (self.comm.irecv(tensor, src, axis="pp",
+                                                 tag=self._tag(*message)), tensor)
+        posted = sum(t.untyped_storage().nbytes() for _h, t in self._posted.values())
+        self._stats.posted_peak_bytes = max(self._stats.posted_peak_bytes, posted)
+
+    def _post_ahead(self, src: int) -> None:
+        """Keep ``receives_ahead`` of ``src``'s messages posted (while it has more this step)."""
+        total = len(self.send_order[src])  # type: ignore[index]
+        while (self._unread.get(src, 0) < self.receives_ahead
+               and self._posted_upto.get(src, 0) < total):
+            self._post_next(src)
 
     def _forward(self, chunk: int, micro: int) -> tuple[float, float]:
         stage = self.stage_of(chunk)

@@ -57,11 +57,13 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
     else:
         global_batch = opt.micro_batch_size * (opt.gradient_accumulation or 1) * dp
     topology = {"flat": "flat", "hierarchical": "hierarchical", "hybrid": "auto"}[com.topology]
-    # The device's kernels keep different tensors only under dropout (``device_kernels.py``),
-    # so only then is 'auto' resolved (which asks torch); without dropout the layout keeps
-    # the default, whose kernels keep what CPU's do. A preset is a published GPU run.
+    # The device's kernels keep different tensors only under dropout, and its backend posts a
+    # pipeline's receives ahead only on CPU (``device_kernels.py``), so only then is 'auto'
+    # resolved (which asks torch); otherwise the layout keeps the default, which keeps what
+    # CPU's would. A preset is a published GPU run.
     dropout = preset is None and cfg.model.dropout > 0
-    device = run_device_type(cfg.training.device) if dropout else "cuda"
+    resolved = dropout or (preset is None and pp > 1)
+    device = run_device_type(cfg.training.device) if resolved else "cuda"
     attention = "math" if attention_kernel(device, dropout) == "math" else "auto"
     return Layout(
         tp=tp, pp=pp, vp=par.virtual_stages, cp=par.context,

@@ -41,7 +41,9 @@ gradient is copied into before its reduce-scatter (at most ``bucket_mb``, at mos
 gradients; stages 0-1 reduce the gradient buffer in place, nothing extra); under ZeRO-3 the
 largest unit's full gradient (a block, or the root parameters) before the store reduces it; and
 with optimizer offload the two streaming groups (one being updated, one moving), each at most
-``offload_buffer_mb`` and at most the state itself.
+``offload_buffer_mb`` and at most the state itself; on a pipeline, the receives a rank keeps
+posted ahead of their tasks (``posted_receive_bytes``: on CPU two per sending peer, each a
+micro-batch's residual stream; none on CUDA, ``pipeline_receives_ahead``).
 
 Offload (``Offload``): the optimizer state leaves the device; it is reported as an off-device row
 (``MemoryBreakdown.offloaded``), not in the peak. Under fp32 the state moved is the two moments,
@@ -61,6 +63,7 @@ from mcpar.device_kernels import (
     MATH_ATTENTION_BYTES,
     MATH_ATTENTION_SCORE_TENSORS,
     dropout_mask_bytes,
+    pipeline_receives_ahead,
 )
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerActivations
@@ -68,6 +71,7 @@ from mcpar.registry.schedule import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
     PipelineSchedule,
+    placed_stage,
     schedule_placement,
     stage_rank,
 )
@@ -332,6 +336,28 @@ def received_gradient_bytes(m: ModelShape, lay: Layout, weights16: bool = False)
     return resid * lay.micro_batch * m.seq_len / lay.cp * m.hidden / sp
 
 
+def sending_peers(lay: Layout, pp_rank: int) -> int:
+    """The pipeline ranks that send ``pp_rank`` activations or gradients: the ranks of its
+    stages' neighbours, other than itself (2 inside a pipeline of 3 or more; 1 at the ends of a
+    one-chunk pipeline or of a V, and on either rank of 2)."""
+    placement = schedule_placement(lay.schedule)
+    last = lay.pp * lay.vp - 1
+    stages = [placed_stage(c, pp_rank, lay.pp, placement) for c in range(lay.vp)]
+    return len({stage_rank(n, lay.pp, placement) for s in stages for n in (s - 1, s + 1)
+                if 0 <= n <= last} - {pp_rank})
+
+
+def posted_receive_bytes(m: ModelShape, lay: Layout, pp_rank: int,
+                         weights16: bool = False) -> float:
+    """Receive buffers pipeline rank ``pp_rank`` keeps posted ahead of their tasks
+    (``pipeline_receives_ahead`` per sending peer on the layout's device), each one
+    micro-batch's residual stream, as the messages are."""
+    if lay.pp == 1:
+        return 0.0
+    return (pipeline_receives_ahead(lay.device) * sending_peers(lay, pp_rank)
+            * received_gradient_bytes(m, lay, weights16))
+
+
 def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None = None,
                      weights16: bool = False) -> list[float]:
     """Activation bytes of each pipeline rank at its peak: its layers in flight, one layer's
@@ -518,5 +544,6 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
             # state.
             grads += codec.store_error_bytes(dense_rank / k)
     comm += codec.error_state_bytes(dense_rank + expert_rank, dp_group)  # error feedback
+    comm += posted_receive_bytes(m, lay, busiest, weights16)
     return MemoryBreakdown(weights, grads, optim, activations, comm, gathered, reserved,
                            params=dense_rank + expert_rank, offloaded=offloaded)

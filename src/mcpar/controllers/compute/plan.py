@@ -14,11 +14,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mcpar.config import JobConfig
 from mcpar.controllers.compute.balance_plan import BalancePlan
 from mcpar.controllers.compute.stage_cut import partition_layers
+from mcpar.device_kernels import pipeline_receives_ahead
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
 from mcpar.registry.schedule import SCHEDULES, ActionCosts
@@ -81,18 +82,26 @@ class ComputePlan:
         return ranks
 
     def send_order(self, pp_rank: int) -> dict[int, list[tuple[str, int, int]]] | None:
-        """For each peer, the messages it sends ``pp_rank`` in the order it sends them, when
-        some rank reads a peer's messages in another order (the executor then posts its
-        receives in send order); None when every rank reads in send order."""
-        if self.schedule is None:
+        """For each peer, the messages it sends ``pp_rank`` in the order it sends them (None
+        without a pipeline). The executor posts its receives in that order: a backend that
+        matches point-to-point messages by order, not tag (NCCL), needs it where a rank reads
+        a peer's messages in another order (a V's neighbours), and it is what lets a rank post
+        receives ahead of their tasks (``pipeline_receives_ahead``)."""
+        if self.schedule is None or self.pp == 1:
             return None
         from mcpar.controllers.compute.schedules import message_orders
 
-        sent, read = message_orders(self.schedule, self.pp, self.num_microbatches,
-                                    self.virtual_stages, self.action_costs, self.held_limits)
-        if sent == read:
-            return None
+        sent, _read = message_orders(self.schedule, self.pp, self.num_microbatches,
+                                     self.virtual_stages, self.action_costs, self.held_limits)
         return {src: messages for (src, dst), messages in sent.items() if dst == pp_rank}
+
+    def executor_wiring(self, pp_rank: int, device_type: str) -> dict[str, Any]:
+        """The pipeline executor's placement and receives for ``pp_rank`` on ``device_type``:
+        its chunks' stages, every stage's rank, each peer's send order, and the receives it
+        keeps posted ahead (``PipelineExecutor``'s keyword arguments)."""
+        return {"stages": self.stages_of(pp_rank), "stage_ranks": self.stage_ranks(),
+                "send_order": self.send_order(pp_rank),
+                "receives_ahead": pipeline_receives_ahead(device_type)}
 
     @property
     def splits_backward(self) -> bool:
@@ -137,8 +146,7 @@ class ComputePlan:
         executor = PipelineExecutor(
             chunks, pp_rank, self.pp, comm, self.num_microbatches, activation_shape, loss_fn,
             device, forward_context=forward_context, activation_dtype=activation_dtype,
-            weight_grads=store, stages=self.stages_of(pp_rank), stage_ranks=self.stage_ranks(),
-            send_order=self.send_order(pp_rank))
+            weight_grads=store, **self.executor_wiring(pp_rank, device.type))
         controller = ComputeController(
             self.step_tasks(pp_rank, reduce_every_backward), executor, from_backward,
             grad_sync, update, chunk_deferred=deferred)

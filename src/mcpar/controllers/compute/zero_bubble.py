@@ -13,7 +13,13 @@ idle while a gradient travels back runs a pending W instead.
   ``i`` holds ``min(p, m)`` micro-batches at its peak, the peak of 1F1B's first rank; the last
   rank holds the head's input and loss beside them (1.06x 1F1B's peak on the bubble bench's
   GPT at p = 4, m 8). A lag of ``p - 2`` there would hold ``p - 1`` but replays one unit
-  longer (28 against 27 at p = 4, m = 8).
+  longer (28 against 27 at p = 4, m = 8). Its critical path crosses ``4(p - 1)`` messages
+  (a micro-batch's forward and backward across the ranks twice: the first rank's first
+  backward, then the forward it lets the first rank start; ZB-H2's crosses ``p - 1``, ZBV's
+  ``3(p - 1)``), so a message's cost weighs on it most: at p = 4, m = 8 it replays
+  ``27 + 12 x`` units with ``x`` a forward per message, and a search that moved each rank's
+  actions (adjacent swaps and short moves, annealed, 4 restarts) found no order holding at most
+  ``p`` micro-batches that replays shorter at ``x`` = 0.035.
 - ``zb_h2``: more warm-up forwards (``2(p - i) - 2`` on rank ``i``, up to ``2p - 1`` micro-batches
   held on the first rank) and each W ``2i`` backwards late, so a rank has W's in hand to fill
   the waits that a backward costlier than its W opens. With a step that ends at a synchronized

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from mcpar.controllers.memory.param_store import ParameterStore
     from mcpar.controllers.memory.plan import MemoryPlan
     from mcpar.parallel.parallelize import ParallelModel
+    from mcpar.parallel.pipeline import PipelineExecutor
     from mcpar.parallel.weight_grad import WeightGradStore
 
 ROWS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers",
@@ -205,10 +206,11 @@ class MemoryMeter:
         return loss
 
     def rows(self, held: dict[str, int], sync: DataParallelGradSync, zero_stage: int,
-             feedback: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+             feedback: Iterable[torch.Tensor] = (), posted_receives: int = 0) -> dict[str, int]:
         """Measured bytes per category (and the total) of this rank. ``feedback``: the
-        compressor's error-feedback tensors."""
-        comm = sum(t.untyped_storage().nbytes() for t in feedback)
+        compressor's error-feedback tensors; ``posted_receives``: the most bytes of pipeline
+        receive buffers the executor had posted at once (``PipelineStats.posted_peak_bytes``)."""
+        comm = sum(t.untyped_storage().nbytes() for t in feedback) + posted_receives
         if self.device.type == "cpu":  # offload's host buffers are this device's memory
             comm += held.get("offload buffers", 0)
         if zero_stage >= 2 and sync.buckets:
@@ -251,6 +253,9 @@ class MeasuredRun(Protocol):
     @property
     def comm(self) -> CommunicationController: ...
 
+    @property
+    def executor(self) -> PipelineExecutor: ...
+
 
 def trainer_memory(trainer: MeasuredRun) -> dict[str, dict[str, int]]:
     """``memory_summary`` of a Trainer (its meter, model states, gradient sync and plan)."""
@@ -259,7 +264,8 @@ def trainer_memory(trainer: MeasuredRun) -> dict[str, dict[str, int]]:
                              store.held_tensors() if store is not None else ([], []))
     feedback = CompressionState(trainer.optimizer, trainer.grad_exchange.compressor).tensors()
     measured = trainer.meter.rows(held, trainer.grad_sync, trainer.plan.memory.zero_stage,
-                                  [t for t in feedback.values() if t.dim()])
+                                  [t for t in feedback.values() if t.dim()],
+                                  trainer.executor.last_stats.posted_peak_bytes)
     estimate = trainer.plan.memory.estimate
     return memory_summary(estimate.rows() + estimate.off_device_rows(), measured, trainer.comm)
 
