@@ -80,6 +80,15 @@ def test_messages_on_the_critical_path_of_each_split_schedule() -> None:
             assert (priced - free) / x == pytest.approx(hops * (pp - 1)), (name, pp, m)
 
 
+def test_zbv_ends_a_synchronized_step_at_its_floor() -> None:
+    """Every chunk action one unit: the rank of the V's turn receives its first input only after
+    p - 1 chunk forwards, and every rank runs 6m actions, so no V order ends a step that every
+    rank reaches together before 6m + p - 1 units (5.9% idle at p = 4, m = 8); mcpar's does."""
+    for pp, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
+        units = zero_bubble.v_step_units(zero_bubble.v_orders(pp, m), pp, 0.0)
+        assert units == 6 * m + pp - 1, (pp, m)
+
+
 def test_zb_h2_fills_the_waits_a_costlier_b_opens() -> None:
     """B = 1.4 F, W = 0.6 F: ZB-H2 stays within 3% of the bound (p-1) F + m (F + B + W), where
     ZB-H1 loses 8% or more; at F = B = W both are at the bound. H2 holds at most 2p - 1."""
