@@ -103,10 +103,10 @@ class PipelineExecutor:
             global_stage(c, pp_rank, pp) for c in range(self.virtual_stages)]
         self.stage_ranks = stage_ranks if stage_ranks is not None else [
             s % pp for s in range(self.num_stages)]
-        # For a schedule whose ranks read a peer's messages in another order than the peer
-        # sends them: peer -> its messages to this rank, (kind, sending stage, micro-batch), in
-        # its send order. Receives are then posted in that order, so that a backend matching
-        # point-to-point messages by order, not tag (NCCL), pairs them right.
+        # Peer -> its messages to this rank, (kind, sending stage, micro-batch), in its send
+        # order (None: each receive is a blocking one when its task comes). Receives are posted
+        # in that order, so that a backend matching point-to-point messages by order, not tag
+        # (NCCL), pairs them right where a rank reads a peer's messages in another order (a V).
         self.send_order = send_order
         # Receives kept posted per peer ahead of their tasks (with ``send_order`` only).
         self.receives_ahead = receives_ahead if send_order is not None else 0
@@ -270,7 +270,8 @@ class PipelineExecutor:
         return losses
 
     def abort(self) -> None:
-        """Drop the step's state (after a failure, or at its end)."""
+        """Drop the step's state (after a failure, or at its end). After a failure, receives
+        still posted are dropped unread: the failure ends the worker, and the job restarts."""
         self._received, self._outputs, self._grads, self._saved = {}, {}, {}, {}
         self._sends, self._losses = [], {}
         self._posted, self._posted_upto, self._unread = {}, {}, {}
