@@ -321,7 +321,8 @@ class PipelineExecutor:
                              device=self.device)
         self._posted[message] = (self.comm.irecv(tensor, src, axis="pp",
                                                  tag=self._tag(*message)), tensor)
-        posted = sum(t.untyped_storage().nbytes() for _h, t in self._posted.values())
+        # Every buffer is one activation's: the posted bytes are their count times its size.
+        posted = len(self._posted) * tensor.untyped_storage().nbytes()
         self._stats.posted_peak_bytes = max(self._stats.posted_peak_bytes, posted)
 
     def _post_ahead(self, src: int) -> None:
