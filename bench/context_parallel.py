@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from mcpar.comm.communicator import Communicator
 from mcpar.launch.env import find_free_port
 from mcpar.parallel.context import zigzag_positions
-from mcpar.parallel.ring_attention import GRAD_TAG, KV_TAG, ring_attention
+from mcpar.parallel.ring_attention import ring_attention
+from mcpar.ring_blocks import GRAD_TAG, KV_TAG
 from mcpar.topology import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]

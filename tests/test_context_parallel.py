@@ -19,9 +19,10 @@ from mcpar.config import load_config
 from mcpar.errors import UserError
 from mcpar.launch.env import DistEnv, find_free_port
 from mcpar.parallel.context import shard_sequence, zigzag_positions
-from mcpar.parallel.ring_attention import KV_TAG, ring_attention, visible
+from mcpar.parallel.ring_attention import ring_attention
 from mcpar.parallel.ulysses import ulysses_attention
 from mcpar.plan import resolve_plan
+from mcpar.ring_blocks import KV_TAG, visible
 from mcpar.topology import ParallelDims
 from mcpar.trainer import Trainer
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerWork
+from mcpar.ring_blocks import score_elements
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -88,6 +89,11 @@ class Roofline:
 
     def stream(self, nbytes: float) -> float:
         return nbytes / self.mem_bw
+
+
+def cpu_threads(cluster: Cluster, ranks: int) -> int:
+    """Threads each CPU worker runs (mcpar: max(1, cores // workers)); 1 on GPUs."""
+    return max(1, cluster.cores // ranks) if cluster.accel.is_cpu else 1
 
 
 def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0) -> Roofline:
@@ -307,11 +313,17 @@ def ring_core_times(m: ModelShape, lay: Layout, cluster: Cluster,
     rank: its own 2c x 2c block with the causal mask applied to full scores, and cp - 1 dense
     c x 2c blocks (c = seq / 2cp), each a math kernel in fp32 (scores written out, log-sum-exp,
     probabilities, the online merge); the backward recomputes each block's probabilities from
-    the saved log-sum-exp, then dV, dP, dQ and dK."""
-    acc = _fp32(rl, cluster, lay)
+    the saved log-sum-exp, then dV, dP, dQ and dK. A profile that timed these blocks
+    (``Cluster.ring_blocks``: a CPU's, where small blocks run far below the GEMM rate and the
+    exponentials are compute-bound, not streamed) prices them as measured; else the GEMMs and
+    the score passes below, at the accelerator's rates."""
     dh = m.head_dim
     c = m.seq_len / (2 * lay.cp)
     batch = lay.micro_batch * m.heads / lay.tp
+    if cluster.ring_blocks is not None:
+        return cluster.ring_blocks.seconds(lay.cp, score_elements(batch, 2 * c, lay.cp), dh,
+                                           cpu_threads(cluster, lay.num_gpus))
+    acc = _fp32(rl, cluster, lay)
     forward = backward = 0.0
     for rows, count, mask in ((2 * c, 1, RING_MASK_PASSES), (c, lay.cp - 1, 0.0)):
         qk = acc.gemm(rows, 2 * c, dh, batch * count)  # the scores

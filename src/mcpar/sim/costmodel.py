@@ -50,6 +50,7 @@ from mcpar.sim.collectives import (
 )
 from mcpar.sim.compute import (
     Roofline,
+    cpu_threads,
     embedding_times,
     head_times,
     layer_times,
@@ -111,11 +112,6 @@ class Prediction:
 def model_flops_per_token(m: ModelShape) -> float:
     """Training FLOPs of one token without recompute (the shape's count)."""
     return m.flops_per_token()
-
-
-def cpu_threads(cluster: Cluster, ranks: int) -> int:
-    """Threads each CPU worker runs (mcpar: max(1, cores // workers)); 1 on GPUs."""
-    return max(1, cluster.cores // ranks) if cluster.accel.is_cpu else 1
 
 
 def oversubscription(cluster: Cluster, ranks: int) -> float:

@@ -98,6 +98,36 @@ class Accelerator:
 
 
 @dataclass(frozen=True)
+class RingBlockCost:
+    """One rank's ring-attention blocks (``mcpar.ring_blocks``) as a profile timed them on one
+    thread, forward and backward each: a fixed cost per call and per further ring step (the
+    eager ops, whatever the size), and a cost per attention score that grows with the head
+    dimension (the GEMMs) from a part that does not (the softmax's exponentials, the masks and
+    the merges): ``call + (ranks - 1) step + scores (per_score + per_score_dh * head_dim)``."""
+
+    fwd_call_s: float
+    fwd_step_s: float
+    fwd_per_score_s: float
+    fwd_per_score_dh_s: float
+    bwd_call_s: float
+    bwd_step_s: float
+    bwd_per_score_s: float
+    bwd_per_score_dh_s: float
+
+    def seconds(self, ranks: int, scores: float, head_dim: float,
+                threads: float = 1.0) -> tuple[float, float]:
+        """(forward, backward) seconds of one call; the score work split over ``threads``."""
+        def one(call: float, step: float, per: float, per_dh: float) -> float:
+            return (call + (ranks - 1) * step
+                    + scores * max(0.0, per + per_dh * head_dim) / max(threads, 1.0))
+
+        return (one(self.fwd_call_s, self.fwd_step_s, self.fwd_per_score_s,
+                    self.fwd_per_score_dh_s),
+                one(self.bwd_call_s, self.bwd_step_s, self.bwd_per_score_s,
+                    self.bwd_per_score_dh_s))
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The machine a run uses: accelerator type, how many, how they are wired."""
 
@@ -121,6 +151,9 @@ class Cluster:
     # its ``efficiency.attention`` holds (head dimension 64): small heads run a CPU's attention
     # kernel well below it. Empty: one rate for every head dimension.
     attention_head_dims: dict[int, float] = field(default_factory=dict)
+    # A measured profile's cost of mcpar's ring-attention blocks; None: priced from the
+    # accelerator's rates (``compute.ring_core_times``).
+    ring_blocks: RingBlockCost | None = None
 
     @property
     def num_nodes(self) -> int:

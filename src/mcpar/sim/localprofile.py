@@ -7,8 +7,11 @@ The file, its machine key and checksum, and when a saved profile is used: ``prof
 
 Beyond the doc: rates are sustained over a few tenths of a second; element-wise throughput is
 measured on 4 MiB tensors (cache-resident, as a small model's activations are); the block whose
-fixed cost is measured is so small that its arithmetic is negligible; gloo is timed at 16 KiB to
-4 MiB, and a p-rank ring is then priced (p - 1) alpha + 2 (p - 1) / p n beta from those lines.
+fixed cost is measured is so small that its arithmetic is negligible; mcpar's ring-attention
+blocks are timed on one thread (``microbench.ring_block_notes``: on a CPU they run at neither the
+GEMM rate nor the streaming rate, so the cost model prices context parallelism's ring from them);
+gloo is timed at 16 KiB to 4 MiB, and a p-rank ring is then priced (p - 1) alpha
++ 2 (p - 1) / p n beta from those lines.
 """
 
 from __future__ import annotations
@@ -32,10 +35,18 @@ from mcpar.sim.hardware import (
     Cluster,
     Efficiency,
     LocalProfile,
+    RingBlockCost,
     cluster_preset,
     load_accelerators,
 )
-from mcpar.sim.microbench import attention_rate, collective_costs, sustained_time, tiny_block
+from mcpar.sim.microbench import (
+    RING_NOTE,
+    attention_rate,
+    collective_costs,
+    ring_block_notes,
+    sustained_time,
+    tiny_block,
+)
 from mcpar.sim.profilestore import (
     FOREIGN_NOTE,
     lookup_profile,
@@ -154,6 +165,14 @@ def _block_overhead() -> tuple[float, float]:
     return op, _best_time(block, inner=20) - op  # the final sum/backward is not the block's
 
 
+def _ring_blocks() -> dict[str, float]:
+    """``microbench.ring_block_notes`` on one CPU thread, as each worker runs them."""
+    import torch
+
+    torch.set_num_threads(1)
+    return ring_block_notes(_cpu(), 0.2)
+
+
 def measure() -> LocalProfile:
     """This machine's profile, with the share of its cores other processes used meanwhile
     (``notes['foreign_cpu_share']``, where it can be read: ``cpu_load``)."""
@@ -172,6 +191,7 @@ def _measure() -> LocalProfile:
     mem_1 = _stream_rate(1)
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
+    ring = _ring_blocks()
     masks_all = _mask_rate(n)
     costs, gather_overlap = collective_costs()
     return LocalProfile(
@@ -180,7 +200,7 @@ def _measure() -> LocalProfile:
         layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
         collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap,
-               **{attention_note(dh): rate for dh, rate in attention.items()}},
+               **{attention_note(dh): rate for dh, rate in attention.items()}, **ring},
     )
 
 
@@ -207,7 +227,8 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
                    alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
                    reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE),
-                   attention_head_dims=_head_dim_rates(profile))
+                   attention_head_dims=_head_dim_rates(profile),
+                   ring_blocks=ring_block_cost(profile))
 
 
 def attention_note(head_dim: int) -> str:
@@ -220,6 +241,16 @@ def _head_dim_rates(profile: LocalProfile) -> dict[int, float]:
     rates = {dh: _note(profile, attention_note(dh)) for dh in ATTENTION_HEAD_DIMS}
     return {dh: rate / profile.attention_flops_per_thread for dh, rate in rates.items()
             if rate is not None and profile.attention_flops_per_thread > 0}
+
+
+def ring_block_cost(profile: LocalProfile) -> RingBlockCost | None:
+    """The profile's timing of the ring-attention blocks, None where an earlier version did not
+    measure it (the ring is then priced from the rates, as on an accelerator)."""
+    values = {f.name: _note(profile, RING_NOTE + f.name)
+              for f in dataclasses.fields(RingBlockCost)}
+    if any(v is None for v in values.values()):
+        return None
+    return RingBlockCost(**values)  # type: ignore[arg-type]
 
 
 def _note(profile: LocalProfile, key: str) -> float | None:

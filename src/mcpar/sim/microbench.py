@@ -1,7 +1,8 @@
 """The micro-benchmarks both profiles time a machine with: ``localprofile`` (the CPU, gloo)
 and ``deviceprofile`` (a CUDA device, NCCL). One definition of each, the device explicit: the
 sustained time of a call, causal attention's rate, the tiny block whose cost is a layer's fixed
-overhead, and the collectives' ``t = alpha + n beta`` lines between two workers.
+overhead, mcpar's ring-attention blocks, and the collectives' ``t = alpha + n beta`` lines
+between two workers.
 """
 
 from __future__ import annotations
@@ -79,6 +80,52 @@ def tiny_block(device: torch.device) -> tuple[Callable[[], None], Callable[[], N
 
     return one_op, block
 
+
+
+# The ring blocks' shapes timed, (batch, heads, local tokens 2c, head dimension), at 2 ranks: tiny
+# ones, whose arithmetic is negligible, at 2 and 4 ranks give the fixed cost of a call and of
+# each further step; one size at two head dimensions gives the cost per score and its growth
+# with the head dimension (a CPU's ring at a small GPT's context shards).
+RING_TINY = (1, 2, 4, 8)
+RING_SIZED = (4, 4, 128)
+RING_HEAD_DIMS = (32, 128)
+RING_NOTE = "ring_"  # the profile's notes: RING_NOTE + each field of ``hardware.RingBlockCost``
+
+
+def ring_block_notes(device: torch.device, seconds: float) -> dict[str, float]:
+    """One rank's ring-attention blocks timed, forward and backward (``mcpar.ring_blocks`` with
+    a ``LocalRing``: the training code's kernels without the transfers, which the collectives'
+    lines price), as the fields of ``hardware.RingBlockCost`` under ``RING_NOTE``."""
+    import torch
+
+    from mcpar.ring_blocks import LocalRing, ring_blocks, score_elements
+
+    def timed(shape: tuple[int, int, int, int], ranks: int) -> tuple[float, float]:
+        b, heads, tokens, dh = shape
+        q, k, v = (torch.randn(b, heads, tokens, dh, device=device, requires_grad=True)
+                   for _ in range(3))
+        ring = LocalRing(1, ranks)  # rank 1 meets the own block and ranks - 1 dense ones
+        fwd = sustained_time(lambda: ring_blocks(q, k, v, ring), device, seconds)
+        both = sustained_time(lambda: ring_blocks(q, k, v, ring).sum().backward(), device,
+                              seconds)
+        return fwd, max(0.0, both - fwd)
+
+    tiny = {n: timed(RING_TINY, n) for n in (2, 4)}
+    step = [max(0.0, (tiny[4][i] - tiny[2][i]) / 2) for i in (0, 1)]
+    call = [max(0.0, tiny[2][i] - step[i]) for i in (0, 1)]
+    b, heads, tokens = RING_SIZED
+    scores = score_elements(b * heads, tokens, 2)
+    per = {dh: [max(0.0, t - call[i] - step[i]) / scores
+                for i, t in enumerate(timed((b, heads, tokens, dh), 2))]
+           for dh in RING_HEAD_DIMS}
+    lo, hi = RING_HEAD_DIMS
+    notes: dict[str, float] = {}
+    for i, pass_ in enumerate(("fwd", "bwd")):
+        slope = (per[hi][i] - per[lo][i]) / (hi - lo)
+        notes.update({f"{pass_}_call_s": call[i], f"{pass_}_step_s": step[i],
+                      f"{pass_}_per_score_s": per[lo][i] - slope * lo,
+                      f"{pass_}_per_score_dh_s": slope})
+    return {RING_NOTE + key: value for key, value in notes.items()}
 
 COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
 
