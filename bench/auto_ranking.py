@@ -2,8 +2,9 @@
 
 What it does
     1. Trains one small GPT with ``mcpar train --nproc 4`` under each layout of ``LAYOUTS``
-       (data, tensor, sequence, pipeline with each registered schedule, ZeRO 1 and 3, both
-       recompute policies, two gradient codecs, two micro-batch sizes, dropout on and off).
+       (data, tensor, sequence, context in both modes, pipeline with each registered schedule
+       (1F1B, GPipe, interleaved, ZB-H1, ZB-H2, ZBV), ZeRO 1 and 3, both recompute policies,
+       two gradient codecs, two micro-batch sizes, dropout on and off).
        Every key the planner searches is set, with ``parallelism.auto=true``: the planner then
        prices that layout alone, exactly as it prices it in a search, and the run's
        ``summary.json`` holds its ``prediction`` (step time, peak per rank) beside the measured
@@ -22,7 +23,7 @@ What it does
 How to run
     python bench/auto_ranking.py [--steps 20] [--out bench/data/auto_ranking.json] [--only ...]
 
-    Prints one JSON object on stdout; progress goes to stderr. About 9 minutes a round on 2
+    Prints one JSON object on stdout; progress goes to stderr. About 11 minutes a round on 2
     cores (``--repeats``, default 3).
     The planner prices every run on one local profile, measured at the start on an idle machine
     (or ``--profile``, a saved one valid here) and restored before each run, since a run whose
@@ -86,7 +87,16 @@ LAYOUTS: dict[str, dict[str, object]] = {
     "pp2_dp2_1f1b": _pipeline(2, 2, 4, "1f1b"),
     "pp2_dp2_gpipe": _pipeline(2, 2, 4, "gpipe"),
     "pp2_dp2_interleaved": _pipeline(2, 2, 4, "interleaved_1f1b", vp=2),
+    "pp2_dp2_zb_h1": _pipeline(2, 2, 4, "zb_h1"),
+    "pp2_dp2_zbv": _pipeline(2, 2, 4, "zbv", vp=2),
     "pp4_1f1b": _pipeline(4, 1, 4, "1f1b"),
+    "pp4_zb_h2": _pipeline(4, 1, 4, "zb_h2"),
+    "cp2_dp2_ring": {"parallelism.context": 2, "parallelism.data": 2,
+                     "optimization.gradient_accumulation": 2},
+    "cp2_dp2_ulysses": {"parallelism.context": 2, "parallelism.context_mode": "ulysses",
+                        "parallelism.data": 2, "optimization.gradient_accumulation": 2},
+    "cp4_ring": {"parallelism.context": 4, "parallelism.data": 1,
+                 "optimization.micro_batch_size": 16, "optimization.gradient_accumulation": 2},
     "tp2_pp2": {"parallelism.tensor": 2, **_pipeline(2, 1, 8, "1f1b")},
 }
 
