@@ -31,6 +31,7 @@ from mcpar.errors import UserError
 from mcpar.sim.cpu_load import foreign_share
 from mcpar.sim.hardware import (
     GATHER_OVERLAP_NOTE,
+    TIME_SLICING_NOTE,
     Accelerator,
     Cluster,
     Efficiency,
@@ -45,6 +46,7 @@ from mcpar.sim.microbench import (
     collective_costs,
     ring_block_notes,
     sustained_time,
+    time_slicing_penalty,
     tiny_block,
 )
 from mcpar.sim.profilestore import (
@@ -192,6 +194,7 @@ def _measure() -> LocalProfile:
     mem_all = _stream_rate(n)
     op, block = _block_overhead()
     ring = _ring_blocks()
+    slicing = time_slicing_penalty(n)
     masks_all = _mask_rate(n)
     costs, gather_overlap = collective_costs()
     return LocalProfile(
@@ -200,6 +203,7 @@ def _measure() -> LocalProfile:
         layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
         collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap,
+               TIME_SLICING_NOTE: slicing,
                **{attention_note(dh): rate for dh, rate in attention.items()}, **ring},
     )
 
@@ -227,6 +231,7 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
                    alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
                    reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE),
+                   time_slicing_penalty=_note(profile, TIME_SLICING_NOTE) or 0.0,
                    attention_head_dims=_head_dim_rates(profile),
                    ring_blocks=ring_block_cost(profile))
 

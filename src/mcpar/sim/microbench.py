@@ -1,8 +1,8 @@
 """The micro-benchmarks both profiles time a machine with: ``localprofile`` (the CPU, gloo)
 and ``deviceprofile`` (a CUDA device, NCCL). One definition of each, the device explicit: the
 sustained time of a call, causal attention's rate, the tiny block whose cost is a layer's fixed
-overhead, mcpar's ring-attention blocks, and the collectives' ``t = alpha + n beta`` lines
-between two workers.
+overhead, mcpar's ring-attention blocks, what time-slicing costs workers that share cores, and
+the collectives' ``t = alpha + n beta`` lines between two workers.
 """
 
 from __future__ import annotations
@@ -81,6 +81,87 @@ def tiny_block(device: torch.device) -> tuple[Callable[[], None], Callable[[], N
     return one_op, block
 
 
+
+
+def training_block_step(device: torch.device) -> Callable[[], None]:
+    """Forward and backward of two GPT blocks at a small model's shapes (hidden 256, 4 heads, 4
+    sequences of 128 tokens): the mix of GEMMs, attention, element-wise work and eager dispatch
+    a training step runs, in about 30 ms of one core."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    h, heads, b, t = 256, 4, 4, 128
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t, h, generator=gen).to(device).requires_grad_()
+    blocks = [nn.ModuleList([nn.LayerNorm(h), nn.LayerNorm(h), nn.Linear(h, 3 * h),
+                             nn.Linear(h, h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)]).to(device)
+              for _ in range(2)]
+
+    def step() -> None:
+        z = x
+        for ln1, ln2, qkv, proj, fc, out in blocks:
+            q, k, v = (u.view(b, t, heads, -1).transpose(1, 2)
+                       for u in qkv(ln1(z)).chunk(3, dim=2))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            z = z + proj(a.transpose(1, 2).reshape(b, t, h))
+            z = z + out(F.gelu(fc(ln2(z))))
+        z.sum().backward()
+
+    return step
+
+
+def _slicing_worker(index: int, phases: list[int], iters: int, barrier: object,
+                    queue: object) -> None:
+    """One process of ``time_slicing_penalty``: in each phase, the first ``phases[k]`` workers
+    run ``iters`` steps from one common start and report their time; the others wait for the
+    next phase asleep at the barrier."""
+    import torch
+
+    torch.set_num_threads(1)
+    step = training_block_step(torch.device("cpu"))
+    step()
+    for k, running in enumerate(phases):
+        barrier.wait()  # type: ignore[attr-defined]
+        if index < running:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            queue.put((k, time.perf_counter() - t0))  # type: ignore[attr-defined]
+
+
+def time_slicing_penalty(cores: int, seconds: float = 0.5, repeats: int = 5) -> float:
+    """What sharing cores costs CPU workers beyond splitting them: twice as many one-thread
+    processes as cores take ``T_2c / (2 T_c) - 1`` longer than ``cores`` of them would twice
+    over (the kernel switching them in and out, each coming back to caches the other filled),
+    on ``training_block_step``; the median of ``repeats``, at least 0. Contention between cores
+    that all run (memory, shared caches) is in the all-core rates already, so ``T_c`` is timed
+    with every core busy."""
+    import torch
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    step = training_block_step(torch.device("cpu"))
+    step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    iters = max(3, round(seconds / ((time.perf_counter() - t0) / 3)))
+    phases = [cores, 2 * cores] * repeats
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.SimpleQueue(), ctx.Barrier(2 * cores)
+    procs = [ctx.Process(target=_slicing_worker, args=(i, phases, iters, barrier, queue))
+             for i in range(2 * cores)]
+    for p in procs:
+        p.start()
+    makespan = [0.0] * len(phases)
+    for _ in range(sum(phases)):
+        k, took = queue.get()
+        makespan[k] = max(makespan[k], took)
+    for p in procs:
+        p.join(60)
+    ratios = [makespan[k + 1] / (2 * makespan[k]) - 1 for k in range(0, len(phases), 2)]
+    return max(0.0, statistics.median(ratios))
 
 # The ring blocks' shapes timed, (batch, heads, local tokens 2c, head dimension), at 2 ranks: tiny
 # ones, whose arithmetic is negligible, at 2 and 4 ranks give the fixed cost of a call and of
