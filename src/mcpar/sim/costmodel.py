@@ -432,12 +432,13 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
       workers a core; linear from none at one). A one-chunk pipeline is replayed with processor
       sharing instead of the uniform slowdown (``oversubscription``): a rank in its bubble
       leaves its share of the cores to the others;
-    - the collectives (every ``*_comm``) do not slow: every group of an SPMD program reaches
-      its collective together, so nothing computes beside it, and the time of a call is what
-      it is with a core a worker. Measured here (gloo, 4 workers on 2 cores, each call after
-      ~10 ms of compute): 2-rank all-reduces of 1 and 4 MiB in two groups at once 3.1 and
-      6.9 ms a call, against 3.3 and 6.5 ms for 2 workers alone; a 4-rank one of 4 MiB 12.2 ms,
-      against 11.9 ms priced from the 2-rank line without the slowdown."""
+    - the collectives (every ``*_comm``) do not slow: groups that reach their collectives
+      together have nothing computing beside them. Measured here (gloo, 4 workers on 2 cores,
+      each call after ~10 ms of compute, the groups in lockstep): 2-rank all-reduces of 1 and
+      4 MiB in two groups at once 3.1 and 6.9 ms a call, against 3.3 and 6.5 ms for 2 workers
+      alone; a 4-rank one of 4 MiB 12.2 ms, against 11.9 ms priced from the 2-rank line without
+      the slowdown. In training the groups drift apart, and the ranking bench's tensor-2
+      layouts read 8-12% fast under this rule (docs/cost_model.md, "Ranking layouts here")."""
     mb = lay.num_microbatches
     shared = pipeline * crowd
     if lay.pp > 1 and lay.vp == 1:

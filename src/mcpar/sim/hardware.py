@@ -101,9 +101,9 @@ class Accelerator:
 class RingBlockCost:
     """One rank's ring-attention blocks (``mcpar.ring_blocks``) as a profile timed them on one
     thread, forward and backward each: a fixed cost per call and per further ring step (the
-    eager ops, whatever the size), and a cost per attention score that grows with the head
-    dimension (the GEMMs) from a part that does not (the softmax's exponentials, the masks and
-    the merges): ``call + (ranks - 1) step + scores (per_score + per_score_dh * head_dim)``."""
+    eager ops, whatever the size), and a cost per attention score, linear in the head
+    dimension as the GEMMs' work is: ``call + (ranks - 1) step + scores (per_score +
+    per_score_dh * head_dim)``, fitted from two head dimensions."""
 
     fwd_call_s: float
     fwd_step_s: float
