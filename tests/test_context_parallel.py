@@ -22,7 +22,8 @@ from mcpar.parallel.context import shard_sequence, zigzag_positions
 from mcpar.parallel.ring_attention import ring_attention
 from mcpar.parallel.ulysses import ulysses_attention
 from mcpar.plan import resolve_plan
-from mcpar.ring_blocks import KV_TAG, visible
+from mcpar.ring_blocks import KV_TAG
+from mcpar.ring_geometry import visible
 from mcpar.topology import ParallelDims
 from mcpar.trainer import Trainer
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mcpar import ring_blocks
-from mcpar.ring_blocks import LocalRing, score_elements
+from mcpar.ring_blocks import LocalRing
+from mcpar.ring_geometry import score_elements
 from mcpar.sim.compute import ring_core_times, roofline
 from mcpar.sim.hardware import LocalProfile, RingBlockCost
 from mcpar.sim.localprofile import local_cluster, ring_block_cost

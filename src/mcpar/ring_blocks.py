@@ -39,21 +39,12 @@ from typing import Protocol
 
 import torch
 
+from mcpar.ring_geometry import LAYOUTS, visible
+
 # Point-to-point tags of the ring, far from the pipeline's (which count micro-batches up from 0)
 # and from the validation pipeline's (1 << 24).
 RING_TAG_BASE = 1 << 26
 KV_TAG, GRAD_TAG = RING_TAG_BASE, RING_TAG_BASE + 1
-
-# Which part of a block a rank's queries see (module docstring).
-OWN, LOWER, HIGHER = "own", "lower", "higher"
-
-
-def block_kind(rank: int, source: int) -> str:
-    """How the queries of ``rank`` see the K/V block of ``source`` under the zigzag."""
-    if source == rank:
-        return OWN
-    return LOWER if source < rank else HIGHER
-
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -87,30 +78,6 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     out.add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
 
-
-LAYOUTS = ("zigzag", "contiguous")
-
-
-def visible(layout: str, rank: int, source: int, half: int) -> tuple[slice, slice, bool] | None:
-    """(query rows, key columns, causal) of the block of ``source`` that the queries of ``rank``
-    see, or None when they see none of it; ``half``: c tokens (half a rank's shard)."""
-    kind = block_kind(rank, source)
-    if kind == OWN:
-        return slice(None), slice(None), True
-    if layout == "contiguous":
-        return (slice(None), slice(None), False) if kind == LOWER else None
-    if kind == LOWER:
-        return slice(None), slice(0, half), False
-    return slice(half, None), slice(None), False
-
-
-
-def score_elements(batch_heads: float, local_tokens: float, ranks: int) -> float:
-    """Attention scores one rank's zigzag blocks compute in one call: its own causal block of
-    ``2c x 2c`` whole (masked after) and ``ranks - 1`` dense ``c x 2c`` blocks, for each of
-    ``batch_heads`` (batch x heads) rows of ``local_tokens`` = 2c queries."""
-    c = local_tokens / 2
-    return batch_heads * (4 * c * c + (ranks - 1) * 2 * c * c)
 
 class Transfer(Protocol):
     """A posted send or receive: ``wait`` returns once it is done."""

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from mcpar.registry.recompute import RECOMPUTE_POLICIES, LayerWork
-from mcpar.ring_blocks import score_elements
+from mcpar.ring_geometry import score_elements
 from mcpar.sim.collectives import (
     Group,
     all_gather,

@@ -180,7 +180,8 @@ def ring_block_notes(device: torch.device, seconds: float) -> dict[str, float]:
     lines price), as the fields of ``hardware.RingBlockCost`` under ``RING_NOTE``."""
     import torch
 
-    from mcpar.ring_blocks import LocalRing, ring_blocks, score_elements
+    from mcpar.ring_blocks import LocalRing, ring_blocks
+    from mcpar.ring_geometry import score_elements
 
     def timed(shape: tuple[int, int, int, int], ranks: int) -> tuple[float, float]:
         b, heads, tokens, dh = shape
