@@ -19,9 +19,9 @@ from mcpar.sim.microbench import RING_NOTE, ring_block_notes
 from mcpar.sim.profilestore import field_problems
 from mcpar.sim.workload import Layout, ModelShape
 
-COST = RingBlockCost(fwd_call_s=1e-4, fwd_step_s=5e-5, fwd_per_score_s=2e-9,
-                     fwd_per_score_dh_s=3e-11, bwd_call_s=3e-4, bwd_step_s=8e-5,
-                     bwd_per_score_s=4e-9, bwd_per_score_dh_s=9e-11)
+COST = RingBlockCost(fwd_call_s=1e-4, fwd_step_s=5e-5, fwd_per_score_low_s=2e-9,
+                     fwd_per_score_high_s=5e-9, bwd_call_s=3e-4, bwd_step_s=8e-5,
+                     bwd_per_score_low_s=4e-9, bwd_per_score_high_s=1.2e-8)
 
 
 def _profile(ring: RingBlockCost | None) -> LocalProfile:
@@ -69,10 +69,15 @@ def test_local_ring_hands_the_blocks_of_the_ring_without_other_ranks() -> None:
 
 
 def test_ring_block_cost_by_hand() -> None:
-    """call + (ranks - 1) step + scores (per + per_dh head_dim) / threads, each pass."""
+    """call + (ranks - 1) step + scores x the per-score cost, linear in the head dimension
+    between the two timed ones (32 and 128) and beyond, never below 0; over ``threads``."""
     fwd, bwd = COST.seconds(ranks=3, scores=1e6, head_dim=64, threads=2)
-    assert fwd == pytest.approx(1e-4 + 2 * 5e-5 + 1e6 * (2e-9 + 64 * 3e-11) / 2)
-    assert bwd == pytest.approx(3e-4 + 2 * 8e-5 + 1e6 * (4e-9 + 64 * 9e-11) / 2)
+    third = (64 - 32) / (128 - 32)
+    assert fwd == pytest.approx(1e-4 + 2 * 5e-5 + 1e6 * (2e-9 + third * 3e-9) / 2)
+    assert bwd == pytest.approx(3e-4 + 2 * 8e-5 + 1e6 * (4e-9 + third * 8e-9) / 2)
+    assert COST.seconds(2, 1e6, 128)[0] == pytest.approx(1e-4 + 5e-5 + 1e6 * 5e-9)
+    falling = replace(COST, fwd_per_score_low_s=5e-9, fwd_per_score_high_s=1e-9)
+    assert falling.seconds(2, 1e6, 512)[0] == pytest.approx(1e-4 + 5e-5)  # clipped at 0
 
 
 def test_ring_core_times_prices_the_measured_blocks_and_falls_back_without() -> None:
@@ -106,9 +111,9 @@ def test_ring_block_cost_needs_every_note() -> None:
 @pytest.mark.parametrize("bad", [-1e-9, math.nan, math.inf])
 def test_a_ring_note_that_no_measurement_gives_is_named(bad: float, tmp_path) -> None:
     profile = _profile(COST)
-    profile = replace(profile, notes={**profile.notes, RING_NOTE + "fwd_per_score_s": bad})
+    profile = replace(profile, notes={**profile.notes, RING_NOTE + "fwd_per_score_low_s": bad})
     problems = field_problems(profile, tmp_path / "p.json", "measure it again")
-    assert any(f"notes.{RING_NOTE}fwd_per_score_s" in p for p in problems), problems
+    assert any(f"notes.{RING_NOTE}fwd_per_score_low_s" in p for p in problems), problems
 
 
 def test_ring_block_notes_measure_every_field() -> None:

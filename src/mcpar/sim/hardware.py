@@ -97,34 +97,42 @@ class Accelerator:
         return self.peak_flops[precision]
 
 
+# The head dimensions a profile times the ring blocks at (``microbench.ring_block_notes``).
+RING_HEAD_DIMS = (32, 128)
+
+
 @dataclass(frozen=True)
 class RingBlockCost:
     """One rank's ring-attention blocks (``mcpar.ring_blocks``) as a profile timed them on one
     thread, forward and backward each: a fixed cost per call and per further ring step (the
-    eager ops, whatever the size), and a cost per attention score, linear in the head
-    dimension as the GEMMs' work is: ``call + (ranks - 1) step + scores (per_score +
-    per_score_dh * head_dim)``, fitted from two head dimensions."""
+    eager ops, whatever the size), and the cost per attention score at the two head dimensions
+    of ``RING_HEAD_DIMS``, linear between them (and beyond, at least 0) as the GEMMs' work is:
+    ``call + (ranks - 1) step + scores per_score(head_dim)``. Every field is a time measured
+    (>= 0), none a fitted intercept, so a profile's check can refuse a negative one."""
 
     fwd_call_s: float
     fwd_step_s: float
-    fwd_per_score_s: float
-    fwd_per_score_dh_s: float
+    fwd_per_score_low_s: float
+    fwd_per_score_high_s: float
     bwd_call_s: float
     bwd_step_s: float
-    bwd_per_score_s: float
-    bwd_per_score_dh_s: float
+    bwd_per_score_low_s: float
+    bwd_per_score_high_s: float
 
     def seconds(self, ranks: int, scores: float, head_dim: float,
                 threads: float = 1.0) -> tuple[float, float]:
         """(forward, backward) seconds of one call; the score work split over ``threads``."""
-        def one(call: float, step: float, per: float, per_dh: float) -> float:
-            return (call + (ranks - 1) * step
-                    + scores * max(0.0, per + per_dh * head_dim) / max(threads, 1.0))
+        low, high = RING_HEAD_DIMS
+        share = (head_dim - low) / (high - low)
 
-        return (one(self.fwd_call_s, self.fwd_step_s, self.fwd_per_score_s,
-                    self.fwd_per_score_dh_s),
-                one(self.bwd_call_s, self.bwd_step_s, self.bwd_per_score_s,
-                    self.bwd_per_score_dh_s))
+        def one(call: float, step: float, at_low: float, at_high: float) -> float:
+            per_score = max(0.0, at_low + (at_high - at_low) * share)
+            return call + (ranks - 1) * step + scores * per_score / max(threads, 1.0)
+
+        return (one(self.fwd_call_s, self.fwd_step_s, self.fwd_per_score_low_s,
+                    self.fwd_per_score_high_s),
+                one(self.bwd_call_s, self.bwd_step_s, self.bwd_per_score_low_s,
+                    self.bwd_per_score_high_s))
 
 
 @dataclass(frozen=True)

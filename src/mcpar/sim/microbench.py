@@ -170,7 +170,6 @@ def time_slicing_penalty(cores: int, seconds: float = 0.5, repeats: int = 5) -> 
 # with the head dimension (a CPU's ring at a small GPT's context shards).
 RING_TINY = (1, 2, 4, 8)
 RING_SIZED = (4, 4, 128)
-RING_HEAD_DIMS = (32, 128)
 RING_NOTE = "ring_"  # the profile's notes: RING_NOTE + each field of ``hardware.RingBlockCost``
 
 
@@ -182,6 +181,7 @@ def ring_block_notes(device: torch.device, seconds: float) -> dict[str, float]:
 
     from mcpar.ring_blocks import LocalRing, ring_blocks
     from mcpar.ring_geometry import score_elements
+    from mcpar.sim.hardware import RING_HEAD_DIMS
 
     def timed(shape: tuple[int, int, int, int], ranks: int) -> tuple[float, float]:
         b, heads, tokens, dh = shape
@@ -201,13 +201,12 @@ def ring_block_notes(device: torch.device, seconds: float) -> dict[str, float]:
     per = {dh: [max(0.0, t - call[i] - step[i]) / scores
                 for i, t in enumerate(timed((b, heads, tokens, dh), 2))]
            for dh in RING_HEAD_DIMS}
-    lo, hi = RING_HEAD_DIMS
+    low, high = RING_HEAD_DIMS
     notes: dict[str, float] = {}
     for i, pass_ in enumerate(("fwd", "bwd")):
-        slope = (per[hi][i] - per[lo][i]) / (hi - lo)
         notes.update({f"{pass_}_call_s": call[i], f"{pass_}_step_s": step[i],
-                      f"{pass_}_per_score_s": per[lo][i] - slope * lo,
-                      f"{pass_}_per_score_dh_s": slope})
+                      f"{pass_}_per_score_low_s": per[low][i],
+                      f"{pass_}_per_score_high_s": per[high][i]})
     return {RING_NOTE + key: value for key, value in notes.items()}
 
 COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
