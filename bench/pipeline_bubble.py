@@ -79,7 +79,7 @@ from mcpar.config.loading import parse_config
 from mcpar.controllers.communication.controller import CommunicationController
 from mcpar.controllers.compute.plan import ComputePlan
 from mcpar.controllers.compute.schedules import build_schedule, schedule_problem, step_tasks
-from mcpar.controllers.compute.zero_bubble import MESSAGE_LATENCY
+from mcpar.controllers.compute.zero_bubble_v import MESSAGE_LATENCY
 from mcpar.controllers.memory.measure import MemoryMeter
 from mcpar.launch.env import DistEnv
 from mcpar.launch.local import LaunchFailed, launch_local
@@ -93,6 +93,7 @@ from mcpar.registry.schedule import (
     ActionCosts,
     critical_path,
     order_graph,
+    steady_period,
 )
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import held_limits, rank_activations
@@ -175,6 +176,19 @@ def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
     return 1 - m * (1 + b_ratio + w_ratio) / span
 
 
+def overlapped_theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
+                      w_ratio: float = 1.0, latency: float = 0.0) -> float:
+    """``theory`` of steps that overlap (post-validation: no synchronized optimizer step),
+    the schedule's orders for them: the steady period's idle share (``steady_period``)."""
+    entry = SCHEDULES.get(schedule)
+    orders = [build_schedule(schedule, r, pp, m, v, overlapped=True) for r in range(pp)]
+    per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
+                "W": w_ratio / v}
+    period = steady_period(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
+                           pp * v - 1, m, lambda r, kind: per_kind[kind], latency)
+    return 1 - m * (1 + b_ratio + w_ratio) / period
+
+
 def message_latency_s(rounds: int = 60, idle_s: float = 0.005) -> float:
     """One way of a pipeline message between ranks 0 and 1, as the fixed-cost stages see it:
     the median of ``rounds`` gloo round trips of a fixed-cost activation, halved, each after
@@ -202,13 +216,14 @@ def splits(schedule: str) -> bool:
 
 
 def placement(schedule: str, rank: int, pp: int, m: int, v: int,
-              costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None) -> dict:
+              costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None,
+              overlapped: bool = False) -> dict:
     """The executor's stage placement and receives on this CPU, as the ComputeController's
     plan gives them."""
     plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
                        micro_batch_size=1, num_microbatches=m, global_batch_size=m,
                        stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
-                       action_costs=costs, held_limits=limits)
+                       action_costs=costs, held_limits=limits, overlapped_steps=overlapped)
     return plan.executor_wiring(rank, "cpu")
 
 
@@ -302,6 +317,35 @@ def measure(executor: PipelineExecutor, tasks: list[Task],
     return out
 
 
+def measure_overlapped(executor: PipelineExecutor, tasks: list[Task],
+                       make_batches: Callable[[], tuple[list, list]], warmup: int,
+                       repeats: int) -> dict:
+    """Idle fraction (mean over ranks) of steps that overlap, as post-validation runs them:
+    one barrier, then ``warmup + repeats`` steps back to back, each rank starting its next
+    step as soon as its own is done. A rank's period is the time between the ends of its
+    first and last timed steps over ``repeats``; its idle share ``1 - busy / period``, busy
+    its mean over the timed steps."""
+    pp = dist.get_world_size()
+    steps = max(warmup, 1) + repeats  # a step before the first timed one ends the fill
+    ends, busy = [], []
+    dist.barrier()
+    for _ in range(steps):
+        inputs, targets = make_batches()
+        executor.run(inputs if executor.holds_first_stage else None,
+                     targets if executor.holds_last_stage else None, tasks)
+        ends.append(time.perf_counter())
+        busy.append(executor.last_stats.busy_s)
+    period = (ends[-1] - ends[-1 - repeats]) / repeats
+    mine = torch.tensor([1 - statistics.fmean(busy[-repeats:]) / period, period],
+                        dtype=torch.float64)
+    rows: list = [None] * pp
+    dist.all_gather_object(rows, mine.tolist())
+    return {"idle_fraction": statistics.fmean(r[0] for r in rows),
+            "idle_fraction_per_rank": [r[0] for r in rows],
+            "period_s_per_rank": [r[1] for r in rows],
+            "step_time_s_median": statistics.median(r[1] for r in rows)}
+
+
 def fixed_cost_part(args: argparse.Namespace,
                     comm: CommunicationController) -> tuple[dict, float]:
     """Every schedule on the fixed-cost stages, and the message latency measured first."""
@@ -312,7 +356,8 @@ def fixed_cost_part(args: argparse.Namespace,
         inputs = [torch.randint(0, FIXED_VOCAB, FIXED_SHAPE[:2], generator=gen) for _ in range(m)]
         return inputs, [torch.zeros(FIXED_SHAPE) for _ in range(m)]
 
-    def run(schedule: str, v: int, costs: ActionCosts | None = None) -> tuple[dict, list]:
+    def run(schedule: str, v: int, costs: ActionCosts | None = None,
+            overlapped: bool = False) -> tuple[dict, list]:
         fwd_s = args.fwd_ms / 1000 / v
         stages = [SCHEDULES.get(schedule).stage_of(c, rank, pp, v) for c in range(v)]
         chunks: list[nn.Module] = [
@@ -323,13 +368,21 @@ def fixed_cost_part(args: argparse.Namespace,
             split_weight_grads(chunk, store)
         executor = PipelineExecutor(chunks, rank, pp, comm, m, FIXED_SHAPE,
                                     F.mse_loss, torch.device("cpu"), weight_grads=store,
-                                    **placement(schedule, rank, pp, m, v, costs))
-        result = measure(executor, step_tasks(schedule, rank, pp, m, v, costs=costs), batches,
-                         args.warmup, args.repeats)
-        expected = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs)
-        # The same orders with each message at the latency measured on this machine.
-        at_latency = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs,
-                            latency=latency_s / (args.fwd_ms / 1000))
+                                    **placement(schedule, rank, pp, m, v, costs,
+                                                overlapped=overlapped))
+        tasks = step_tasks(schedule, rank, pp, m, v, costs=costs, overlapped=overlapped)
+        latency = latency_s / (args.fwd_ms / 1000)
+        if overlapped:
+            result = measure_overlapped(executor, tasks, batches, args.warmup, args.repeats)
+            expected = overlapped_theory(schedule, pp, m, v, args.b_ratio, args.w_ratio)
+            at_latency = overlapped_theory(schedule, pp, m, v, args.b_ratio, args.w_ratio,
+                                           latency)
+        else:
+            result = measure(executor, tasks, batches, args.warmup, args.repeats)
+            expected = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs)
+            # The same orders with each message at the latency measured on this machine.
+            at_latency = theory(schedule, pp, m, v, args.b_ratio, args.w_ratio, costs,
+                                latency=latency)
         return ({"virtual_stages": v, **result, "theory": expected,
                  "abs_diff_points": 100 * abs(result["idle_fraction"] - expected),
                  "theory_at_measured_latency": at_latency,
@@ -353,7 +406,22 @@ def fixed_cost_part(args: argparse.Namespace,
             out[name]["message_latency_s"] = costs.latency
             log(f"fixed cost {name}: idle {out[name]['idle_fraction']:.3f}, "
                 f"theory {out[name]['theory']:.3f}")
+    for schedule, v in schedules(args):
+        if schedule not in OVERLAPPED:
+            continue
+        # Steps that overlap (optimization.post_validation): no barrier between them, the
+        # orders chosen for it.
+        name = f"{schedule}@overlapped_steps"
+        out[name], _ = run(schedule, v, overlapped=True)
+        log(f"fixed cost {name}: idle {out[name]['idle_fraction']:.3f}, "
+            f"theory {out[name]['theory']:.3f}")
     return out, latency_s
+
+
+# Run again with steps that overlap: ZBV, whose orders change for it; ZB-H2, whose ranks end a
+# step as far apart as they start it (its theory there is 0); 1F1B and ZB-H1, whose ranks end
+# together, to show that overlap alone gives them nothing.
+OVERLAPPED = ("1f1b", "zb_h1", "zb_h2", "zbv")
 
 
 # The split schedules whose order follows measured costs: each runs again with them.

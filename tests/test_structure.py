@@ -33,8 +33,16 @@ def test_import_contracts_are_kept() -> None:
     assert "3 kept, 0 broken" in proc.stdout
 
 
+# The trainer: its loop and builds, and its update at each step's end.
+TRAINER_FILES = ("trainer.py", "step_update.py")
+
+
+def _trainer_source() -> str:
+    return "\n".join((SRC / "mcpar" / name).read_text() for name in TRAINER_FILES)
+
+
 def _trainer_tree() -> ast.Module:
-    return ast.parse((SRC / "mcpar" / "trainer.py").read_text())
+    return ast.parse(_trainer_source())
 
 
 def test_the_trainer_never_checks_the_optimizer_type() -> None:
@@ -49,7 +57,7 @@ def test_the_trainer_never_checks_the_optimizer_type() -> None:
 
 
 def test_the_trainer_holds_no_fault_injection() -> None:
-    source = (SRC / "mcpar" / "trainer.py").read_text()
+    source = _trainer_source()
     for needle in ("MCPAR_FAULT", "os.environ", "time.sleep", "fault_rank", "fault_steps"):
         assert needle not in source, needle
     # What a test injects reaches the trainer as one object, called at its two hook points:

@@ -12,7 +12,7 @@ from conftest import run_mcpar, sets, train_metrics
 from torch import nn
 
 import mcpar.controllers.registered  # noqa: F401  (registers the schedules)
-from mcpar.controllers.compute import zero_bubble
+from mcpar.controllers.compute import zero_bubble, zero_bubble_v
 from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.metrics import read_metrics
 from mcpar.parallel.tasks import TaskKind
@@ -85,7 +85,7 @@ def test_zbv_ends_a_synchronized_step_at_its_floor() -> None:
     p - 1 chunk forwards, and every rank runs 6m actions, so no V order ends a step that every
     rank reaches together before 6m + p - 1 units (5.9% idle at p = 4, m = 8); mcpar's does."""
     for pp, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
-        units = zero_bubble.v_step_units(zero_bubble.v_orders(pp, m), pp, 0.0)
+        units = zero_bubble_v.v_step_units(zero_bubble_v.v_orders(pp, m), pp, 0.0)
         assert units == 6 * m + pp - 1, (pp, m)
 
 
@@ -118,7 +118,7 @@ def assert_complete_v(orders: tuple[tuple[Action, ...], ...], pp: int, m: int) -
 
 
 def v_stage_of(pp: int):  # noqa: ANN201
-    return lambda chunk, rank: zero_bubble.v_stage(chunk, rank, pp)
+    return lambda chunk, rank: zero_bubble_v.v_stage(chunk, rank, pp)
 
 
 # Measured costs where W is cheaper than F and B dearer (one chunk's actions; 0.1 F a message).
@@ -131,14 +131,14 @@ def test_every_zbv_order_is_complete_and_the_shortest_at_its_costs_is_kept(pp: i
     """The phased and the greedy V orders, and the orders at unit and at uneven costs: each
     complete, no deadlock (the replay raises), at most 2p chunk activations held; the kept one
     replays no longer at its costs than the phased or the greedy one."""
-    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble.MESSAGE_LATENCY)
+    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble_v.MESSAGE_LATENCY)
     uneven = ActionCosts.uniform(pp, *UNEVEN)
-    phased, greedy = zero_bubble.v_phased_orders(pp, m), zero_bubble.v_greedy_orders(pp, m)
-    for orders in (phased, greedy, zero_bubble.v_orders(pp, m),
-                   zero_bubble.costed_v_orders(pp, m, uneven)):
+    phased, greedy = zero_bubble_v.v_phased_orders(pp, m), zero_bubble_v.v_greedy_orders(pp, m)
+    for orders in (phased, greedy, zero_bubble_v.v_orders(pp, m),
+                   zero_bubble_v.costed_v_orders(pp, m, uneven)):
         assert_complete_v(orders, pp, m)
-    for costs, kept in ((unit, zero_bubble.v_orders(pp, m)),
-                        (uneven, zero_bubble.costed_v_orders(pp, m, uneven))):
+    for costs, kept in ((unit, zero_bubble_v.v_orders(pp, m)),
+                        (uneven, zero_bubble_v.costed_v_orders(pp, m, uneven))):
         span = zero_bubble.costed_span(kept, pp, v_stage_of(pp), costs)
         assert span <= min(zero_bubble.costed_span(o, pp, v_stage_of(pp), costs)
                            for o in (phased, greedy)) + 1e-9
@@ -161,8 +161,8 @@ def test_held_limits_keep_the_orders_complete_and_within_them(pp: int, m: int) -
     assert replay(bounded, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * m + pp)
     assert replay(h1, [3.0] * pp, m, 1, 1 / 3) == pytest.approx(3 * m + pp - 1)
     v = SCHEDULES.get("zbv")
-    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble.MESSAGE_LATENCY)
-    free = zero_bubble.costed_span(zero_bubble.v_orders(pp, m), pp, v_stage_of(pp), unit)
+    unit = ActionCosts.uniform(pp, 1.0, 1.0, 1.0, zero_bubble_v.MESSAGE_LATENCY)
+    free = zero_bubble.costed_span(zero_bubble_v.v_orders(pp, m), pp, v_stage_of(pp), unit)
     caps = (2 * pp - 1,) + (2 * pp,) * (pp - 1)
     orders = tuple(tuple(v.held_within(caps).actions(r, pp, m, 2)) for r in range(pp))
     assert_complete_v(orders, pp, m)
@@ -177,7 +177,7 @@ def test_a_limit_no_v_order_keeps_runs_the_unbounded_order() -> None:
     counted from the orders, prices what that holds."""
     v = SCHEDULES.get("zbv")
     capped = tuple(tuple(v.held_within((1, 8, 8, 8)).actions(r, 4, 8, 2)) for r in range(4))
-    assert capped == zero_bubble.v_orders(4, 8)
+    assert capped == zero_bubble_v.v_orders(4, 8)
 
 
 def test_the_phased_v_leaves_a_message_slack_the_greedy_does_not() -> None:
@@ -185,14 +185,14 @@ def test_the_phased_v_leaves_a_message_slack_the_greedy_does_not() -> None:
     actions; at 0.1 units per message the greedy order loses 2.4 units and the phased one 1.3;
     the phased one's forwards and B's with its W's placed where that latency makes a rank
     wait lose 0.9 (51.9 units: kept), and still reach the bound without latency."""
-    phased, greedy = zero_bubble.v_phased_orders(4, 8), zero_bubble.v_greedy_orders(4, 8)
-    assert zero_bubble.v_step_units(phased, 4, 0.0) == zero_bubble.v_step_units(greedy, 4,
+    phased, greedy = zero_bubble_v.v_phased_orders(4, 8), zero_bubble_v.v_greedy_orders(4, 8)
+    assert zero_bubble_v.v_step_units(phased, 4, 0.0) == zero_bubble_v.v_step_units(greedy, 4,
                                                                                 0.0) == 51
-    assert zero_bubble.v_step_units(phased, 4, 0.1) == pytest.approx(52.3)
-    assert zero_bubble.v_step_units(greedy, 4, 0.1) == pytest.approx(53.4)
-    kept = zero_bubble.v_orders(4, 8)
-    assert zero_bubble.v_step_units(kept, 4, 0.1) == pytest.approx(51.9)
-    assert zero_bubble.v_step_units(kept, 4, 0.0) == 51
+    assert zero_bubble_v.v_step_units(phased, 4, 0.1) == pytest.approx(52.3)
+    assert zero_bubble_v.v_step_units(greedy, 4, 0.1) == pytest.approx(53.4)
+    kept = zero_bubble_v.v_orders(4, 8)
+    assert zero_bubble_v.v_step_units(kept, 4, 0.1) == pytest.approx(51.9)
+    assert zero_bubble_v.v_step_units(kept, 4, 0.0) == 51
 
 
 def test_orders_at_measured_costs_replay_shorter_than_the_unit_cost_ones() -> None:
@@ -205,7 +205,7 @@ def test_orders_at_measured_costs_replay_shorter_than_the_unit_cost_ones() -> No
     h2 = SCHEDULES.get("zb_h2")
     for pp, m in ((4, 8), (8, 16)):
         v = ActionCosts.uniform(pp, f / 2, b / 2, w / 2, latency)  # a V's chunk: half the work
-        unit_v, costed_v = zero_bubble.v_orders(pp, m), zero_bubble.costed_v_orders(pp, m, v)
+        unit_v, costed_v = zero_bubble_v.v_orders(pp, m), zero_bubble_v.costed_v_orders(pp, m, v)
         stage = v_stage_of(pp)
         assert zero_bubble.costed_span(costed_v, pp, stage, v) < 0.99 * zero_bubble.costed_span(
             unit_v, pp, stage, v)
@@ -517,7 +517,7 @@ def test_orders_built_at_measured_costs_train_the_losses_of_1f1b(pp: int,
 
     f, b, w, latency = UNEVEN
     costed = ActionCosts.uniform(pp, f / 2, b / 2, w / 2, latency)
-    differs = zero_bubble.costed_v_orders(pp, COSTED_M, costed) != zero_bubble.v_orders(
+    differs = zero_bubble_v.costed_v_orders(pp, COSTED_M, costed) != zero_bubble_v.v_orders(
         pp, COSTED_M)
     assert differs == (pp == 4)
     spawn_workers(_costed_worker, args=(pp, find_free_port(), str(tmp_path)), nprocs=pp)

@@ -168,6 +168,19 @@ def peak_memory_since_reset(device: torch.device) -> int:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
 
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host's and ``device``'s random generator states (dropout draws from them)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device)
+                                   if device.type == "cuda" else None)
+
+
+def set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """Put back what ``rng_state`` returned."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so step timings are true on CUDA."""
     if device.type == "cuda":

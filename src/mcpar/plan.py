@@ -30,7 +30,12 @@ from mcpar.controllers.communication.plan import (
     communication_problems,
     plan_communication,
 )
-from mcpar.controllers.compute.plan import ComputePlan, plan_compute, schedule_problems
+from mcpar.controllers.compute.plan import (
+    ComputePlan,
+    plan_compute,
+    post_validation_problems,
+    schedule_problems,
+)
 from mcpar.controllers.memory.estimate import estimate_memory
 from mcpar.controllers.memory.placement import place, with_settings
 from mcpar.controllers.memory.plan import MemoryPlan, plan_memory, recompute_problems
@@ -215,6 +220,7 @@ def resolve_plan(cfg: JobConfig, world_size: int | None) -> JobPlan:
             accum = opt.global_batch_size // per_micro
     num_micro = accum or 1
     problems += schedule_problems(cfg, num_micro)
+    problems += post_validation_problems(cfg)
     rpn = cfg.cluster.ranks_per_node
     if (rpn is not None and world_size is not None and not problems
             and cfg.controllers.communication.topology != "flat"):

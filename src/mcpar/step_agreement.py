@@ -73,17 +73,31 @@ class StepResult:
     straggling: Straggling | None = None
 
 
+def figures_row(mine: StepFigures, stage_norm_sq: float = 0.0) -> torch.Tensor:
+    """This rank's row of the step's agreement (``stage_norm_sq``: its stage's sum of squared
+    gradients, for a norm agreed after the step: ``mcpar.optim.post_validation``)."""
+    return torch.tensor([0.0 if mine.loss is None else mine.loss, float(mine.loss is not None),
+                         float(mine.peak_mem_bytes), float(mine.params),
+                         float(mine.stop_requested), float(mine.nonfinite),
+                         mine.came_to_reductions_s, stage_norm_sq], dtype=torch.float64)
+
+
+NORM_SQ_COLUMN = 7  # ``figures_row``'s stage sum of squares
+
+
+def agreed_result(rows: torch.Tensor, grad_norm: float, group: list[int],
+                  rank: int) -> StepResult:
+    """The ``StepResult`` of every rank's ``figures_row`` (``rows``, in global rank order)."""
+    held = rows[:, 1] > 0
+    loss = float(rows[held, 0].sum() / held.sum())
+    return StepResult(loss, grad_norm, int(rows[:, 2].max()), int(rows[:, 3].max()),
+                      bool(rows[:, 4].max() > 0), bool(rows[:, 5].max() > 0),
+                      straggling=straggling_of(rows[:, 6].tolist(), group, rank))
+
+
 def agree_on_step(comm: Communicator, mine: StepFigures, group: list[int],
                   rank: int) -> StepResult:
     """Every rank's ``StepFigures`` gathered over the world; ``group``: this rank's
     gradient-reduction group, whose straggling the result carries."""
-    local = torch.tensor([0.0 if mine.loss is None else mine.loss, float(mine.loss is not None),
-                          float(mine.peak_mem_bytes), float(mine.params),
-                          float(mine.stop_requested), float(mine.nonfinite),
-                          mine.came_to_reductions_s], dtype=torch.float64)
-    rows = torch.stack(comm.all_gather(local, axis="world"))
-    held = rows[:, 1] > 0
-    loss = float(rows[held, 0].sum() / held.sum())
-    return StepResult(loss, mine.grad_norm, int(rows[:, 2].max()), int(rows[:, 3].max()),
-                      bool(rows[:, 4].max() > 0), bool(rows[:, 5].max() > 0),
-                      straggling=straggling_of(rows[:, 6].tolist(), group, rank))
+    rows = torch.stack(comm.all_gather(figures_row(mine), axis="world"))
+    return agreed_result(rows, mine.grad_norm, group, rank)

@@ -47,8 +47,14 @@ from mcpar.controllers.memory.measure import MemoryMeter, trainer_memory
 from mcpar.controllers.memory.recompute import apply_layer_recompute
 from mcpar.data.corpus import load_corpus
 from mcpar.data.stream import BatchStream
-from mcpar.device import autocast, peak_memory_bytes, select_device, setup_worker, synchronize
-from mcpar.errors import TrainingDiverged
+from mcpar.device import (
+    autocast,
+    rng_state,
+    select_device,
+    set_rng_state,
+    setup_worker,
+    synchronize,
+)
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
 from mcpar.launch.env import DistEnv, rendezvous_args
@@ -58,12 +64,12 @@ from mcpar.models.spec import get_model_spec
 from mcpar.parallel.compile import compile_seconds, finish_blocks
 from mcpar.parallel.compiled_graphs import per_rank as compiled_per_rank
 from mcpar.parallel.context import shard_sequence
-from mcpar.parallel.grad_norm import clip_grad_norm
 from mcpar.parallel.parallelize import parallelize
-from mcpar.parallel.tensor import sync_sequence_parallel_grads
 from mcpar.plan import JobPlan
+from mcpar.post_validation import PostValidatedUpdate, Verdict
 from mcpar.profiler.session import RunProfiler
-from mcpar.step_agreement import StepFigures, StepResult, Straggling, agree_on_step
+from mcpar.step_agreement import StepResult, Straggling
+from mcpar.step_update import RUN_AGAIN, StepUpdates
 from mcpar.topology import detect_node_of_rank
 
 # Tags of the forward-only pipeline used for validation, far from the executor's tags.
@@ -80,7 +86,7 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-class Trainer:
+class Trainer(StepUpdates):
     def __init__(self, plan: JobPlan, run_dir: Path, env: DistEnv | None,
                  resume: bool = False, stop_after: int | None = None,
                  faults: FaultInjector | None = None):
@@ -199,6 +205,20 @@ class Trainer:
             self.grad_exchange.reducer = self.store.aggregate_gradients  # type: ignore[attr-defined]
         if exchange.strategy != "none":
             self._log(exchange_text)
+        # Overlapping steps (the ComputeController's plan): each update is taken at once and
+        # checked a step later.
+        self.post_validation = None
+        self._settled: list[Verdict] = []  # steps whose figures came in, for the loop to log
+        self._stop_seen = False  # a settled step asked to stop: settle each step from now on
+        if self.plan.compute.overlapped_steps:
+            self.post_validation = PostValidatedUpdate(
+                self.update_params, self.optimizer, self.comm,
+                self.cfg.optimization.grad_clip,
+                self.comm.group_ranks(self.plan.memory.shard_axis), self.rank)
+            self._log("optimization.post_validation: each rank steps its optimizer as soon as "
+                      "its gradients are final and checks the step's global norm and "
+                      "finiteness one step later (a copy of its parameters, gradients and "
+                      "optimizer state is kept)")
 
     def _build_compute(self) -> None:
         """The ComputeController's runtime from its plan: the pipeline executor, the step's
@@ -296,54 +316,20 @@ class Trainer:
         self.pm.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
+        batch = self._step_batch(step)
+        rng = rng_state(self.device) if self.post_validation is not None else None
         with self.meter.step():
-            result = self.compute.run_step(step, self._step_batch(step))
-        assert isinstance(result, StepResult)
+            result = self.compute.run_step(step, batch)
+            if result is RUN_AGAIN:
+                # The previous step's check undid the weights this one ran on: run it again,
+                # with its dropout's random draws as they were.
+                assert rng is not None
+                set_rng_state(self.device, rng)
+                result = self.compute.run_step(step, batch)
+        assert result is None or isinstance(result, StepResult)
         self.train_stream.advance()
         return result
 
-    def _update(self, step: int, losses: list[float]) -> StepResult:
-        """The step's last task: gradients are complete (and reduced over data); clip them
-        over the whole mesh, agree on skipping, and step the optimizer."""
-        if self.plan.memory.consistency_interval:  # nothing changed the tensors since the last
-            self.consistency.before_update(step + 1)  # update: each rank's own checksum
-        if self.plan.sequence_parallel:
-            sync_sequence_parallel_grads(self.update_params, self.comm)
-        grad_norm = clip_grad_norm(self.update_params, self.cfg.optimization.grad_clip,
-                                   self.comm, data_sharded=self.plan.memory.data_sharded,
-                                   shard_axis=self.plan.memory.shard_axis)
-        self.grad_exchange.after_clip()
-        local_loss = sum(losses) / len(losses) if losses else None
-        nonfinite = not math.isfinite(grad_norm) or (local_loss is not None
-                                                     and not math.isfinite(local_loss))
-        # One collective over the world before the update, so every rank agrees on skipping
-        # (under 1-bit Adam's compressed phase the replicas' gradients differ).
-        result = self._gather_step_stats(local_loss, grad_norm, nonfinite)
-        if result.skipped:
-            self.grad_exchange.discard_step()
-            self.skipped_steps += 1
-            self.nonfinite_in_a_row += 1
-            limit = self.cfg.training.max_nonfinite_steps
-            if self.rank == 0:
-                print(f"mcpar: step {step + 1}: non-finite loss or gradients (loss "
-                      f"{result.loss}, grad norm {result.grad_norm}); step skipped "
-                      f"({self.nonfinite_in_a_row} in a row, limit {limit})", flush=True)
-            if self.nonfinite_in_a_row >= limit:
-                raise TrainingDiverged(
-                    f"{limit} steps in a row had non-finite loss or gradients (last: step "
-                    f"{step + 1}); lower optimization.lr, raise optimization.warmup_steps or "
-                    "use training.dtype float32, then resume from the last checkpoint")
-        else:
-            self.nonfinite_in_a_row = 0
-            self.optimizer.step()
-        if self.moe is not None:
-            # Bias balancing and expert migration happen inside the step: their cost is timed.
-            result.moe = self.moe.after_step(step)
-        if self.plan.memory.consistency_interval:
-            if self.faults is not None:
-                self.faults.after_update(step, self.rank, self.pm.params)
-            self.consistency.record()  # the reference until the next update
-        return result
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -402,19 +388,6 @@ class Trainer:
         largest = max(rows, key=lambda row: float(row.sum()))
         return {name: int(v) for name, v in zip(held, largest.tolist(), strict=True)}
 
-    def _gather_step_stats(self, local_loss: float | None, grad_norm: float,
-                           nonfinite: bool) -> StepResult:
-        """The step's figures agreed over the world in one collective (``agree_on_step``), the
-        straggling measured in this rank's gradient-reduction group (the MemoryController's
-        shard axis: its replicas)."""
-        return agree_on_step(
-            self.comm, StepFigures(local_loss, grad_norm, nonfinite,
-                                   peak_memory_bytes(self.device),
-                                   sum(p.numel() for p in self.pm.params),
-                                   self.recovery.stop_requested,
-                                   self.compute.grad_wait_start_s()),
-            self.comm.group_ranks(self.plan.memory.shard_axis), self.rank)
-
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, tr = self.cfg, self.cfg.training
@@ -447,6 +420,7 @@ class Trainer:
         step_times: list[float] = []
         exposed_comm: list[float] = []  # per step, for the prediction's terms
         behind_slowest: list[Straggling | None] = []  # per step, likewise
+        own: dict[int, dict] = {}  # each step's own figures until the step is settled
         for step in range(self.start_step, tr.steps):
             self.profiler.before_step(step)
             self.comm.stats.reset_step()
@@ -460,50 +434,62 @@ class Trainer:
             synchronize(self.device)
             compile_s = compile_seconds() - compiled  # logged apart from the step's time
             step_time = time.perf_counter() - t0 - compile_s
-            loss, peak_mem, stop = result.loss, result.peak_mem_bytes, result.stop_requested
-            self.max_params_per_rank = result.max_params_per_rank
             steps_run += 1
             step_times.append(step_time)
-            record = {
-                "step": step + 1, "loss": loss, "lr": lr_at(step, cfg),
-                "grad_norm": result.grad_norm, "tokens": tokens_per_step,
+            # This rank's own figures of the step; the agreed ones join them once the step is
+            # settled: at once, or at the next step's update under post-validation.
+            own[step] = {
+                "step": step + 1, "lr": lr_at(step, cfg), "tokens": tokens_per_step,
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "comm_bytes": self.comm.stats.step_bytes(),
                 "comm_bytes_by_axis": self.comm.stats.step_bytes_by_axis(),
-                "comm_time_s": self.comm.stats.step_time_s(), "peak_mem_bytes": peak_mem,
+                "comm_time_s": self.comm.stats.step_time_s(),
                 # Waiting for gradient reductions after the step's compute: what overlap hid not.
                 "exposed_comm_s": self.compute.exposed_comm_s(),
-                "skipped": result.skipped,
             }
-            straggling = result.straggling
-            if straggling is not None:
-                # The replicas came to their gradient reductions this far apart: the slowest
-                # rank's lateness, which the exposed communication above includes.
-                record["slowest_rank"] = straggling.slowest_rank
-                record["grad_sync_spread_s"] = straggling.spread_s
-            exposed_comm.append(record["exposed_comm_s"])
-            behind_slowest.append(straggling)
             if compile_s > 0:
-                record["compile_s"] = compile_s
-            if result.moe is not None:
-                record["moe"] = result.moe
-            self.profiler.after_step(step, record)  # adds "mfu"
-            every = self.plan.memory.consistency_interval
-            if every and (step + 1) % every == 0:  # before a checkpoint could keep a bad replica
-                record["consistency_check_s"] = self._check_replicas(step + 1)
-            tokens_per_s_sum += record["tokens_per_s"]
+                own[step]["compile_s"] = compile_s
+            exposed_comm.append(own[step]["exposed_comm_s"])
+            settled = ([(step, result)] if self.post_validation is None
+                       else self.take_settled())
+            stop = False
+            for done, agreed in settled:
+                assert agreed is not None
+                record = own.pop(done)
+                loss, peak_mem = agreed.loss, agreed.peak_mem_bytes
+                stop = stop or agreed.stop_requested
+                self.max_params_per_rank = agreed.max_params_per_rank
+                record.update({"loss": loss, "grad_norm": agreed.grad_norm,
+                               "peak_mem_bytes": peak_mem, "skipped": agreed.skipped})
+                straggling = agreed.straggling
+                if straggling is not None:
+                    # The replicas came to their gradient reductions this far apart: the
+                    # slowest rank's lateness, which the exposed communication above includes.
+                    record["slowest_rank"] = straggling.slowest_rank
+                    record["grad_sync_spread_s"] = straggling.spread_s
+                behind_slowest.append(straggling)
+                if agreed.moe is not None:
+                    record["moe"] = agreed.moe
+                self.profiler.after_step(done, record)  # adds "mfu"
+                every = self.plan.memory.consistency_interval
+                if every and (done + 1) % every == 0:  # before a checkpoint keeps a bad replica
+                    record["consistency_check_s"] = self._check_replicas(done + 1)
+                tokens_per_s_sum += record["tokens_per_s"]
+                last = done + 1 == tr.steps
+                if last or (tr.eval_interval and (done + 1) % tr.eval_interval == 0):
+                    val_loss = self.evaluate()
+                    record["val_loss"] = val_loss
+                if last or (done + 1) % tr.log_interval == 0:
+                    self.logger.log(record)
+                if progress is not None:
+                    progress.update(1)
+                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+                    if val_loss is not None:
+                        postfix["val"] = f"{val_loss:.3f}"
+                    progress.set_postfix(postfix, refresh=False)
+            if not settled or settled[-1][0] != step:
+                continue  # taken on post-validation's assumption: nothing is due after it
             last = step + 1 == tr.steps
-            if last or (tr.eval_interval and (step + 1) % tr.eval_interval == 0):
-                val_loss = self.evaluate()
-                record["val_loss"] = val_loss
-            if last or (step + 1) % tr.log_interval == 0:
-                self.logger.log(record)
-            if progress is not None:
-                progress.update(1)
-                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
-                if val_loss is not None:
-                    postfix["val"] = f"{val_loss:.3f}"
-                progress.set_postfix(postfix, refresh=False)
             stop = not last and (stop or step + 1 == self.stop_after)
             if interval > 0 and ((step + 1) % interval == 0 or stop):
                 self.recovery.save(step + 1)
@@ -541,6 +527,8 @@ class Trainer:
                             "seconds": self.consistency.seconds,
                             "checksum_seconds": self.consistency.checksum_seconds},
         }
+        if self.post_validation is not None:  # steps whose early update had to be redone
+            summary["post_validation"] = {"redone_steps": self.post_validation.redone_steps}
         if cfg.training.compile:  # what torch.compile did on every rank (a collective)
             summary["compile"] = compiled_per_rank(
                 lambda t: self.comm.all_gather(t, axis="world"))

@@ -330,6 +330,13 @@ class OptimizationConfig(_Section):
     grad_clip: float = Field(
         1.0, ge=0.0, le=1e6, description="Global gradient-norm clip; 0 = off."
     )
+    post_validation: bool = Field(
+        False, description="Pipeline: each rank steps its optimizer as soon as its own "
+        "gradients are final, assuming every gradient finite and the global norm under "
+        "grad_clip, and checks that one step later, redoing both steps where it was wrong; "
+        "steps then overlap, and a schedule built for it (zbv) loses no fill per step. Keeps a "
+        "copy of the rank's parameters, gradients and optimizer state.",
+    )
     freeze_step: int = Field(
         50, ge=1, le=MAX_STEPS,
         description="onebit_adam: steps of full Adam (uncompressed gradients) before "

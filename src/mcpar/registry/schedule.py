@@ -151,6 +151,14 @@ class PipelineSchedule(ABC):
         schedule does; a schedule with ``takes_held_limits`` defines it."""
         raise ValueError(f"schedule {self.name} takes no limit on what a rank holds")
 
+    def for_overlapped_steps(self) -> PipelineSchedule:
+        """This schedule with its orders chosen for steps that follow one another with no
+        synchronized optimizer step between them (``optimization.post_validation``): each rank
+        starts its next step as soon as its own last action is done, so what counts is the
+        steady state's period (``steady_period``), not one step's span. The default: the same
+        orders (a schedule whose order does not change with that)."""
+        return self
+
     def held_within(self, limits: tuple[int, ...] | None) -> PipelineSchedule:
         """This schedule bounded to ``limits`` (``limited_actions``), itself without one."""
         if limits is None:
@@ -349,6 +357,28 @@ def critical_path(graph: tuple[tuple[int, str, int, int], ...],
             start = max(start, arrives)
         finish.append(start + cost(r, kind))
     return max(finish) if finish else 0.0
+
+
+# Steps replayed back to back for a steady state's period: the orders built here reach their
+# period from the second step on (the span of 3 and of 4 steps grow by the same at p = 4, m = 8).
+STEADY_STEPS = 4
+
+
+def steady_period(orders: list[list[Action]], stage_of: Callable[[int, int], int], pp: int,
+                  last: int, num_microbatches: int, cost: Callable[[int, str], float],
+                  latency: float = 0.0, steps: int = STEADY_STEPS) -> float:
+    """Seconds per step when steps follow one another with nothing synchronizing them: each
+    rank runs its next step's actions right after its own last one, each waiting only for its
+    input. Replayed as ``steps`` steps in one graph (micro-batch k of step n numbered
+    n m + k, so each step's messages pair with its own), the period is what each step after the
+    first adds to the span: the first step's fill is paid once, which a step that ends in a
+    synchronized optimizer step pays every time (``critical_path`` of one step)."""
+    m = num_microbatches
+    one = critical_path(order_graph(orders, stage_of, pp, last, "steady"), cost, latency)
+    chained = [[Action(a.kind, a.chunk, a.micro + n * m) for n in range(steps) for a in order]
+               for order in orders]
+    many = critical_path(order_graph(chained, stage_of, pp, last, "steady"), cost, latency)
+    return (many - one) / (steps - 1)
 
 
 # A graph holds 3 m pp v actions: a planner at 1024 GPUs asks for m in the thousands, so only a

@@ -59,6 +59,10 @@ class ComputePlan:
     # The most chunk activations each pipeline rank may hold, where the MemoryController bounds
     # a split schedule to 1F1B's peak (``MemoryPlan.held_limits``); None: unbounded.
     held_limits: tuple[int, ...] | None = None
+    # Each rank starts its next step as soon as its own update is done, the step's global
+    # figures checked one step later (``optimization.post_validation``): the schedule's
+    # orders are chosen for overlapping steps (``for_overlapped_steps``).
+    overlapped_steps: bool = False
 
     @property
     def placement(self) -> str:
@@ -92,7 +96,8 @@ class ComputePlan:
         from mcpar.controllers.compute.schedules import message_orders
 
         sent, _read = message_orders(self.schedule, self.pp, self.num_microbatches,
-                                     self.virtual_stages, self.action_costs, self.held_limits)
+                                     self.virtual_stages, self.action_costs, self.held_limits,
+                                     self.overlapped_steps)
         return {src: messages for (src, dst), messages in sent.items() if dst == pp_rank}
 
     def executor_wiring(self, pp_rank: int, device_type: str) -> dict[str, Any]:
@@ -118,7 +123,8 @@ class ComputePlan:
 
         return step_tasks(self.schedule, pp_rank, self.pp, self.num_microbatches,
                           self.virtual_stages, reduce_every_backward=reduce_every_backward,
-                          costs=self.action_costs, limits=self.held_limits)
+                          costs=self.action_costs, limits=self.held_limits,
+                          overlapped=self.overlapped_steps)
 
     def build(self, cfg: JobConfig, dims: ParallelDims, comm: Communicator,
               chunks: list[StageModule], device: torch.device, loss_fn: LossFn,
@@ -177,6 +183,36 @@ class ComputeRuntime:
     notes: list[str]  # lines for the run's log
 
 
+# What a step taken before the mesh agrees on it cannot follow yet: state that the update
+# changes outside the parameters and the optimizer (a compressed codec's error feedback, MoE
+# balancing), collectives of its own in the update (ZeRO's sharded step), and the profiler's
+# window, which times each step as it ends.
+def post_validation_problems(cfg: JobConfig) -> list[str]:
+    """Problems of ``optimization.post_validation`` with the rest of the config."""
+    if not cfg.optimization.post_validation:
+        return []
+    key = "optimization.post_validation"
+    fix = "; or set optimization.post_validation false"
+    checks = [
+        (cfg.parallelism.pipeline > 1, "needs parallelism.pipeline > 1: without a pipeline no "
+         "rank waits for another at the step's end"),
+        (cfg.optimization.optimizer == "adamw", "needs optimizer adamw (onebit_adam's "
+         "compressed phase keeps error feedback that a redone step would count twice)"),
+        (cfg.controllers.communication.compression == "none", "needs "
+         "controllers.communication.compression none (a codec's error feedback would be spent "
+         "twice by a redone step)"),
+        (cfg.controllers.memory.zero_stage == 0, "needs controllers.memory.zero_stage 0 (ZeRO's "
+         "sharded update gathers the parameters inside the step)"),
+        (cfg.model.num_experts <= 1, "needs a dense model (the expert balancer moves state at "
+         "each step's end)"),
+        (cfg.controllers.memory.offload == "none", "needs controllers.memory.offload none "
+         "(the offloaded optimizer state is stepped away from the parameters)"),
+        (not cfg.training.profile.enabled, "needs training.profile.enabled false (the "
+         "profiler's window times each step as it ends)"),
+    ]
+    return [problem(key, text + fix) for ok, text in checks if not ok]
+
+
 def schedule_problems(cfg: JobConfig, num_microbatches: int) -> list[str]:
     """Problems of the pipeline schedule with this layout and micro-batch count."""
     par = cfg.parallelism
@@ -217,4 +253,5 @@ def plan_compute(cfg: JobConfig, micro_batch_size: int, num_microbatches: int,
         batch_splitting=ctl.batch_splitting,
         balance=BalancePlan(ctl.scheduler, ctl.balance_interval, ctl.migration_cost,
                             ctl.balance_costs),
-        held_limits=held_limits if pp > 1 else None)
+        held_limits=held_limits if pp > 1 else None,
+        overlapped_steps=pp > 1 and cfg.optimization.post_validation)

@@ -33,14 +33,19 @@ __all__ = ["Action", "build_schedule", "schedule_problem", "step_tasks"]
 
 def build_schedule(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
                    virtual_stages: int = 1, costs: ActionCosts | None = None,
-                   limits: tuple[int, ...] | None = None) -> list[Action]:
+                   limits: tuple[int, ...] | None = None,
+                   overlapped: bool = False) -> list[Action]:
     """The ordered actions of one optimizer step on pipeline rank `pp_rank` (with ``costs``:
     ordered by the measured cost of each action, where the schedule follows them; with
     ``limits``: each rank holding at most that many chunk activations, the MemoryController's
-    ``held_limits``)."""
+    ``held_limits``; ``overlapped``: for steps not synchronized by the optimizer step,
+    ``for_overlapped_steps``)."""
     if schedule not in SCHEDULES:
         raise ValueError(SCHEDULES.unknown(schedule))
-    return SCHEDULES.get(schedule).held_within(limits).checked_actions(
+    entry = SCHEDULES.get(schedule)
+    if overlapped:
+        entry = entry.for_overlapped_steps()
+    return entry.held_within(limits).checked_actions(
         pp_rank, pp, num_microbatches, virtual_stages, costs)
 
 
@@ -58,7 +63,7 @@ Message = tuple[str, int, int]  # (kind, sending stage, micro-batch)
 
 def message_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages: int,
                    costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None,
-                   ) -> tuple[dict[tuple[int, int], list[Message]],
+                   overlapped: bool = False) -> tuple[dict[tuple[int, int], list[Message]],
                               dict[tuple[int, int], list[Message]]]:
     """Per (sending rank, receiving rank): the messages in the order the sender sends them,
     and in the order the receiver reads them (two stages on one rank exchange nothing)."""
@@ -70,7 +75,7 @@ def message_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages
     read: dict[tuple[int, int], list[Message]] = {}
     for r in range(pp):
         for a in build_schedule(schedule, r, pp, num_microbatches, virtual_stages, costs,
-                                limits):
+                                limits, overlapped):
             if a.kind == "W":
                 continue
             s = entry.stage_of(a.chunk, r, pp, virtual_stages)
@@ -85,7 +90,8 @@ def message_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages
 def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: int,
                virtual_stages: int = 1, reduce_every_backward: bool = False,
                costs: ActionCosts | None = None,
-               limits: tuple[int, ...] | None = None) -> list[Task]:
+               limits: tuple[int, ...] | None = None,
+               overlapped: bool = False) -> list[Task]:
     """Every task of one optimizer step on pipeline rank ``pp_rank``, in the order to run them.
 
     Without a pipeline (``pp == 1``) the schedule is forward then backward of each micro-batch
@@ -93,7 +99,7 @@ def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: in
     (ZeRO stage 2, which keeps no full gradient between micro-batches) arms the gradient
     buckets before every backward, not only the last of each chunk. ``costs``: the measured
     cost of each action, for a schedule that orders by them; ``limits``: what each rank may
-    hold (``build_schedule``).
+    hold; ``overlapped``: steps that overlap (``build_schedule``).
     """
     if pp == 1 or schedule is None:
         schedule = DEFAULT_SCHEDULE
@@ -104,7 +110,8 @@ def step_tasks(schedule: str | None, pp_rank: int, pp: int, num_microbatches: in
         raise ValueError(f"schedule {schedule} splits the backward, which ZeRO stage 2's "
                          "reduction after every backward cannot follow")
     actions = build_schedule(schedule, pp_rank, pp, num_microbatches, virtual_stages,
-                             costs if pp > 1 else None, limits if pp > 1 else None)
+                             costs if pp > 1 else None, limits if pp > 1 else None,
+                             overlapped and pp > 1)
     assert entry is not None  # build_schedule refused an unknown name
     last_stage = pp * virtual_stages - 1
     last_of = {(a.kind, a.chunk): i for i, a in enumerate(actions)}
