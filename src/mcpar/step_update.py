@@ -82,16 +82,28 @@ class StepUpdates:
                 f"{step + 1}); lower optimization.lr, raise optimization.warmup_steps or "
                 "use training.dtype float32, then resume from the last checkpoint")
 
+    # What the loop does after a step (1-based ``done``): one rule each, which the loop and
+    # ``_settles`` both read.
+    def _evaluates_after(self, done: int) -> bool:
+        tr = self.cfg.training
+        return done == tr.steps or bool(tr.eval_interval and done % tr.eval_interval == 0)
+
+    def _saves_after(self, done: int) -> bool:
+        interval = self.cfg.optimization.checkpoint.interval
+        return interval > 0 and done % interval == 0
+
+    def _checks_replicas_after(self, done: int) -> bool:
+        every = self.plan.memory.consistency_interval
+        return bool(every and done % every == 0)
+
     def _settles(self, step: int) -> bool:
         """Whether ``step``'s update must wait for its figures under post-validation: the
         loop evaluates, saves, compares the replicas or stops after it, or a stop was asked
         for."""
-        tr, interval = self.cfg.training, self.cfg.optimization.checkpoint.interval
-        every, done = self.plan.memory.consistency_interval, step + 1
-        return (self._stop_seen or done == tr.steps or done == self.stop_after
-                or bool(tr.eval_interval and done % tr.eval_interval == 0)
-                or (interval > 0 and done % interval == 0)
-                or bool(every and done % every == 0))
+        done = step + 1
+        return (self._stop_seen or done == self.cfg.training.steps or done == self.stop_after
+                or self._evaluates_after(done) or self._saves_after(done)
+                or self._checks_replicas_after(done))
 
     def _settled_verdict(self, verdict: Verdict | None) -> None:
         if verdict is not None:

@@ -471,12 +471,11 @@ class Trainer(StepUpdates):
                 if agreed.moe is not None:
                     record["moe"] = agreed.moe
                 self.profiler.after_step(done, record)  # adds "mfu"
-                every = self.plan.memory.consistency_interval
-                if every and (done + 1) % every == 0:  # before a checkpoint keeps a bad replica
+                if self._checks_replicas_after(done + 1):  # before a checkpoint keeps a bad one
                     record["consistency_check_s"] = self._check_replicas(done + 1)
                 tokens_per_s_sum += record["tokens_per_s"]
                 last = done + 1 == tr.steps
-                if last or (tr.eval_interval and (done + 1) % tr.eval_interval == 0):
+                if self._evaluates_after(done + 1):
                     val_loss = self.evaluate()
                     record["val_loss"] = val_loss
                 if last or (done + 1) % tr.log_interval == 0:
@@ -491,7 +490,7 @@ class Trainer(StepUpdates):
                 continue  # taken on post-validation's assumption: nothing is due after it
             last = step + 1 == tr.steps
             stop = not last and (stop or step + 1 == self.stop_after)
-            if interval > 0 and ((step + 1) % interval == 0 or stop):
+            if self._saves_after(step + 1) or (interval > 0 and stop):
                 self.recovery.save(step + 1)
             if stop:
                 break
