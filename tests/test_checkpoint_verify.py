@@ -212,6 +212,7 @@ def test_training_goes_on_from_a_reshard_as_from_its_own_checkpoint(
 @pytest.mark.parametrize("value, needle", [
     ("/nonexistent/run", "is neither a run directory"),
     ("RUN/checkpoints/step-9", "is not a valid checkpoint: it does not exist"),
+    ("x" * 300, "cannot be read (File name too long)"),  # a name the file system refuses
 ])
 def test_load_from_refuses_what_it_cannot_load(runs: dict[str, Path], tmp_path: Path,
                                                value: str, needle: str) -> None:

@@ -163,3 +163,22 @@ def test_a_full_disk_under_the_launchers_writes_is_one_clear_line(
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"mcpar: error: {full_disk / 'run' / '.lock'}: "), line
     assert "No space left on device" in line and "free space" in line
+
+
+def test_names_the_filesystem_refuses_are_named_with_their_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A name longer than the filesystem allows, in each key that names a directory to write,
+    is one line naming the key (exit 2, no traceback), not an OSError from a probe."""
+    long = tmp_path / ("x" * 300)
+    proc = run_cli_in_process(
+        capsys, "train", *sets(*TINY, "controllers.memory.offload=nvme",
+                               f"controllers.memory.offload_dir={long}",
+                               f"optimization.checkpoint.dir={long}",
+                               f"data.cache_dir={long}"),
+        "--run-dir", str(long))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    keys = ["--run-dir", "optimization.checkpoint.dir", "controllers.memory.offload_dir",
+            "data.cache_dir"]
+    lines = proc.stderr.splitlines()
+    assert [line.split(": ")[2] for line in lines] == keys, lines
+    assert all("File name too long" in line for line in lines), lines

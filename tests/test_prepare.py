@@ -179,6 +179,8 @@ def test_tokenizer_file_in_training_and_its_errors(
                     cache_dir=tmp_path)
     with pytest.raises(UserError, match="data.tokenizer: no tokenizer file"):
         load_corpus(str(corpus), str(tmp_path / "nope.json"), 300, 0.1, cache_dir=tmp_path)
+    with pytest.raises(UserError, match=r"data.tokenizer: .*cannot be read \(File name too long"):
+        load_corpus(str(corpus), str(tmp_path / ("x" * 300)), 300, 0.1, cache_dir=tmp_path)
     no_eos = _make_tokenizer(tmp_path / "plain.json", eos=None)
     with pytest.raises(UserError, match="data.tokenizer: .*no end-of-document.*--eos-token"):
         load_corpus(str(corpus), str(no_eos), 300, 0.1, cache_dir=tmp_path)

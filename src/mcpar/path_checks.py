@@ -29,6 +29,13 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCE
 def writable_dir_problem(key: str, path: Path) -> str | None:
     """Why ``path`` cannot be created and written as a directory, naming ``key``; or None."""
     path = Path(os.path.expanduser(path))
+    try:
+        return _writable_dir_problem(key, path)
+    except OSError as err:  # e.g. a name longer than the filesystem allows
+        return problem(key, f"{path} cannot be used ({err.strerror}); choose another directory")
+
+
+def _writable_dir_problem(key: str, path: Path) -> str | None:
     probe = path
     while not probe.exists():
         if probe.is_symlink():  # a dangling link: mkdir would fail on it
@@ -63,6 +70,16 @@ def readable_path_problem(key: str, path: Path) -> str | None:
     return None
 
 
+def name_problem(key: str, path: Path) -> str | None:
+    """Why the filesystem refuses ``path``'s name (too long, a loop of links); or None."""
+    path = Path(os.path.expanduser(path))
+    try:
+        path.exists()
+    except OSError as err:
+        return problem(key, f"{path} cannot be used ({err.strerror}); choose another path")
+    return None
+
+
 def path_problems(cfg: JobConfig, run_dir: Path) -> list[str]:
     """Every path ``cfg`` reads or writes that this user cannot, one problem line each."""
     data, ckpt = cfg.data, cfg.optimization.checkpoint
@@ -74,8 +91,11 @@ def path_problems(cfg: JobConfig, run_dir: Path) -> list[str]:
     offload_dir = cfg.controllers.memory.offload_dir
     if offload_dir is not None and cfg.controllers.memory.offload == "nvme":
         found.append(writable_dir_problem("controllers.memory.offload_dir", Path(offload_dir)))
-    # data.cache_dir is not checked here: a complete cache may be read-only; the loader names
-    # the key when it must write a new entry and cannot.
+    # data.cache_dir is not checked for writing here: a complete cache may be read-only; the
+    # loader names the key when it must write a new entry and cannot. A name the filesystem
+    # refuses is refused here.
+    if data.cache_dir is not None:
+        found.append(name_problem("data.cache_dir", Path(data.cache_dir)))
     return [p for p in found if p is not None]
 
 

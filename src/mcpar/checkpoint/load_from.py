@@ -27,7 +27,15 @@ def resolve_load_from(cfg: JobConfig) -> JobConfig:
     given = cfg.optimization.checkpoint.load_from
     if not given:
         return cfg
-    path = Path(given).expanduser().resolve()
+    try:
+        return _resolved(cfg, Path(given).expanduser().resolve())
+    except OSError as err:  # a name too long, a folder without permission: name the key
+        raise UserError(problem(KEY, f"{given} cannot be read ({err.strerror}); give the "
+                                "--run-dir of a `mcpar train` or one of its checkpoints/step-N "
+                                "folders")) from None
+
+
+def _resolved(cfg: JobConfig, path: Path) -> JobConfig:
     if (path / "manifest.json").exists() or path.name.startswith("step-"):
         reason = verify_checkpoint(path) if path.is_dir() else "it does not exist"
         if reason is not None:

@@ -33,6 +33,14 @@ def is_tokenizer_file(spec: str) -> bool:
 
 def resolve_tokenizer_path(spec: str, key: str = "data.tokenizer") -> Path:
     """The ``tokenizer.json`` that ``spec`` names (the file, or the one inside a directory)."""
+    try:
+        return _tokenizer_path(spec, key)
+    except OSError as err:  # a name too long, a folder without permission: name the key
+        raise UserError(problem(key, f"'{spec}' cannot be read ({err.strerror}); give a "
+                                "Hugging Face tokenizer.json or a directory holding one")) from None
+
+
+def _tokenizer_path(spec: str, key: str) -> Path:
     path = Path(os.path.expanduser(spec))
     if path.is_dir() and os.path.lexists(path / "tokenizer.json"):
         # A directory's tokenizer.json is kept inside it, a regular file (contained.py).
