@@ -88,13 +88,8 @@ from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.stage import cut_model
 from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import (
-    SCHEDULES,
-    ActionCosts,
-    critical_path,
-    order_graph,
-    steady_period,
-)
+from mcpar.registry.schedule import SCHEDULES, ActionCosts
+from mcpar.registry.schedule_replay import critical_path, order_graph, steady_period
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import held_limits, rank_activations
 from mcpar.sim.workload import Layout, ModelShape

@@ -21,7 +21,11 @@ from mcpar.controllers.compute.plan import post_validation_problems
 from mcpar.controllers.compute.schedules import build_schedule
 from mcpar.parallel.grad_norm import clip_grad_norm, stage_sum_of_squares
 from mcpar.post_validation import PostValidatedUpdate
-from mcpar.registry.schedule import SCHEDULES, critical_path, order_graph, steady_period
+from mcpar.registry.schedule import SCHEDULES, schedule_as_run
+from mcpar.registry.schedule_replay import critical_path, order_graph, steady_period
+from mcpar.sim.costmodel import simulate
+from mcpar.sim.hardware import load_accelerators, make_cluster
+from mcpar.sim.workload import MODEL_PRESETS, Layout
 from mcpar.step_agreement import StepFigures
 from mcpar.topology import ParallelDims
 
@@ -160,6 +164,51 @@ def test_the_overlapped_orders_are_chosen_only_for_overlapping_steps() -> None:
     assert SCHEDULES.get("1f1b").for_overlapped_steps() is SCHEDULES.get("1f1b")
 
 
+# --- the cost model and the memory estimate ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "v", "pp", "m", "fill"), [
+    ("zb_h2", 1, 4, 8, 1.0), ("zbv", 2, 4, 8, 0.5), ("zbv", 2, 2, 64, 1 / 6),
+    ("1f1b", 1, 4, 8, 3.0), ("zb_h1", 1, 4, 8, 1.0),
+])
+def test_overlapping_steps_are_priced_by_their_steady_period(name: str, v: int, pp: int, m: int,
+                                                             fill: float) -> None:
+    """At equal stage costs (1 s per micro-batch, forward a third) a step that overlaps costs
+    m seconds where the schedule's ranks end a step as far apart as they start it (ZB-H2, ZBV),
+    and its synchronized span where they end together (1F1B, ZB-H1); past the replayed
+    micro-batches the period is extrapolated as the span is."""
+    sync, overlapped = schedule_as_run(name, None, False), schedule_as_run(name, None, True)
+    work = [1.0] * pp
+    span = sync.span(m, 1.0, float(pp), work, v, 1 / 3)
+    assert span == pytest.approx(m + fill)
+    ends_apart = name in ("zb_h2", "zbv")
+    assert overlapped.period(m, work, v, 1 / 3) == pytest.approx(m if ends_apart else span)
+    assert overlapped.period(1000, work, v, 1 / 3) == pytest.approx(
+        1000 if ends_apart else 1000 + fill)
+
+
+def test_the_cost_model_prices_the_overlap_and_the_copy_post_validation_keeps() -> None:
+    """GPT-3 175B on 1024 A100s at pipeline 8: ZB-H2's step under post-validation loses its
+    fill (the synchronized bubble less the imbalance that remains), 1F1B's does not change, and
+    the busiest rank's optimizer-state row gains its weights, gradients and optimizer state
+    (the copy kept to redo a step)."""
+    model = MODEL_PRESETS["gpt3-175b"].shape
+    cluster = make_cluster(load_accelerators()["a100-80gb"], 1024, 8, 200)
+    base = Layout(tp=8, pp=8, dp=16, global_batch=256, micro_batch=1, recompute="selective",
+                  seq_parallel=True, precision="bf16")
+    for name, gains in (("zb_h2", True), ("1f1b", False)):
+        sync = simulate(model, base.with_(schedule=name), cluster)
+        early = simulate(model, base.with_(schedule=name, post_validation=True), cluster)
+        if gains:
+            assert early.step_s < 0.95 * sync.step_s, (sync.step_s, early.step_s)
+        else:
+            assert early.step_s == pytest.approx(sync.step_s)
+        assert early.bubble_s <= sync.bubble_s + 1e-9
+        s, e = sync.memory, early.memory
+        assert (e.weights, e.gradients, e.activations) == (s.weights, s.gradients, s.activations)
+        assert e.optimizer == pytest.approx(2 * s.optimizer + s.weights + s.gradients)
+
+
 # --- the config -------------------------------------------------------------------------------
 
 
@@ -228,6 +277,14 @@ def test_post_validated_runs_train_the_synchronized_losses(name: str, tmp_path: 
     # Every clipped step taken early (the evaluated and the last ones wait instead) is redone.
     early = [r for r in clipped if r["step"] % 3]
     assert summary["post_validation"]["redone_steps"] == len(early)
+    # The copy kept to redo a step (weights, gradients, optimizer state): measured, and
+    # estimated, on top of the synchronized run's rows.
+    memory = json.loads((tmp_path / "pv" / "summary.json").read_text())["memory"]
+    synchronized = json.loads((tmp_path / "sync" / "summary.json").read_text())["memory"]
+    for side in ("measured", "estimate"):
+        rows, sync_rows = memory[side], synchronized[side]
+        assert rows["optimizer state"] == (2 * sync_rows["optimizer state"]
+                                           + sync_rows["parameters"] + sync_rows["gradients"])
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ import pytest
 from conftest import REPO
 
 from mcpar.config import load_config
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule_replay import replay
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.hardware import LocalProfile

@@ -17,14 +17,8 @@ from mcpar.controllers.compute.schedules import step_tasks
 from mcpar.metrics import read_metrics
 from mcpar.parallel.tasks import TaskKind
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
-from mcpar.registry.schedule import (
-    SCHEDULES,
-    Action,
-    ActionCosts,
-    critical_path,
-    order_graph,
-    replay,
-)
+from mcpar.registry.schedule import SCHEDULES, Action, ActionCosts
+from mcpar.registry.schedule_replay import critical_path, order_graph, replay
 
 SPLIT = [s.name for s in SCHEDULES if s.splits_backward]
 # What a schedule needs beside its name (the reference, 1F1B, runs one stage per rank).

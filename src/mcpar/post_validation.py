@@ -70,6 +70,13 @@ class _Snapshot:
     grads: list[torch.Tensor | None]
     state: dict[int, dict[str, object]]  # parameter index -> its optimizer state
 
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.params, *(g for g in self.grads if g is not None),
+                   *(v for s in self.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor))]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
 
 @dataclass
 class _Pending:
@@ -93,6 +100,9 @@ class PostValidatedUpdate:
         self.pipeline_ranks = comm.group_ranks("pp")  # whose stage sums make the norm
         self.pending: _Pending | None = None
         self.redone_steps = 0  # steps whose early update was wrong and was redone
+        # The largest copy held (weights, gradients, optimizer state), from an update until the
+        # next step settles it: memory the run holds beside its model states.
+        self.copy_peak_bytes = 0
 
     def update(self, step: int, figures: StepFigures, stage_norm_sq: float,
                settle: bool) -> Verdict | None:
@@ -111,6 +121,7 @@ class PostValidatedUpdate:
             self._apply(result)
             return Verdict(step, result)
         pending.snapshot = self._snapshot()
+        self.copy_peak_bytes = max(self.copy_peak_bytes, pending.snapshot.nbytes)
         if not figures.nonfinite:  # a rank that saw one knows the step is skipped
             self.optimizer.step()
             pending.stepped = True

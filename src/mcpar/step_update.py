@@ -25,6 +25,11 @@ RUN_AGAIN = object()
 class StepUpdates:
     """The trainer's update methods (their state is the trainer's: see ``Trainer``)."""
 
+    @property
+    def post_validation_copy_bytes(self) -> int:
+        """The largest copy post-validation held to redo a step (0 without it)."""
+        return 0 if self.post_validation is None else self.post_validation.copy_peak_bytes
+
     def _update(self, step: int, losses: list[float]) -> StepResult | object | None:
         """The step's last task: gradients are complete (and reduced over data); clip them
         over the whole mesh, agree on skipping, and step the optimizer. Under post-validation

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from mcpar.registry.schedule import SCHEDULES, replay
+from mcpar.registry.schedule import SCHEDULES
+from mcpar.registry.schedule_replay import replay
 
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "data", "idle")
 _COMPUTE = {"forward", "backward", "weight_grad"}

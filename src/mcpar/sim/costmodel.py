@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from mcpar.errors import UserError
 from mcpar.registry.codec import CODECS
 from mcpar.registry.recompute import RECOMPUTE_POLICIES
-from mcpar.registry.schedule import PipelineSchedule, replay
+from mcpar.registry.schedule import PipelineSchedule
+from mcpar.registry.schedule_replay import replay
 from mcpar.sim.collectives import (
     Group,
     all_gather,
@@ -387,7 +388,11 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     summed = dict(core.summed, zero_comm=p * z)
     w_max, w_sum = core.work_max + z, core.work_sum + p * z
     entry = schedule_entry(m, lay)  # bounded as it runs (a split schedule to 1F1B's memory)
-    pipeline = entry.span(mb, w_max, w_sum, [w + z for w in core.rank_work], v, core.fwd_share)
+    work = [w + z for w in core.rank_work]
+    # Steps that overlap (post-validation) cost the schedule's steady period: the fill and
+    # drain one step pays are hidden behind its neighbours' (``PipelineSchedule.period``).
+    pipeline = (entry.period(mb, work, v, core.fwd_share) if lay.overlapped_steps
+                else entry.span(mb, w_max, w_sum, work, v, core.fwd_share))
     fill_drain = mb * w_max + (w_sum - w_max) / v
     if pipeline == fill_drain and fill_drain >= w_sum:
         # Each category's share of the critical path (the busiest rank's m slots plus the
@@ -429,9 +434,9 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
     """CPU workers with more threads than cores share them:
     - compute that runs on all ranks at once slows by `crowd`, and by what switching the
       workers in and out costs beyond that (``Cluster.time_slicing_penalty``, measured at two
-      workers a core; linear from none at one). A one-chunk pipeline is replayed with processor
-      sharing instead of the uniform slowdown (``oversubscription``): a rank in its bubble
-      leaves its share of the cores to the others;
+      workers a core; linear from none at one). A one-chunk pipeline whose steps do not overlap
+      is replayed with processor sharing instead of the uniform slowdown
+      (``oversubscription``): a rank in its bubble leaves its share of the cores to the others;
     - the collectives (every ``*_comm``) do not slow: groups that reach their collectives
       together have nothing computing beside them. Measured here (gloo, 4 workers on 2 cores,
       each call after ~10 ms of compute, the groups in lockstep): 2-rank all-reduces of 1 and
@@ -441,7 +446,8 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
       layouts read 8-12% fast under this rule (docs/cost_model.md, "Ranking layouts here")."""
     mb = lay.num_microbatches
     shared = pipeline * crowd
-    if lay.pp > 1 and lay.vp == 1:
+    if lay.pp > 1 and lay.vp == 1 and not lay.overlapped_steps:
+        # (Overlapping steps leave no bubble to free cores in: the uniform slowdown holds.)
         work = [w + z for w in core.rank_work]
         # The ranks of one pipeline stage in every data-parallel replica and tensor group run
         # the same tasks at the same time: they load the cores together.

@@ -80,6 +80,7 @@ def config_layout(cfg: JobConfig, num_gpus: int, preset: ModelPreset | None = No
         autocast=preset is None,
         stages=_stage_cut(cfg, pp * par.virtual_stages) if preset is None else (),
         attention=attention, device=device,
+        post_validation=preset is None and opt.post_validation,
     )
 
 

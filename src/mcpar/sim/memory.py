@@ -72,6 +72,7 @@ from mcpar.registry.schedule import (
     SCHEDULES,
     PipelineSchedule,
     placed_stage,
+    schedule_as_run,
     schedule_placement,
     stage_rank,
 )
@@ -371,10 +372,11 @@ def rank_activations(m: ModelShape, lay: Layout, modes: tuple[str, ...] | None =
 
 def schedule_entry(m: ModelShape, lay: Layout,
                    modes: tuple[str, ...] | None = None) -> PipelineSchedule:
-    """The layout's pipeline schedule as it runs: a split schedule that takes held limits
-    bounded to ``held_limits`` (the one rule the runtime's order, the memory estimate and the
-    cost model's replay share)."""
-    return SCHEDULES.get(lay.schedule).held_within(held_limits(m, lay, modes))
+    """The layout's pipeline schedule as it runs (``schedule_as_run``, the one rule the
+    runtime's order, the memory estimate and the cost model's replay share): its orders for
+    overlapping steps where they overlap, a split schedule that takes held limits bounded to
+    ``held_limits``."""
+    return schedule_as_run(lay.schedule, held_limits(m, lay, modes), lay.overlapped_steps)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -507,6 +509,11 @@ def memory_per_gpu(m: ModelShape, lay: Layout, reserved: float = RESERVED_BYTES,
     dense_rank, expert_rank = params[busiest]
     weights, grads, optim = states(dense_rank, expert_rank)
     activations = acts[busiest]
+    if lay.post_validation:
+        # The step's weights, gradients and optimizer state, copied before each early update to
+        # redo a step guessed wrong (``mcpar.post_validation``) and held into the next step:
+        # counted with the optimizer state, as the trainer measures it.
+        optim += weights + grads + optim
 
     gathered = comm = offloaded = 0.0
     if offload is not None:

@@ -25,6 +25,7 @@ from mcpar.registry.schedule import (
     schedule_placement,
     splits_backward,
     stage_rank,
+    steps_overlap,
 )
 from mcpar.registry.zero import ZERO_STAGES, ZeroFacts, zero_stage
 
@@ -120,6 +121,10 @@ class Layout:
     # Layers of each of the pp x vp pipeline stages, first to last (stage s on rank s % pp);
     # empty: the even split of ``stage_blocks``.
     stages: tuple[int, ...] = ()
+    # ``optimization.post_validation``: each pipeline rank steps its optimizer as soon as its
+    # gradients are final, so steps overlap (``overlapped_steps``) and the update keeps a copy
+    # of the rank's weights, gradients and optimizer state to redo a step guessed wrong.
+    post_validation: bool = False
 
     def __post_init__(self) -> None:
         if not self.schedule:  # frozen: the default is filled in once, here
@@ -132,6 +137,12 @@ class Layout:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def overlapped_steps(self) -> bool:
+        """Each pipeline rank starts its next step as soon as its own update is done
+        (``steps_overlap``): a step costs its schedule's steady period, not its span."""
+        return steps_overlap(self.pp, self.post_validation)
 
     @property
     def reduces_every_backward(self) -> bool:

@@ -22,7 +22,7 @@ from mcpar.controllers.compute.stage_cut import partition_layers
 from mcpar.device_kernels import pipeline_receives_ahead
 from mcpar.errors import problem
 from mcpar.registry import LAYOUT_KEYS
-from mcpar.registry.schedule import SCHEDULES, ActionCosts
+from mcpar.registry.schedule import SCHEDULES, ActionCosts, steps_overlap
 from mcpar.topology import ParallelDims
 
 # The plan is made without torch (`mcpar check`); its methods that build the runtime import it.
@@ -254,4 +254,4 @@ def plan_compute(cfg: JobConfig, micro_batch_size: int, num_microbatches: int,
         balance=BalancePlan(ctl.scheduler, ctl.balance_interval, ctl.migration_cost,
                             ctl.balance_costs),
         held_limits=held_limits if pp > 1 else None,
-        overlapped_steps=pp > 1 and cfg.optimization.post_validation)
+        overlapped_steps=steps_overlap(pp, cfg.optimization.post_validation))

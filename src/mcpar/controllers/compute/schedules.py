@@ -26,7 +26,13 @@ order they are sent, so a backend that matches point-to-point messages by order 
 from __future__ import annotations
 
 from mcpar.parallel.tasks import Task, TaskKind
-from mcpar.registry.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action, ActionCosts
+from mcpar.registry.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Action,
+    ActionCosts,
+    schedule_as_run,
+)
 
 __all__ = ["Action", "build_schedule", "schedule_problem", "step_tasks"]
 
@@ -42,10 +48,7 @@ def build_schedule(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
     ``for_overlapped_steps``)."""
     if schedule not in SCHEDULES:
         raise ValueError(SCHEDULES.unknown(schedule))
-    entry = SCHEDULES.get(schedule)
-    if overlapped:
-        entry = entry.for_overlapped_steps()
-    return entry.held_within(limits).checked_actions(
+    return schedule_as_run(schedule, limits, overlapped).checked_actions(
         pp_rank, pp, num_microbatches, virtual_stages, costs)
 
 

@@ -47,15 +47,8 @@ from collections import deque
 from collections.abc import Callable
 
 from mcpar.controllers.compute.pipeline_schedules import one_f_one_b, one_f_one_b_warmup
-from mcpar.registry.schedule import (
-    EPS,
-    SCHEDULES,
-    Action,
-    ActionCosts,
-    PipelineSchedule,
-    critical_path,
-    order_graph,
-)
+from mcpar.registry.schedule import SCHEDULES, Action, ActionCosts, PipelineSchedule
+from mcpar.registry.schedule_replay import EPS, critical_path, order_graph
 
 
 def with_weight_grads(order: list[Action], lag: int) -> list[Action]:

@@ -70,17 +70,14 @@ from mcpar.controllers.compute.zero_bubble import (
     within,
 )
 from mcpar.registry.schedule import (
-    EPS,
     SCHEDULES,
     Action,
     ActionCosts,
     PipelineSchedule,
-    critical_path,
-    order_graph,
     placed_stage,
     stage_rank,
-    steady_period,
 )
+from mcpar.registry.schedule_replay import EPS, critical_path, order_graph, steady_period
 
 
 def v_stage(chunk: int, pp_rank: int, pp: int) -> int:

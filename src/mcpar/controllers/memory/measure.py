@@ -256,12 +256,18 @@ class MeasuredRun(Protocol):
     @property
     def executor(self) -> PipelineExecutor: ...
 
+    @property
+    def post_validation_copy_bytes(self) -> int: ...
+
 
 def trainer_memory(trainer: MeasuredRun) -> dict[str, dict[str, int]]:
     """``memory_summary`` of a Trainer (its meter, model states, gradient sync and plan)."""
     store = trainer.store
     held = model_state_bytes(trainer.pm.params, trainer.grad_sync, trainer.optimizer,
                              store.held_tensors() if store is not None else ([], []))
+    # Post-validation's copy of the step's weights, gradients and optimizer state, held from an
+    # update into the next step, is counted with the optimizer state (as the estimate counts it).
+    held["optimizer state"] = held.get("optimizer state", 0) + trainer.post_validation_copy_bytes
     feedback = CompressionState(trainer.optimizer, trainer.grad_exchange.compressor).tensors()
     measured = trainer.meter.rows(held, trainer.grad_sync, trainer.plan.memory.zero_stage,
                                   [t for t in feedback.values() if t.dim()],
