@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from mcpar.registry import Registry
 from mcpar.registry.pipeline_action import Action, ActionCosts
@@ -153,31 +154,19 @@ class PipelineSchedule(ABC):
              virtual_stages: int, fwd_share: float) -> float:
         """Seconds from the first forward to the last backward, when pipeline rank r spends
         ``rank_work[r]`` on one micro-batch (all its chunks; ``fwd_share`` of it forward);
-        ``w_max`` and ``w_sum`` are the largest and the sum of ``rank_work``."""
-        m, cap = num_microbatches, replayed_microbatches(len(rank_work), virtual_stages)
-        if m <= cap:
-            return replay(self, rank_work, m, virtual_stages, fwd_share)
-        # Past the fill, each more micro-batch adds about one steady-state period, measured
-        # on the replay's last pp micro-batches (a planner may ask for m in the billions,
-        # which no replay can list; within 2% of a full replay on stages 30% apart, tested).
-        pp = len(rank_work)
-        low = replay(self, rank_work, cap - pp, virtual_stages, fwd_share)
-        high = replay(self, rank_work, cap, virtual_stages, fwd_share)
-        return high + (m - cap) * (high - low) / pp
+        ``w_max`` and ``w_sum`` are the largest and the sum of ``rank_work`` (``extrapolated``
+        past the micro-batches a replay lists)."""
+        return extrapolated(lambda m: replay(self, rank_work, m, virtual_stages, fwd_share),
+                            num_microbatches, len(rank_work), virtual_stages)
 
     def period(self, num_microbatches: int, rank_work: list[float], virtual_stages: int,
                fwd_share: float) -> float:
         """Seconds per step when steps follow one another with no synchronized optimizer step
         between them (``steps_overlap``; this entry as ``for_overlapped_steps`` gives it): the
-        steady period of its orders (``steady_replay``) at ``span``'s costs, extrapolated past
-        the replayed micro-batches as ``span`` is."""
-        m, cap = num_microbatches, replayed_microbatches(len(rank_work), virtual_stages)
-        if m <= cap:
-            return steady_replay(self, rank_work, m, virtual_stages, fwd_share)
-        pp = len(rank_work)
-        low = steady_replay(self, rank_work, cap - pp, virtual_stages, fwd_share)
-        high = steady_replay(self, rank_work, cap, virtual_stages, fwd_share)
-        return high + (m - cap) * (high - low) / pp
+        steady period of its orders (``steady_replay``) at ``span``'s costs (``extrapolated``
+        past the micro-batches a replay lists)."""
+        return extrapolated(lambda m: steady_replay(self, rank_work, m, virtual_stages, fwd_share),
+                            num_microbatches, len(rank_work), virtual_stages)
 
     def in_flight(self, pp: int, pp_rank: int, num_microbatches: int,
                   virtual_stages: int) -> float:
@@ -262,6 +251,19 @@ def _peak_in_flight(schedule: PipelineSchedule, pp: int, pp_rank: int, m: int, v
         held += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
         peak = max(peak, held)
     return peak / v
+
+
+def extrapolated(price: Callable[[int], float], num_microbatches: int, pp: int,
+                 virtual_stages: int) -> float:
+    """``price(m)`` of a replay, for an ``m`` past what a replay lists: past the fill, each more
+    micro-batch adds about one steady-state period, measured on the replay's last pp
+    micro-batches (a planner may ask for m in the billions; within 2% of a full replay on
+    stages 30% apart, tested)."""
+    m, cap = num_microbatches, replayed_microbatches(pp, virtual_stages)
+    if m <= cap:
+        return price(m)
+    low, high = price(cap - pp), price(cap)
+    return high + (m - cap) * (high - low) / pp
 
 
 def replayed_microbatches(pp: int, virtual_stages: int) -> int:
