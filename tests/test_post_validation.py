@@ -293,13 +293,19 @@ def test_a_nonfinite_step_is_skipped_as_the_synchronized_run_skips_it(tmp_path: 
     skipped, as without post-validation, and the runs agree on every loss after it."""
     settings = [*MODEL, *LAYOUTS["zbv_pipeline2"][1]]
     env = {"MCPAR_FAULT_NONFINITE_STEPS": "4"}
-    runs = {}
+    runs, outputs = {}, {}
     for label, extra in (("sync", []), ("pv", ["optimization.post_validation=true"])):
         proc = run_mcpar("train", *sets(*settings, *extra), "--nproc", "2", "--run-dir",
                          str(tmp_path / label), env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[label] = read_metrics(tmp_path / label)
+        outputs[label] = proc.stdout + proc.stderr
     assert [r["skipped"] for r in runs["pv"]] == [r["skipped"] for r in runs["sync"]]
     assert runs["sync"][3]["skipped"]
     finite = [r["loss"] for r in runs["pv"] if not r["skipped"]]
     assert finite == [r["loss"] for r in runs["sync"] if not r["skipped"]]
+    # More than a tenth of the steps redone (the NaN step, the clipped ones): the run says so.
+    redone = json.loads((tmp_path / "pv" / "summary.json").read_text())["post_validation"]
+    assert redone["redone_steps"] > STEPS // 10
+    assert f"{redone['redone_steps']} of {STEPS} steps were redone" in outputs["pv"]
+    assert "were redone" not in outputs["sync"]

@@ -86,6 +86,11 @@ def lr_at(step: int, cfg: JobConfig) -> float:
     return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+# Post-validation pays off only where its guess (no clip, nothing non-finite) rarely fails:
+# past this share of redone steps the run says so.
+REDONE_WARNING_SHARE = 0.1
+
+
 class Trainer(StepUpdates):
     def __init__(self, plan: JobPlan, run_dir: Path, env: DistEnv | None,
                  resume: bool = False, stop_after: int | None = None,
@@ -527,7 +532,13 @@ class Trainer(StepUpdates):
                             "checksum_seconds": self.consistency.checksum_seconds},
         }
         if self.post_validation is not None:  # steps whose early update had to be redone
-            summary["post_validation"] = {"redone_steps": self.post_validation.redone_steps}
+            redone = self.post_validation.redone_steps
+            summary["post_validation"] = {"redone_steps": redone}
+            if redone > REDONE_WARNING_SHARE * max(1, len(step_times)):
+                self._log(f"optimization.post_validation: {redone} of {len(step_times)} steps "
+                          "were redone (a clipped or non-finite step costs a second step): "
+                          "raise optimization.grad_clip above the usual gradient norm, or set "
+                          "post_validation false")
         if cfg.training.compile:  # what torch.compile did on every rank (a collective)
             summary["compile"] = compiled_per_rank(
                 lambda t: self.comm.all_gather(t, axis="world"))
