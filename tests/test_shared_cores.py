@@ -1,5 +1,6 @@
 """CPU workers that share cores: compute slows by the crowding and the measured time-slicing
-penalty; the collectives do not, since every group of an SPMD program reaches them together."""
+penalty; the collectives do not, since every group of an SPMD program reaches them together;
+each posted point-to-point exchange of the ring costs the measured crowded handoff."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from test_sim_local import PROFILE, SMALL
 
 from mcpar.config import load_config
 from mcpar.sim.costmodel import oversubscription, simulate
-from mcpar.sim.hardware import TIME_SLICING_NOTE, Cluster
+from mcpar.sim.hardware import CROWDED_EXCHANGE_NOTE, TIME_SLICING_NOTE, Cluster
 from mcpar.sim.localprofile import local_cluster
-from mcpar.sim.microbench import time_slicing_penalty
 from mcpar.sim.profilestore import field_problems
+from mcpar.sim.shared_cores_bench import crowded_exchange_cost, time_slicing_penalty
 
 # Compute priced at per-thread rates (element-wise work is not: its bandwidth is the cores'
 # total over the cores, which a cluster of more cores divides further).
 COMPUTE = ("gemm", "attention", "overhead")
 
 
-def _cluster(penalty: float | None, workers: int, cores: int = 2) -> Cluster:
+def _cluster(penalty: float | None, workers: int, cores: int = 2,
+             exchange: float | None = None) -> Cluster:
     notes = dict(PROFILE.notes)
     if penalty is not None:
         notes[TIME_SLICING_NOTE] = penalty
+    if exchange is not None:
+        notes[CROWDED_EXCHANGE_NOTE] = exchange
     # The same per-thread rates whatever the cores: only the sharing differs.
     return replace(local_cluster(replace(PROFILE, notes=notes)), num_gpus=workers, cores=cores)
 
@@ -88,11 +92,12 @@ def test_a_profile_without_the_penalty_prices_none() -> None:
     assert _cluster(0.07, 4).time_slicing_penalty == 0.07
 
 
+@pytest.mark.parametrize("note", [TIME_SLICING_NOTE, CROWDED_EXCHANGE_NOTE])
 @pytest.mark.parametrize("bad", [-0.1, math.nan])
-def test_a_penalty_no_measurement_gives_is_named(bad: float, tmp_path) -> None:
-    profile = replace(PROFILE, notes={**PROFILE.notes, TIME_SLICING_NOTE: bad})
+def test_a_sharing_cost_no_measurement_gives_is_named(note: str, bad: float, tmp_path) -> None:
+    profile = replace(PROFILE, notes={**PROFILE.notes, note: bad})
     problems = field_problems(profile, tmp_path / "p.json", "measure it again")
-    assert any(f"notes.{TIME_SLICING_NOTE}" in p for p in problems), problems
+    assert any(f"notes.{note}" in p for p in problems), problems
 
 
 def test_the_time_slicing_penalty_is_measured_as_a_share() -> None:
@@ -100,3 +105,31 @@ def test_the_time_slicing_penalty_is_measured_as_a_share() -> None:
     of the time, at least 0 and far below what a second copy of the work would cost."""
     penalty = time_slicing_penalty(2, seconds=0.05, repeats=1)
     assert math.isfinite(penalty) and 0.0 <= penalty < 1.0
+
+
+@pytest.mark.parametrize(("cp", "data"), [(2, 2), (4, 1)])
+def test_each_ring_exchange_pays_the_crowded_handoff(cp: int, data: int) -> None:
+    """Context ``cp`` x data ``data`` (mcpar's ring) on 4 workers: with a measured crowded
+    exchange of 3 ms, the context traffic grows by 3 ms for each exchange of the step, (cp - 1)
+    K/V hops forward and again backward plus cp dK/dV, per layer and micro-batch; at a core a
+    worker nothing changes, and neither do the other terms."""
+    layout = [f"parallelism.context={cp}", f"parallelism.data={data}",
+              "parallelism.context_mode=ring", "model.seq_len=256"]
+    plain = _breakdown(layout, _cluster(0.1, 4), 4)
+    handoff = _breakdown(layout, _cluster(0.1, 4, exchange=3e-3), 4)
+    layers, micro_batches = 4, 32 // (data * 8)  # context shards tokens, not sequences
+    exchanges = (cp - 1) + (cp - 1) + cp
+    assert handoff["cp_comm"] - plain["cp_comm"] == pytest.approx(
+        3e-3 * exchanges * layers * micro_batches)
+    assert {k: v for k, v in handoff.items() if k != "cp_comm"} == pytest.approx(
+        {k: v for k, v in plain.items() if k != "cp_comm"})
+    assert _breakdown(layout, _cluster(0.1, 4, cores=4, exchange=3e-3), 4) == pytest.approx(
+        _breakdown(layout, _cluster(0.1, 4, cores=4), 4))
+
+
+def test_the_crowded_exchange_is_measured_as_a_time() -> None:
+    """Pairs of one-thread workers exchanging around bursts of compute, 2 then 4 on this
+    2-core machine: a finite time, at least 0 and under a burst's few milliseconds several
+    times over."""
+    cost = crowded_exchange_cost(2, iters=10, repeats=1)
+    assert math.isfinite(cost) and 0.0 <= cost < 0.05

@@ -96,6 +96,21 @@ def cpu_threads(cluster: Cluster, ranks: int) -> int:
     return max(1, cluster.cores // ranks) if cluster.accel.is_cpu else 1
 
 
+def oversubscription(cluster: Cluster, ranks: int) -> float:
+    """How many times more threads than cores the workers run (1 when they fit)."""
+    if not cluster.accel.is_cpu:
+        return 1.0
+    return max(1.0, ranks * cpu_threads(cluster, ranks) / cluster.cores)
+
+
+def crowded_exchange(cluster: Cluster, lay: Layout) -> float:
+    """Seconds each posted point-to-point exchange costs beyond its uncrowded price where the
+    workers share cores: the measured cost at two workers a core (``Cluster.
+    crowded_exchange_s``), linear from none at one, as the time-slicing penalty is."""
+    crowd = oversubscription(cluster, lay.num_gpus)
+    return cluster.crowded_exchange_s * min(1.0, crowd - 1.0)
+
+
 def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0) -> Roofline:
     """Rates for one rank; `share` < 1 when ranks share cores (CPU oversubscription)."""
     peak = cluster.accel.peak(lay.precision)
@@ -369,14 +384,17 @@ def context_exposed(m: ModelShape, lay: Layout, cluster: Cluster, eff: Efficienc
     # masked) at step 0, a dense block (1 unit) after. Backward: n steps; each block's fp32
     # dK/dV is sent on after the block is computed and waited at once (exposed), behind the
     # K/V still in flight on the same link.
+    # Where workers share cores, every exchange, hidden or not, costs the measured crowded
+    # handoff on top (``crowded_exchange``): n - 1 K/V hops a pass, and the backward's n dK/dV.
     kv = p2p(2 * local * rl.act_bytes, group, cluster, eff.network)
     dkv = p2p(2 * local * 4, group, cluster, eff.network)
+    crowded = crowded_exchange(cluster, lay)
 
     def hidden_behind(unit: float) -> float:
-        return max(0.0, kv - 2 * unit) + (n - 2) * max(0.0, kv - unit)
+        return max(0.0, kv - 2 * unit) + (n - 2) * max(0.0, kv - unit) + (n - 1) * crowded
 
     forward = hidden_behind(core_f / (n + 1))
-    backward = hidden_behind(core_b / (n + 1)) + n * dkv
+    backward = hidden_behind(core_b / (n + 1)) + n * (dkv + crowded)
     return forward * (passes - 1) + backward
 
 

@@ -55,6 +55,7 @@ from mcpar.sim.compute import (
     embedding_times,
     head_times,
     layer_times,
+    oversubscription,
     roofline,
     tokens_per_gpu,
 )
@@ -113,13 +114,6 @@ class Prediction:
 def model_flops_per_token(m: ModelShape) -> float:
     """Training FLOPs of one token without recompute (the shape's count)."""
     return m.flops_per_token()
-
-
-def oversubscription(cluster: Cluster, ranks: int) -> float:
-    """How many times more threads than cores the workers run (1 when they fit)."""
-    if not cluster.accel.is_cpu:
-        return 1.0
-    return max(1.0, ranks * cpu_threads(cluster, ranks) / cluster.cores)
 
 
 def rank_roofline(cluster: Cluster, lay: Layout, eff: Efficiency) -> Roofline:

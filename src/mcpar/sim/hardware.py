@@ -156,8 +156,13 @@ class Cluster:
     # hides behind compute (``microbench._gather_overlap``); None: ``efficiency.overlap``.
     gather_overlap: float | None = None
     # A measured profile's cost of time-slicing: how much longer CPU workers take, two to a
-    # core, than the cores' share of them (``microbench.time_slicing_penalty``); 0: none known.
+    # core, than the cores' share of them (``shared_cores_bench.time_slicing_penalty``); 0: none
+    # known.
     time_slicing_penalty: float = 0.0
+    # A measured profile's seconds that a posted point-to-point exchange (a ring-attention step)
+    # costs beyond what it costs uncrowded, two workers to a core
+    # (``shared_cores_bench.crowded_exchange_cost``); 0: none known.
+    crowded_exchange_s: float = 0.0
     # A measured profile's causal-attention rate at each head dimension it timed, over the rate
     # its ``efficiency.attention`` holds (head dimension 64): small heads run a CPU's attention
     # kernel well below it. Empty: one rate for every head dimension.
@@ -280,6 +285,7 @@ def cluster_preset(name: str, table: dict[str, Accelerator] | None = None,
 # The profile's note of the share of a prefetched all-gather that hides behind compute.
 GATHER_OVERLAP_NOTE = "gather_overlap"
 TIME_SLICING_NOTE = "time_slicing_penalty"
+CROWDED_EXCHANGE_NOTE = "crowded_exchange_s"
 
 
 @dataclass

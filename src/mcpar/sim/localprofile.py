@@ -11,7 +11,9 @@ fixed cost is measured is so small that its arithmetic is negligible; mcpar's ri
 blocks are timed on one thread (``microbench.ring_block_notes``: on a CPU they run at neither the
 GEMM rate nor the streaming rate, so the cost model prices context parallelism's ring from them);
 gloo is timed at 16 KiB to 4 MiB, and a p-rank ring is then priced (p - 1) alpha
-+ 2 (p - 1) / p n beta from those lines.
++ 2 (p - 1) / p n beta from those lines; what sharing the cores costs the workers' compute and
+the ring's exchanges is timed with twice as many one-thread workers as cores
+(``shared_cores_bench``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 from mcpar.errors import UserError
 from mcpar.sim.cpu_load import foreign_share
 from mcpar.sim.hardware import (
+    CROWDED_EXCHANGE_NOTE,
     GATHER_OVERLAP_NOTE,
     TIME_SLICING_NOTE,
     Accelerator,
@@ -46,7 +49,6 @@ from mcpar.sim.microbench import (
     collective_costs,
     ring_block_notes,
     sustained_time,
-    time_slicing_penalty,
     tiny_block,
 )
 from mcpar.sim.profilestore import (
@@ -57,6 +59,7 @@ from mcpar.sim.profilestore import (
     under_load,
 )
 from mcpar.sim.profilestore import cores as cores_here
+from mcpar.sim.shared_cores_bench import crowded_exchange_cost, time_slicing_penalty
 
 if TYPE_CHECKING:
     import torch
@@ -195,6 +198,7 @@ def _measure() -> LocalProfile:
     op, block = _block_overhead()
     ring = _ring_blocks()
     slicing = time_slicing_penalty(n)
+    crowded_exchange = crowded_exchange_cost(n)
     masks_all = _mask_rate(n)
     costs, gather_overlap = collective_costs()
     return LocalProfile(
@@ -203,7 +207,7 @@ def _measure() -> LocalProfile:
         layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
         collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap,
-               TIME_SLICING_NOTE: slicing,
+               TIME_SLICING_NOTE: slicing, CROWDED_EXCHANGE_NOTE: crowded_exchange,
                **{attention_note(dh): rate for dh, rate in attention.items()}, **ring},
     )
 
@@ -232,6 +236,7 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
                    reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE),
                    time_slicing_penalty=_note(profile, TIME_SLICING_NOTE) or 0.0,
+                   crowded_exchange_s=_note(profile, CROWDED_EXCHANGE_NOTE) or 0.0,
                    attention_head_dims=_head_dim_rates(profile),
                    ring_blocks=ring_block_cost(profile))
 

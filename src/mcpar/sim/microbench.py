@@ -1,8 +1,8 @@
 """The micro-benchmarks both profiles time a machine with: ``localprofile`` (the CPU, gloo)
 and ``deviceprofile`` (a CUDA device, NCCL). One definition of each, the device explicit: the
 sustained time of a call, causal attention's rate, the tiny block whose cost is a layer's fixed
-overhead, mcpar's ring-attention blocks, what time-slicing costs workers that share cores, and
-the collectives' ``t = alpha + n beta`` lines between two workers.
+overhead, mcpar's ring-attention blocks, and the collectives' ``t = alpha + n beta`` lines
+between two workers. What sharing cores costs CPU workers: ``shared_cores_bench``.
 """
 
 from __future__ import annotations
@@ -110,59 +110,6 @@ def training_block_step(device: torch.device) -> Callable[[], None]:
 
     return step
 
-
-def _slicing_worker(index: int, phases: list[int], iters: int, barrier: object,
-                    queue: object) -> None:
-    """One process of ``time_slicing_penalty``: in each phase, the first ``phases[k]`` workers
-    run ``iters`` steps from one common start and report their time; the others wait for the
-    next phase asleep at the barrier."""
-    import torch
-
-    torch.set_num_threads(1)
-    step = training_block_step(torch.device("cpu"))
-    step()
-    for k, running in enumerate(phases):
-        barrier.wait()  # type: ignore[attr-defined]
-        if index < running:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            queue.put((k, time.perf_counter() - t0))  # type: ignore[attr-defined]
-
-
-def time_slicing_penalty(cores: int, seconds: float = 0.5, repeats: int = 5) -> float:
-    """What sharing cores costs CPU workers beyond splitting them: twice as many one-thread
-    processes as cores take ``T_2c / (2 T_c) - 1`` longer than ``cores`` of them would twice
-    over, on ``training_block_step``; the median of ``repeats``, at least 0. Contention between
-    cores that all run (memory, shared caches) is in the all-core rates already, so ``T_c`` is
-    timed with every core busy. (A working set about ten times larger, four blocks with an 8k
-    vocabulary and AdamW, gave no larger share on the 2-core machine, 0.00-0.07 against
-    0.05-0.12 for one block: refilling caches after a switch is not what it measures.)"""
-    import torch
-    import torch.multiprocessing as mp
-
-    torch.set_num_threads(1)
-    step = training_block_step(torch.device("cpu"))
-    step()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        step()
-    iters = max(3, round(seconds / ((time.perf_counter() - t0) / 3)))
-    phases = [cores, 2 * cores] * repeats
-    ctx = mp.get_context("spawn")
-    queue, barrier = ctx.SimpleQueue(), ctx.Barrier(2 * cores)
-    procs = [ctx.Process(target=_slicing_worker, args=(i, phases, iters, barrier, queue))
-             for i in range(2 * cores)]
-    for p in procs:
-        p.start()
-    makespan = [0.0] * len(phases)
-    for _ in range(sum(phases)):
-        k, took = queue.get()
-        makespan[k] = max(makespan[k], took)
-    for p in procs:
-        p.join(60)
-    ratios = [makespan[k + 1] / (2 * makespan[k]) - 1 for k in range(0, len(phases), 2)]
-    return max(0.0, statistics.median(ratios))
 
 # The ring blocks' shapes timed, (batch, heads, local tokens 2c, head dimension), at 2 ranks: tiny
 # ones, whose arithmetic is negligible, at 2 and 4 ranks give the fixed cost of a call and of

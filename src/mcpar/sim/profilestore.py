@@ -33,7 +33,7 @@ from typing import Literal
 
 from mcpar.errors import problem
 from mcpar.sim.cpu_load import MAX_FOREIGN_SHARE
-from mcpar.sim.hardware import TIME_SLICING_NOTE, LocalProfile
+from mcpar.sim.hardware import CROWDED_EXCHANGE_NOTE, TIME_SLICING_NOTE, LocalProfile
 from mcpar.sim.microbench import RING_NOTE
 
 PROFILE_ENV = "MCPAR_LOCAL_PROFILE"
@@ -254,8 +254,8 @@ def field_problems(profile: LocalProfile, path: Path, fix: str,
     notes = profile.notes if isinstance(profile.notes, dict) else {}
     if "flops_all_cores" in notes and not _finite(notes["flops_all_cores"], 0.0, strict=True):
         bad("notes.flops_all_cores", "a finite number > 0", notes["flops_all_cores"])
-    for key, value in notes.items():  # the ring blocks' times and the time-slicing penalty
-        if ((key.startswith(RING_NOTE) or key == TIME_SLICING_NOTE)
+    for key, value in notes.items():  # the ring blocks' times and what sharing cores costs
+        if ((key.startswith(RING_NOTE) or key in (TIME_SLICING_NOTE, CROWDED_EXCHANGE_NOTE))
                 and not _finite(value, 0.0, strict=False)):
             bad(f"notes.{key}", "a finite number >= 0", value)
     return problems
