@@ -580,6 +580,25 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
     Path(args.result_file).write_text(json.dumps(result))
 
 
+def round_checks(bubbles: dict[str, dict], at_latency: dict[str, dict],
+                 zb_h1_theory: float) -> dict[str, list[bool]]:
+    """The issue's bounds in every round (``checks``' other entries read the first round
+    alone): ZB-H1 within 2 points of its theory, with free messages and at the round's
+    measured message latency; ZBV at most 5% with steps that overlap."""
+    zb_h1 = bubbles["zb_h1"]["per_round"]
+    found = {
+        "zb_h1_within_2_points_of_theory_rounds":
+            [100 * (b - zb_h1_theory) <= 2.0 for b in zb_h1],
+        "zb_h1_within_2_points_of_theory_at_measured_latency_rounds":
+            [100 * (b - t) <= 2.0 for b, t in zip(zb_h1, at_latency["zb_h1"]["per_round"],
+                                                   strict=True)],
+    }
+    if "zbv@overlapped_steps" in bubbles:
+        found["zbv_at_most_5_percent_with_overlapped_steps_rounds"] = [
+            b <= 0.05 for b in bubbles["zbv@overlapped_steps"]["per_round"]]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -628,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
         {name: [r[name]["theory_at_measured_latency"] for r in fixed_rounds]
          for name in fixed_rounds[0]})
     result["message_latency_s_rounds"] = latencies
+    result["checks"].update(round_checks(result["fixed_cost_bubble_rounds"],
+                                         result["fixed_cost_theory_at_measured_latency_rounds"],
+                                         fixed_rounds[0]["zb_h1"]["theory"]))
     result["machine"] = (f"{os.cpu_count()} cores, shared with other jobs while it ran: "
                          "timings are noisy, compare within a round")
     if rounds:
