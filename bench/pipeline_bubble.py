@@ -54,21 +54,28 @@ How to run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_workers import emit_result, run_worker
-from pipeline_rounds import against_torch, real_model_ratios, spread
+from pipeline_rounds import against_torch, real_model_ratios, round_checks, spread
+from pipeline_timing import (
+    log,
+    measure,
+    measure_overlapped,
+    overlapped_theory,
+    placement,
+    splits,
+    theory,
+)
 from torch import nn
 from torch_pipeline_peer import run_torch_schedules
 from torch_pipeline_real import run_torch_real_model
@@ -77,8 +84,7 @@ import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.config import ModelConfig
 from mcpar.config.loading import parse_config
 from mcpar.controllers.communication.controller import CommunicationController
-from mcpar.controllers.compute.plan import ComputePlan
-from mcpar.controllers.compute.schedules import build_schedule, schedule_problem, step_tasks
+from mcpar.controllers.compute.schedules import schedule_problem, step_tasks
 from mcpar.controllers.compute.zero_bubble_v import MESSAGE_LATENCY
 from mcpar.controllers.memory.measure import MemoryMeter
 from mcpar.launch.env import DistEnv
@@ -86,10 +92,8 @@ from mcpar.launch.local import LaunchFailed, launch_local
 from mcpar.models.spec import get_model_spec
 from mcpar.parallel.pipeline import PipelineExecutor
 from mcpar.parallel.stage import cut_model
-from mcpar.parallel.tasks import Task
 from mcpar.parallel.weight_grad import WeightGradStore, split_weight_grads
 from mcpar.registry.schedule import SCHEDULES, ActionCosts
-from mcpar.registry.schedule_replay import critical_path, order_graph, steady_period
 from mcpar.sim.fromconfig import config_layout, config_model
 from mcpar.sim.memory import held_limits, rank_activations
 from mcpar.sim.workload import Layout, ModelShape
@@ -154,36 +158,6 @@ def schedules(args: argparse.Namespace) -> list[tuple[str, int]]:
             ("zb_h2", 1), ("zbv", 2)]
 
 
-def theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
-           w_ratio: float = 1.0, costs: ActionCosts | None = None,
-           limits: tuple[int, ...] | None = None, latency: float = 0.0) -> float:
-    """Mean idle fraction of equal stages whose forward costs 1, B ``b_ratio`` and W
-    ``w_ratio`` (an unsplit backward both), messages free (``latency``: each message that many
-    forwards): the critical path of the schedule's orders (built at ``costs`` and within
-    ``limits`` when given)."""
-    entry = SCHEDULES.get(schedule)
-    orders = [build_schedule(schedule, r, pp, m, v, costs, limits) for r in range(pp)]
-    graph = order_graph(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
-                        pp * v - 1, schedule)
-    per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
-                "W": w_ratio / v}
-    span = critical_path(graph, lambda r, kind: per_kind[kind], latency)
-    return 1 - m * (1 + b_ratio + w_ratio) / span
-
-
-def overlapped_theory(schedule: str, pp: int, m: int, v: int, b_ratio: float = 1.0,
-                      w_ratio: float = 1.0, latency: float = 0.0) -> float:
-    """``theory`` of steps that overlap (post-validation: no synchronized optimizer step),
-    the schedule's orders for them: the steady period's idle share (``steady_period``)."""
-    entry = SCHEDULES.get(schedule)
-    orders = [build_schedule(schedule, r, pp, m, v, overlapped=True) for r in range(pp)]
-    per_kind = {"F": 1 / v, "B": (b_ratio if entry.splits_backward else b_ratio + w_ratio) / v,
-                "W": w_ratio / v}
-    period = steady_period(orders, lambda chunk, r: entry.stage_of(chunk, r, pp, v), pp,
-                           pp * v - 1, m, lambda r, kind: per_kind[kind], latency)
-    return 1 - m * (1 + b_ratio + w_ratio) / period
-
-
 def message_latency_s(rounds: int = 60, idle_s: float = 0.005) -> float:
     """One way of a pipeline message between ranks 0 and 1, as the fixed-cost stages see it:
     the median of ``rounds`` gloo round trips of a fixed-cost activation, halved, each after
@@ -206,22 +180,6 @@ def message_latency_s(rounds: int = 60, idle_s: float = 0.005) -> float:
     return out.item()
 
 
-def splits(schedule: str) -> bool:
-    return SCHEDULES.get(schedule).splits_backward
-
-
-def placement(schedule: str, rank: int, pp: int, m: int, v: int,
-              costs: ActionCosts | None = None, limits: tuple[int, ...] | None = None,
-              overlapped: bool = False) -> dict:
-    """The executor's stage placement and receives on this CPU, as the ComputeController's
-    plan gives them."""
-    plan = ComputePlan(pp=pp, virtual_stages=v, schedule=schedule, sequence_parallel=False,
-                       micro_batch_size=1, num_microbatches=m, global_batch_size=m,
-                       stage_cut=(), batch_splitting="fixed", balance=None,  # type: ignore
-                       action_costs=costs, held_limits=limits, overlapped_steps=overlapped)
-    return plan.executor_wiring(rank, "cpu")
-
-
 class SleepingWeightGrads(WeightGradStore):
     """A fixed-cost stage's W: its linear layer's deferred weight gradient, then a sleep."""
 
@@ -232,11 +190,6 @@ class SleepingWeightGrads(WeightGradStore):
     def run(self, key: tuple[int, int]) -> None:
         super().run(key)
         time.sleep(self.seconds)
-
-
-def log(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"pipeline_bubble: {message}", file=sys.stderr, flush=True)
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -273,72 +226,6 @@ class FixedCostStage(nn.Module):
             x = self.embed(x)
         time.sleep(self.fwd_s)
         return _SleepInBackward.apply(self.mix(x), self.bwd_s)
-
-
-def measure(executor: PipelineExecutor, tasks: list[Task],
-            make_batches: Callable[[], tuple[list, list]],
-            warmup: int, repeats: int, meter: MemoryMeter | None = None) -> dict:
-    """Idle fraction (mean over ranks) of `repeats` steps, each timed from a common barrier;
-    with ``meter``, every rank's peak activation bytes of the first timed step (the
-    MemoryController's meter, as a training run measures them: what autograd saves, what W's
-    store keeps, and the loss's transients)."""
-    pp = dist.get_world_size()
-    idle, step_s = [], []
-    activations: list[int] | None = None
-    for n in range(warmup + repeats):
-        inputs, targets = make_batches()
-        measured = meter is not None and n == warmup
-        dist.barrier()
-        with meter.step() if measured else contextlib.nullcontext():  # type: ignore[union-attr]
-            executor.run(inputs if executor.holds_first_stage else None,
-                         targets if executor.holds_last_stage else None, tasks)
-        if measured:
-            peaks = [None] * pp
-            dist.all_gather_object(peaks, meter.activations)  # type: ignore[union-attr]
-            activations = [int(p) for p in peaks]  # type: ignore[arg-type]
-        stats = executor.last_stats
-        step = torch.tensor([stats.total_s], dtype=torch.float64)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
-        rank_idle = torch.tensor([1 - stats.busy_s / step.item()], dtype=torch.float64)
-        dist.all_reduce(rank_idle)
-        if n >= warmup:
-            idle.append(rank_idle.item() / pp)
-            step_s.append(step.item())
-    out = {"idle_fraction": statistics.fmean(idle), "idle_fraction_per_step": idle,
-           "step_time_s_median": statistics.median(step_s),
-           "step_time_s_min": min(step_s), "step_time_s_max": max(step_s)}
-    if activations is not None:
-        out["peak_activation_bytes_per_rank"] = activations
-    return out
-
-
-def measure_overlapped(executor: PipelineExecutor, tasks: list[Task],
-                       make_batches: Callable[[], tuple[list, list]], warmup: int,
-                       repeats: int) -> dict:
-    """Idle fraction (mean over ranks) of steps that overlap, as post-validation runs them:
-    one barrier, then ``warmup + repeats`` steps back to back, each rank starting its next
-    step as soon as its own is done. A rank's period is the time between the ends of its
-    first and last timed steps over ``repeats``; its idle share ``1 - busy / period``, busy
-    its mean over the timed steps."""
-    pp = dist.get_world_size()
-    steps = max(warmup, 1) + repeats  # a step before the first timed one ends the fill
-    ends, busy = [], []
-    dist.barrier()
-    for _ in range(steps):
-        inputs, targets = make_batches()
-        executor.run(inputs if executor.holds_first_stage else None,
-                     targets if executor.holds_last_stage else None, tasks)
-        ends.append(time.perf_counter())
-        busy.append(executor.last_stats.busy_s)
-    period = (ends[-1] - ends[-1 - repeats]) / repeats
-    mine = torch.tensor([1 - statistics.fmean(busy[-repeats:]) / period, period],
-                        dtype=torch.float64)
-    rows: list = [None] * pp
-    dist.all_gather_object(rows, mine.tolist())
-    return {"idle_fraction": statistics.fmean(r[0] for r in rows),
-            "idle_fraction_per_rank": [r[0] for r in rows],
-            "period_s_per_rank": [r[1] for r in rows],
-            "step_time_s_median": statistics.median(r[1] for r in rows)}
 
 
 def fixed_cost_part(args: argparse.Namespace,
@@ -578,25 +465,6 @@ def worker(args: argparse.Namespace, env: DistEnv) -> None:
         result["checks"].update({"zb_h1_peak_at_most_1.05x_1f1b": peaks["zb_h1"] <= 1.05,
                                  "zbv_peak_at_most_1f1b": peaks["zbv"] <= 1.0})
     Path(args.result_file).write_text(json.dumps(result))
-
-
-def round_checks(bubbles: dict[str, dict], at_latency: dict[str, dict],
-                 zb_h1_theory: float) -> dict[str, list[bool]]:
-    """The issue's bounds in every round (``checks``' other entries read the first round
-    alone): ZB-H1 within 2 points of its theory, with free messages and at the round's
-    measured message latency; ZBV at most 5% with steps that overlap."""
-    zb_h1 = bubbles["zb_h1"]["per_round"]
-    found = {
-        "zb_h1_within_2_points_of_theory_rounds":
-            [100 * (b - zb_h1_theory) <= 2.0 for b in zb_h1],
-        "zb_h1_within_2_points_of_theory_at_measured_latency_rounds":
-            [100 * (b - t) <= 2.0 for b, t in zip(zb_h1, at_latency["zb_h1"]["per_round"],
-                                                   strict=True)],
-    }
-    if "zbv@overlapped_steps" in bubbles:
-        found["zbv_at_most_5_percent_with_overlapped_steps_rounds"] = [
-            b <= 0.05 for b in bubbles["zbv@overlapped_steps"]["per_round"]]
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,3 +73,22 @@ def against_torch(rounds: list[tuple[dict, dict]]) -> dict:
                                      for name in rounds[0][1]["schedules"]}),
             "mcpar_bubble": summary({name: [ours[name]["idle_fraction"] for ours, _ in rounds]
                                      for name in rounds[0][0]})}
+
+
+def round_checks(bubbles: dict[str, dict], at_latency: dict[str, dict],
+                 zb_h1_theory: float) -> dict[str, list[bool]]:
+    """The issue's bounds in every round (``checks``' other entries read the first round
+    alone): ZB-H1 within 2 points of its theory, with free messages and at the round's
+    measured message latency; ZBV at most 5% with steps that overlap."""
+    zb_h1 = bubbles["zb_h1"]["per_round"]
+    found = {
+        "zb_h1_within_2_points_of_theory_rounds":
+            [100 * (b - zb_h1_theory) <= 2.0 for b in zb_h1],
+        "zb_h1_within_2_points_of_theory_at_measured_latency_rounds":
+            [100 * (b - t) <= 2.0 for b, t in zip(zb_h1, at_latency["zb_h1"]["per_round"],
+                                                   strict=True)],
+    }
+    if "zbv@overlapped_steps" in bubbles:
+        found["zbv_at_most_5_percent_with_overlapped_steps_rounds"] = [
+            b <= 0.05 for b in bubbles["zbv@overlapped_steps"]["per_round"]]
+    return found

@@ -42,15 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_workers import emit_result, run_worker
-from pipeline_bubble import (
-    FIXED_SHAPE,
-    FIXED_VOCAB,
-    FixedCostStage,
-    SleepingWeightGrads,
-    placement,
-    splits,
-    theory,
-)
+from pipeline_bubble import FIXED_SHAPE, FIXED_VOCAB, FixedCostStage, SleepingWeightGrads
+from pipeline_timing import placement, splits, theory
 
 import mcpar.controllers.registered  # noqa: F401  (the schedules)
 from mcpar.controllers.communication.controller import CommunicationController
