@@ -175,3 +175,24 @@ def test_the_profile_times_attention_at_each_head_dimension(monkeypatch: pytest.
     rates = lp._attention_rates()
     assert timed == [(16, 16), (8, 32), (4, 64), (2, 128)]  # hidden 256 in each
     assert rates[lp.REFERENCE_HEAD_DIM] == 64e9
+
+
+def test_the_profile_prices_the_reduce_scatter_the_runtime_runs(monkeypatch) -> None:
+    """On gloo the Communicator reduce-scatters by an all-to-all and a local sum; the profile's
+    reduce-scatter line must time that, not gloo's own (an all-reduce's bytes, 2-4x slower),
+    or every ZeRO and sequence-parallel layout is priced for traffic the runtime does not run."""
+    import torch
+    import torch.distributed as dist
+
+    from mcpar import all_to_all_reduce_scatter as by_all_to_all
+    from mcpar.sim.microbench import profiled_reduce_scatter
+
+    calls: list[str] = []
+    monkeypatch.setattr(by_all_to_all, "all_to_all_reduce_scatter",
+                        lambda out, full, n: (calls.append(f"all-to-all {n}"), lambda: None))
+    monkeypatch.setattr(dist, "reduce_scatter_single",
+                        lambda out, full: calls.append("backend's own"))
+    out, full = torch.empty(4), torch.ones(8)
+    profiled_reduce_scatter(out, full, "gloo")
+    profiled_reduce_scatter(out, full, "nccl")
+    assert calls == ["all-to-all 2", "backend's own"]

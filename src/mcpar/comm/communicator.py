@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mcpar.all_to_all_reduce_scatter import all_to_all_reduce_scatter, sum_rows
 from mcpar.topology import ParallelDims
 
 
@@ -154,14 +155,6 @@ def collective_error(op: str, axis: str, ranks: list[int], err: BaseException) -
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure".
     kind = "timed out" if re.search(r"timed out|timeout", detail, re.IGNORECASE) else "failed"
     return CollectiveError(f"{op} on axis '{axis}' (ranks {ranks}) {kind}: {detail}")
-
-
-def sum_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out`` = the sum of ``rows`` [n, len(out)], in row (axis-rank) order: the same float
-    sum on every rank."""
-    out.copy_(rows[0])
-    for row in rows[1:]:
-        out.add_(row)
 
 
 def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
@@ -489,13 +482,10 @@ class Communicator:
         if self._gloo(axis):
             # The chunks to their owners, summed here in axis-rank order (see the module's
             # docstring: gloo's reduce-scatter sends an all-reduce's bytes).
-            rows = tensor.reshape(n, -1)
-            received = torch.empty_like(rows)
             with self._named("reduce_scatter", axis):
-                work = dist.all_to_all_single(received, rows, group=self._group(axis),
-                                              async_op=async_op)
-            return self._timed(key, nbytes, work, start, async_op,
-                               then=lambda: sum_rows(output.view(-1), received))
+                work, finish = all_to_all_reduce_scatter(output, tensor, n, self._group(axis),
+                                                         async_op)
+            return self._timed(key, nbytes, work, start, async_op, then=finish)
         with self._named("reduce_scatter", axis):
             work = dist.reduce_scatter_single(output, tensor, group=self._group(axis),
                                               async_op=async_op)

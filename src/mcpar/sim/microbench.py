@@ -159,6 +159,20 @@ def ring_block_notes(device: torch.device, seconds: float) -> dict[str, float]:
 COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
 
 
+def profiled_reduce_scatter(out: torch.Tensor, full: torch.Tensor, backend: str) -> None:
+    """A two-rank reduce-scatter as the Communicator runs it, so that the profile prices the
+    runtime's: on gloo an all-to-all of the chunks and a local sum (gloo's own reduce-scatter
+    moves an all-reduce's bytes, in 2-4x the time), else the backend's own."""
+    import torch.distributed as dist
+
+    from mcpar import all_to_all_reduce_scatter as by_all_to_all
+
+    if backend == "gloo":
+        by_all_to_all.all_to_all_reduce_scatter(out, full, 2)[1]()
+    else:
+        dist.reduce_scatter_single(out, full)
+
+
 def _collective_worker(rank: int, port: int, queue: object, backend: str = "gloo",
                        device_type: str = "cpu", sizes: tuple[int, ...] | None = None) -> None:
     """Prices the backend's all-reduce, all-gather, reduce-scatter and a send/recv pair between
@@ -212,7 +226,7 @@ def _collective_worker(rank: int, port: int, queue: object, backend: str = "gloo
         full, half = torch.zeros(n // 4, device=device), torch.zeros(n // 8, device=device)
         ops = {"ar": lambda full=full: dist.all_reduce(full),
                "ag": lambda full=full, half=half: dist.all_gather_single(full, half),
-               "rs": lambda full=full, half=half: dist.reduce_scatter_single(half, full),
+               "rs": lambda full=full, half=half: profiled_reduce_scatter(half, full, backend),
                "p2p": lambda full=full: p2p(full)}
         for op, fn in ops.items():
             fn()
