@@ -298,8 +298,9 @@ def test_memory_fits_where_published_runs_ran() -> None:
 
 def test_dropout_masks_cost_their_draw_where_it_is_a_kernel_of_its_own() -> None:
     """On a CPU (a measured mask rate) dropout adds the masks' draw: the embedding's, two per
-    layer and, under the math kernel, the attention probabilities'; on a GPU (rate 0, the draw
-    fused into the element-wise kernels) it adds nothing."""
+    layer and, under the math kernel, the attention probabilities', at one thread's rate however
+    many threads the worker runs (torch's CPU generator draws in one); on a GPU (rate 0, the
+    draw fused into the element-wise kernels) it adds nothing."""
     from mcpar.sim.hardware import LocalProfile
     from mcpar.sim.localprofile import local_cluster
 
@@ -318,7 +319,7 @@ def test_dropout_masks_cost_their_draw_where_it_is_a_kernel_of_its_own() -> None
     off, on = replace(shape, dropout=False), replace(shape, dropout=True)
     tokens = 8 * 128
     hidden_masks = (1 + 2 * 4) * tokens * 256  # the embedding's, then two per layer
-    per_rank = rate * 2  # one worker on two cores runs two threads
+    per_rank = rate  # one worker on two cores runs two threads, and draws in one
     assert step(on, lay, cpu) - step(off, lay, cpu) == pytest.approx(hidden_masks / per_rank,
                                                                       rel=1e-6)
     math_lay = replace(lay, attention="math")

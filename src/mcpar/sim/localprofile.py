@@ -199,12 +199,15 @@ def _measure() -> LocalProfile:
     ring = _ring_blocks()
     slicing = time_slicing_penalty(n)
     crowded_exchange = crowded_exchange_cost(n)
-    masks_all = _mask_rate(n)
+    # The CPU generator draws a mask in one thread: 2 threads drew 158 M elements/s here
+    # against 126-138 for one, so a worker's one thread draws at the one-thread rate (the
+    # all-thread rate over the cores, as the products are priced, read half of it).
+    masks_1 = _mask_rate(1)
     costs, gather_overlap = collective_costs()
     return LocalProfile(
         cores=n, flops_per_thread=flops_1, attention_flops_per_thread=attn_1,
         mem_bw_per_thread=mem_1, mem_bw_total=mem_all, op_overhead_s=op,
-        layer_overhead_s=block, mask_rate_per_thread=masks_all / n,
+        layer_overhead_s=block, mask_rate_per_thread=masks_1,
         collectives={k: list(v) for k, v in costs.items()},
         notes={"flops_all_cores": flops_all, GATHER_OVERLAP_NOTE: gather_overlap,
                TIME_SLICING_NOTE: slicing, CROWDED_EXCHANGE_NOTE: crowded_exchange,
