@@ -52,6 +52,7 @@ from mcpar.sim.collectives import (
 from mcpar.sim.compute import (
     Roofline,
     cpu_threads,
+    crowded_exchange,
     embedding_times,
     head_times,
     layer_times,
@@ -351,7 +352,11 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
         msg = tokens_per_gpu(m, lay) * m.hidden * rl.act_bytes
         if lay.p2p_split or lay.seq_parallel:
             msg /= lay.tp
-        p2p_s = 2 * v * p2p(msg, group, cluster, eff.network)
+        # The stage executor posts its sends and receives around compute, as the ring posts its
+        # exchanges: on shared cores each message pays half the measured crowded handoff (an
+        # exchange is a send and a receive).
+        crowded = crowded_exchange(cluster, lay) / 2
+        p2p_s = 2 * v * (p2p(msg, group, cluster, eff.network) + crowded)
 
     ranks: list[dict[str, float]] = []
     for r, n_layers in enumerate(counts):
@@ -431,9 +436,10 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
     """CPU workers with more threads than cores share them:
     - compute that runs on all ranks at once slows by `crowd`, and by what switching the
       workers in and out costs beyond that (``Cluster.time_slicing_penalty``, measured at two
-      workers a core; linear from none at one). A one-chunk pipeline whose steps do not overlap
-      is replayed with processor sharing instead of the uniform slowdown
-      (``oversubscription``): a rank in its bubble leaves its share of the cores to the others;
+      workers a core; linear from none at one). A pipeline whose steps do not overlap, of any
+      registered schedule and any chunks per rank, is replayed with processor sharing instead
+      of the uniform slowdown (``schedule_replay.replay``): a rank in its bubble leaves its
+      share of the cores to the others;
     - the collectives (every ``*_comm``) do not slow: groups that reach their collectives
       together have nothing computing beside them. Measured here (gloo, 4 workers on 2 cores,
       each call after ~10 ms of compute, the groups in lockstep): 2-rank all-reduces of 1 and
@@ -443,13 +449,13 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
       layouts read 8-12% fast under this rule (docs/cost_model.md, "Ranking layouts here")."""
     mb = lay.num_microbatches
     shared = pipeline * crowd
-    if lay.pp > 1 and lay.vp == 1 and not lay.overlapped_steps:
+    if lay.pp > 1 and not lay.overlapped_steps:
         # (Overlapping steps leave no bubble to free cores in: the uniform slowdown holds.)
         work = [w + z for w in core.rank_work]
         # The ranks of one pipeline stage in every data-parallel replica and tensor group run
         # the same tasks at the same time: they load the cores together.
         per_stage = cpu_threads(cluster, lay.num_gpus) * lay.tp * lay.dp * lay.cp
-        shared = replay(entry, work, mb, 1, core.fwd_share,
+        shared = replay(entry, work, mb, lay.vp, core.fwd_share,
                         cluster.cores, per_stage)
     scale = shared / pipeline
     slicing = 1.0 + cluster.time_slicing_penalty * min(1.0, crowd - 1.0)
