@@ -57,6 +57,56 @@ def test_spearman_of_the_ranking_bench() -> None:
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties averaged
 
 
+def test_a_ranking_run_is_repriced_on_its_own_profile(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path, capsys) -> None:
+    """``bench/auto_ranking_reprice.py`` prices a saved run's layouts again on the run's own
+    profile: with the code unchanged each layout gets the run's prediction back; ``--set``
+    replaces one measured field (and a field the profile lacks is refused, named)."""
+    import json
+
+    from test_sim_local import PROFILE
+
+    from mcpar.auto_layout import choose_layout
+    from mcpar.config import load_config
+    from mcpar.sim.profilestore import PROFILE_ENV, machine_key, profile_document, save_profile
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import auto_ranking
+    import auto_ranking_reprice
+
+    saved = tmp_path / "profile.json"
+    save_profile(PROFILE, saved)
+    monkeypatch.setenv(PROFILE_ENV, str(saved))
+    rows = []
+    for name in ("dp4", "pp2_dp2_1f1b"):
+        keys = {**auto_ranking.BASE, **auto_ranking.LAYOUTS[name]}
+        cfg = load_config(None, auto_ranking.MODEL + [f"{k}={auto_ranking._value(v)}"
+                                                      for k, v in keys.items()])
+        step = choose_layout(cfg, auto_ranking.WORKERS).chosen.step_s
+        rows.append({"layout": name, "predicted_step_s": step, "measured_step_s": 1.1 * step})
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"profile": profile_document(PROFILE, machine_key()),
+                               "layouts": rows, "spearman_rho": 1.0}))
+
+    def reprice(*changes: str) -> dict:
+        argv = ["auto_ranking_reprice.py", str(run)]
+        for change in changes:
+            argv += ["--set", change]
+        monkeypatch.setattr(sys, "argv", argv)
+        assert auto_ranking_reprice.main() == 0
+        return json.loads(capsys.readouterr().out)
+
+    same = reprice()
+    assert [r["predicted_s"] for r in same["layouts"]] == pytest.approx(
+        [r["predicted_step_s"] for r in rows], abs=1e-4)
+    assert same["median_abs_step_error"] == pytest.approx(0.1, abs=1e-3)
+    slower = reprice('collectives.ar=[0.05, 1e-9]')
+    assert slower["layouts"][0]["predicted_s"] > same["layouts"][0]["predicted_s"] + 0.01
+    monkeypatch.setattr(sys, "argv", ["x", str(run), "--set", "notes_typo.x=1"])
+    with pytest.raises(SystemExit, match="no field notes_typo.x"):
+        auto_ranking_reprice.main()
+
+
 def test_the_reshard_grid_is_a_grid_of_valid_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench/reshard_grid.py`` runs for minutes: here only that it names at least 16 pairs,
     each between two layouts the launcher accepts (a typo in a setting would fail every run of

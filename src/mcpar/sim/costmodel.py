@@ -52,7 +52,6 @@ from mcpar.sim.collectives import (
 from mcpar.sim.compute import (
     Roofline,
     cpu_threads,
-    crowded_exchange,
     embedding_times,
     head_times,
     layer_times,
@@ -352,11 +351,7 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
         msg = tokens_per_gpu(m, lay) * m.hidden * rl.act_bytes
         if lay.p2p_split or lay.seq_parallel:
             msg /= lay.tp
-        # The stage executor posts its sends and receives around compute, as the ring posts its
-        # exchanges: on shared cores each message pays half the measured crowded handoff (an
-        # exchange is a send and a receive).
-        crowded = crowded_exchange(cluster, lay) / 2
-        p2p_s = 2 * v * (p2p(msg, group, cluster, eff.network) + crowded)
+        p2p_s = 2 * v * p2p(msg, group, cluster, eff.network)
 
     ranks: list[dict[str, float]] = []
     for r, n_layers in enumerate(counts):

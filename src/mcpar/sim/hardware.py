@@ -300,8 +300,9 @@ class LocalProfile:
     mem_bw_total: float  # bytes/s all cores stream together
     op_overhead_s: float  # eager dispatch + autograd cost of one small op
     layer_overhead_s: float  # fixed cost of one transformer block's forward+backward
-    # Elements/s a dropout mask is drawn at (torch's CPU bernoulli, all cores together / cores):
-    # 25x slower than an element-wise multiply, it is most of what dropout costs a CPU step.
+    # Elements/s a dropout mask is drawn at (torch's CPU bernoulli, one thread: it draws in one
+    # however many a process runs): 25x slower than an element-wise multiply, it is most of what
+    # dropout costs a CPU step.
     # 0: not measured (GPUs fuse the draw into the element-wise kernels).
     mask_rate_per_thread: float = 0.0
     # gloo over loopback, two ranks: op -> [alpha s, beta s/byte] of t = alpha + n beta
