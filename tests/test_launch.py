@@ -355,3 +355,35 @@ def test_forked_workers_train_bitwise_like_fresh_ones_and_are_found_by_rank(
     assert sorted(fresh_parents) == [0, 1]
     assert not any(b"mcpar.launch.zygote" in cmdline for cmdline in fresh_parents.values())
     assert step_losses(forked) == step_losses(fresh)
+
+
+def test_a_start_whose_port_was_taken_is_made_again_on_a_new_port(tmp_path: Path) -> None:
+    """The launcher picks a free port, and another process may bind it before rank 0 listens
+    (a CI run lost a test to that): the start is made again on another port, without counting
+    as a restart, and a job that keeps losing its port stops after ``PORT_RETRIES`` tries."""
+    argv = _script(tmp_path, """
+        from mcpar.launch.local import record_worker_errors
+
+        class DistNetworkError(RuntimeError):
+            pass
+
+        with record_worker_errors():
+            port = os.environ["MASTER_PORT"]
+            if rank == 0:
+                with open(out / "starts", "a") as starts:
+                    starts.write(port + " ")
+            tries = len((out / "starts").read_text().split()) if rank == 0 else 0
+            if rank == 0 and tries <= int(os.environ["TAKEN_TIMES"]):
+                raise DistNetworkError(
+                    f"The server socket has failed to listen on any local network address. "
+                    f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, "
+                    f"message: address already in use")
+    """)
+    starts = tmp_path / "out" / "starts"
+    launch_local(2, argv, env=dict(os.environ, TAKEN_TIMES="2"), max_restarts=0)
+    assert len(starts.read_text().split()) == 3  # two starts lost their port, the third ran
+    starts.unlink()
+    with pytest.raises(LaunchFailed) as info:
+        launch_local(2, argv, env=dict(os.environ, TAKEN_TIMES="9"), max_restarts=0)
+    assert "EADDRINUSE" in (info.value.failure.error or "")
+    assert len(starts.read_text().split()) == 1 + local.PORT_RETRIES

@@ -300,14 +300,27 @@ def _teardown(procs: list[Worker], kill_grace_s: float) -> None:
         p.wait()
 
 
+# Starts tried again when the rendezvous port was taken before rank 0 could listen on it.
+PORT_RETRIES = 3
+
+
+def port_taken(failure: WorkerFailure) -> bool:
+    """Whether a start failed because the rendezvous port the launcher picked (free when it
+    looked, ``find_free_port``) was taken by another process before rank 0 bound it: the job
+    never began, so starting again on another port loses nothing."""
+    return "EADDRINUSE" in (failure.error or "")
+
+
 def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
                  poll_interval_s: float = 0.1, kill_grace_s: float = 3.0, max_restarts: int = 0,
                  on_restart: Callable[[int, WorkerFailure], None] | None = None,
                  stop_grace_s: float | None = None) -> None:
     """Run ``nproc`` workers ``[sys.executable, *argv]`` on this host and wait for all of them.
 
-    Returns when every worker exits 0. When a worker fails, all others are stopped; if fewer
-    than ``max_restarts`` restarts happened, ``on_restart(attempt, failure)`` is called and the
+    Returns when every worker exits 0. A start whose rendezvous port another process took
+    first is made again on a new port (``PORT_RETRIES`` times), which is not a restart. When a
+    worker fails, all others are stopped; if fewer than ``max_restarts`` restarts happened,
+    ``on_restart(attempt, failure)`` is called and the
     whole job starts again with ``MCPAR_RESTART_COUNT=attempt``; otherwise ``LaunchFailed`` is
     raised with the first failure. If the launcher gets SIGINT/SIGTERM the workers are stopped
     too (never restarted) and ``KeyboardInterrupt`` / ``SystemExit(128 + signum)`` is raised.
@@ -318,12 +331,17 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
     if nproc < 1:
         raise UserError(f"--nproc: must be at least 1, got {nproc}")
     attempt = 0
+    port_retries = 0
     while True:
         try:
             _launch_once(nproc, argv, env, poll_interval_s, kill_grace_s, attempt,
                          kill_grace_s if stop_grace_s is None else stop_grace_s)
             return
         except LaunchFailed as failed:
+            if port_taken(failed.failure) and port_retries < PORT_RETRIES:
+                # Nothing ran: the same start again on a new port, not a restart.
+                port_retries += 1
+                continue
             # A diverged run would replay the same numbers from its checkpoint: no restart.
             diverged = (failed.failure.error or "").startswith("TrainingDiverged")
             # Neither would a user error a worker found: the restart would find it again.
