@@ -117,14 +117,17 @@ def test_a_ring_note_that_no_measurement_gives_is_named(bad: float, tmp_path) ->
 
 
 def test_ring_block_notes_measure_every_field() -> None:
-    """The measurement gives every field, finite and >= 0, a fixed cost per call in each pass,
-    and score work that costs time."""
+    """The measurement gives every field, finite and >= 0, a fixed cost for a call of two
+    blocks in each pass, and score work that costs time. (How that cost splits between the
+    call and its second block is a difference of two timings: at 20 ms windows on a loaded
+    machine a clean-clone CI run found the backward's call 0 and its step 0.38 ms, so only the
+    sum is asserted, and the windows are 0.1 s; the profile times 0.2 s.)"""
     torch.set_num_threads(1)
-    notes = ring_block_notes(torch.device("cpu"), 0.02)
+    notes = ring_block_notes(torch.device("cpu"), 0.1)
     assert set(notes) == {RING_NOTE + f.name for f in fields(RingBlockCost)}
     assert all(math.isfinite(v) and v >= 0 for v in notes.values()), notes
     cost = RingBlockCost(**{f.name: notes[RING_NOTE + f.name] for f in fields(RingBlockCost)})
-    assert cost.fwd_call_s > 0 and cost.bwd_call_s > 0
+    assert cost.fwd_call_s + cost.fwd_step_s > 0 and cost.bwd_call_s + cost.bwd_step_s > 0
     empty = cost.seconds(2, 0.0, 64)
     sized = cost.seconds(2, score_elements(16, 128, 2), 64)
     assert sized[0] > empty[0] and sized[1] > empty[1]
