@@ -320,9 +320,9 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None,
     Returns when every worker exits 0. A start whose rendezvous port another process took
     first is made again on a new port (``PORT_RETRIES`` times), which is not a restart. When a
     worker fails, all others are stopped; if fewer than ``max_restarts`` restarts happened,
-    ``on_restart(attempt, failure)`` is called and the
-    whole job starts again with ``MCPAR_RESTART_COUNT=attempt``; otherwise ``LaunchFailed`` is
-    raised with the first failure. If the launcher gets SIGINT/SIGTERM the workers are stopped
+    ``on_restart(attempt, failure)`` is called and the whole job starts again with
+    ``MCPAR_RESTART_COUNT=attempt``; otherwise ``LaunchFailed`` is raised with the first
+    failure. If the launcher gets SIGINT/SIGTERM the workers are stopped
     too (never restarted) and ``KeyboardInterrupt`` / ``SystemExit(128 + signum)`` is raised.
     Workers get SIGTERM, then SIGKILL after ``kill_grace_s`` when a peer failed, or after
     ``stop_grace_s`` (default ``kill_grace_s``) when the launcher was stopped: time for them to

@@ -118,7 +118,9 @@ def roofline(cluster: Cluster, lay: Layout, eff: Efficiency, share: float = 1.0)
                  * cluster.accel.attention_share)
     return Roofline(peak * eff.gemm * share, attn_peak * eff.attention * share,
                     cluster.accel.hbm_bw * eff.memory * share, ACT_BYTES[lay.precision],
-                    cluster.accel.mask_rate * share)
+                    # A dropout mask is drawn in one thread however many a worker runs
+                    # (``localprofile._measure``): its rate is not multiplied.
+                    cluster.accel.mask_rate)
 
 
 @dataclass

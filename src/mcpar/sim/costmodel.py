@@ -124,9 +124,6 @@ def rank_roofline(cluster: Cluster, lay: Layout, eff: Efficiency) -> Roofline:
         # Memory bandwidth: each thread streams its own rate (hbm_bw holds the one-thread rate)
         # until the busy cores together saturate the socket.
         rl.mem_bw = min(rl.mem_bw, cluster.accel.mem_bw_total * threads / cluster.cores)
-        # A dropout mask is drawn in one thread however many the worker runs
-        # (``localprofile._measure``).
-        rl.mask_rate = cluster.accel.mask_rate
     return rl
 
 

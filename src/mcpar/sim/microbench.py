@@ -161,8 +161,7 @@ COLLECTIVE_SIZES = [16384, 262144, 2**20, 4 * 2**20]
 
 def profiled_reduce_scatter(out: torch.Tensor, full: torch.Tensor, backend: str) -> None:
     """A two-rank reduce-scatter as the Communicator runs it, so that the profile prices the
-    runtime's: on gloo an all-to-all of the chunks and a local sum (gloo's own reduce-scatter
-    moves an all-reduce's bytes, in 2-4x the time), else the backend's own."""
+    runtime's: on gloo ``all_to_all_reduce_scatter``, else the backend's own."""
     import torch.distributed as dist
 
     from mcpar import all_to_all_reduce_scatter as by_all_to_all
