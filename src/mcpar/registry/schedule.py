@@ -151,21 +151,24 @@ class PipelineSchedule(ABC):
         return self.actions(pp_rank, pp, num_microbatches, virtual_stages)
 
     def span(self, num_microbatches: int, w_max: float, w_sum: float, rank_work: list[float],
-             virtual_stages: int, fwd_share: float) -> float:
+             virtual_stages: int, fwd_share: float, latency: float = 0.0) -> float:
         """Seconds from the first forward to the last backward, when pipeline rank r spends
-        ``rank_work[r]`` on one micro-batch (all its chunks; ``fwd_share`` of it forward);
-        ``w_max`` and ``w_sum`` are the largest and the sum of ``rank_work`` (``extrapolated``
-        past the micro-batches a replay lists)."""
-        return extrapolated(lambda m: replay(self, rank_work, m, virtual_stages, fwd_share),
+        ``rank_work[r]`` on one micro-batch (all its chunks; ``fwd_share`` of it forward) and a
+        message between ranks spends ``latency`` on the wire; ``w_max`` and ``w_sum`` are the
+        largest and the sum of ``rank_work`` (``extrapolated`` past the micro-batches a replay
+        lists)."""
+        return extrapolated(lambda m: replay(self, rank_work, m, virtual_stages, fwd_share,
+                                             latency=latency),
                             num_microbatches, len(rank_work), virtual_stages)
 
     def period(self, num_microbatches: int, rank_work: list[float], virtual_stages: int,
-               fwd_share: float) -> float:
+               fwd_share: float, latency: float = 0.0) -> float:
         """Seconds per step when steps follow one another with no synchronized optimizer step
         between them (``steps_overlap``; this entry as ``for_overlapped_steps`` gives it): the
         steady period of its orders (``steady_replay``) at ``span``'s costs (``extrapolated``
         past the micro-batches a replay lists)."""
-        return extrapolated(lambda m: steady_replay(self, rank_work, m, virtual_stages, fwd_share),
+        return extrapolated(lambda m: steady_replay(self, rank_work, m, virtual_stages, fwd_share,
+                                                    latency=latency),
                             num_microbatches, len(rank_work), virtual_stages)
 
     def in_flight(self, pp: int, pp_rank: int, num_microbatches: int,

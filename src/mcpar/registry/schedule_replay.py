@@ -149,7 +149,8 @@ def _action_shares(schedule: PipelineSchedule, fwd_share: float,
 
 
 def steady_replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
-                  fwd_share: float, weight_grad_share: float = WEIGHT_GRAD_SHARE) -> float:
+                  fwd_share: float, weight_grad_share: float = WEIGHT_GRAD_SHARE,
+                  latency: float = 0.0) -> float:
     """``steady_period`` of ``schedule``'s orders at ``replay``'s costs (no rank waiting for a
     core): seconds per step of steps that overlap."""
     pp = len(rank_work)
@@ -159,16 +160,18 @@ def steady_replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v:
     def cost(r: int, kind: str) -> float:
         return table[r][kind]
 
-    one = critical_path(_task_graph(schedule, pp, m, v), cost)
-    many = critical_path(_chained_task_graph(schedule, pp, m, v), cost)
+    one = critical_path(_task_graph(schedule, pp, m, v), cost, latency)
+    many = critical_path(_chained_task_graph(schedule, pp, m, v), cost, latency)
     return (many - one) / (STEADY_STEPS - 1)
 
 
 def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
            fwd_share: float, cores: float = float("inf"), threads_per_rank: float = 1.0,
-           weight_grad_share: float = WEIGHT_GRAD_SHARE) -> float:
+           weight_grad_share: float = WEIGHT_GRAD_SHARE, latency: float = 0.0) -> float:
     """Makespan of one step of `schedule` as each rank orders its actions, a task starting when
-    its input has arrived (the previous stage's forward, the next stage's backward).
+    its input has arrived (the previous stage's forward, the next stage's backward), `latency`
+    after the action that produced it ended on another rank: a message's time on a wire that
+    the ranks do not drive (the stage executor posts its sends and receives around compute).
 
     Workers may share CPU cores (more worker threads than cores): then a waiting rank frees its
     core for the others, so the step is neither "every rank at cores / threads speed" (that
@@ -191,39 +194,55 @@ def replay(schedule: PipelineSchedule, rank_work: list[float], m: int, v: int,
         # input has arrived, a longest path through the step's task graph.
         table = [{kind: work * share / v for kind, share in shares.items()}
                  for work in rank_work]
-        return critical_path(_task_graph(schedule, pp, m, v), lambda r, kind: table[r][kind])
+        return critical_path(_task_graph(schedule, pp, m, v), lambda r, kind: table[r][kind],
+                             latency)
 
     orders = [schedule.actions(r, pp, m, v) for r in range(pp)]
     last = pp * v - 1
 
-    done: set[tuple[str, int, int]] = set()  # (kind, global stage, micro)
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}  # (kind, stage, micro): end, rank
     position = [0] * pp
     remaining = [cost(r, orders[r][0]) if orders[r] else 0.0 for r in range(pp)]
 
-    def ready(r: int) -> bool:
-        if position[r] >= len(orders[r]):
-            return False
+    def inputs(r: int) -> list[tuple[str, int, int]]:
         a = orders[r][position[r]]
         s = stage(r, a)
         if a.kind == "F":
-            return s == 0 or ("F", s - 1, a.micro) in done
+            return [] if s == 0 else [("F", s - 1, a.micro)]
         if a.kind == "W":
-            return ("B", s, a.micro) in done
-        return ("F", s, a.micro) in done and (s == last or ("B", s + 1, a.micro) in done)
+            return [("B", s, a.micro)]
+        return [("F", s, a.micro)] + ([] if s == last else [("B", s + 1, a.micro)])
+
+    def arrival(r: int) -> float | None:
+        """When the next action's inputs are all at rank r; None while one is not produced."""
+        at = 0.0
+        for key in inputs(r):
+            if key not in done:
+                return None
+            end, producer = done[key]
+            at = max(at, end + (latency if producer != r else 0.0))
+        return at
 
     now = 0.0
     while any(position[r] < len(orders[r]) for r in range(pp)):
-        runnable = [r for r in range(pp) if ready(r)]
+        arrivals = {r: arrival(r) for r in range(pp) if position[r] < len(orders[r])}
+        runnable = [r for r, at in arrivals.items() if at is not None and at <= now + EPS]
+        upcoming = [at for at in arrivals.values() if at is not None and at > now + EPS]
         if not runnable:
-            raise RuntimeError(f"pipeline schedule {schedule.name} deadlocks")
+            if not upcoming:
+                raise RuntimeError(f"pipeline schedule {schedule.name} deadlocks")
+            now = min(upcoming)  # every rank waits on the wire
+            continue
         speed = min(1.0, cores / (threads_per_rank * len(runnable)))
         step = min(remaining[r] for r in runnable) / speed
+        if upcoming:  # a message lands meanwhile: its rank joins and the shares change
+            step = min(step, min(upcoming) - now)
         now += step
         for r in runnable:
             remaining[r] -= step * speed
             if remaining[r] <= EPS:
                 a = orders[r][position[r]]
-                done.add((a.kind, stage(r, a), a.micro))
+                done[(a.kind, stage(r, a), a.micro)] = (now, r)
                 position[r] += 1
                 remaining[r] = (cost(r, orders[r][position[r]])
                                 if position[r] < len(orders[r]) else 0.0)

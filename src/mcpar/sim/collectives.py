@@ -130,13 +130,16 @@ def fit_ring_link(small_time_s: float, small_bytes: float, large_time_s: float,
     return Link(alpha, bandwidth)
 
 
-def measured(cluster: Cluster, op: str, n: float, p: int) -> float | None:
+def measured(cluster: Cluster, op: str, n: float, group: Group) -> float | None:
     """A collective priced from the profile's own measurement (CPU/gloo), else None.
 
     Measured between two ranks as t = alpha + n beta; a p-rank ring takes p - 1 such steps
-    and moves 2 (p - 1) / p of the buffer per rank, twice what two ranks move per byte."""
-    if op not in cluster.op_costs:
+    and moves 2 (p - 1) / p of the buffer per rank, twice what two ranks move per byte. The
+    profile measures one machine's loopback: a group that spans nodes (``local_cluster``'s
+    ``nodes``) is priced on their link instead (None)."""
+    if op not in cluster.op_costs or group.nodes(cluster.gpus_per_node) > 1:
         return None
+    p = group.size
     if p <= 1 or n <= 0:
         return 0.0
     alpha, beta = cluster.op_costs[op]
@@ -145,9 +148,18 @@ def measured(cluster: Cluster, op: str, n: float, p: int) -> float | None:
     return (p - 1) * alpha + 2 * (p - 1) / p * n * beta
 
 
+def host_p2p(n: float, cluster: Cluster) -> float | None:
+    """A point-to-point send of `n` bytes between two ranks of one host, as the profile
+    measured it (its share of a rank's time), else None."""
+    if "p2p" not in cluster.op_costs:
+        return None
+    alpha, beta = cluster.op_costs["p2p"]
+    return alpha + n * beta if n > 0 else 0.0
+
+
 def p2p(n: float, group: Group, cluster: Cluster, net_eff: float) -> float:
     """One point-to-point send of `n` bytes between neighbours of `group`."""
-    cost = measured(cluster, "p2p", n, 2)
+    cost = measured(cluster, "p2p", n, group)
     return cost if cost is not None else point_to_point(n, group_link(group, cluster, net_eff))
 
 
@@ -184,7 +196,7 @@ def all_reduce(n: float, group: Group, cluster: Cluster, net_eff: float,
     """All-reduce time under `topology`: 'flat' ring, 'hierarchical' (two-level rings), or
     'auto' (what NCCL or mcpar's hybrid mode picks per message: the fastest of those and
     NCCL's tree)."""
-    cost = measured(cluster, "ar", n, group.size)
+    cost = measured(cluster, "ar", n, group)
     if cost is not None:
         return cost
     flat = flat_all_reduce(n, group, cluster, net_eff)
@@ -200,9 +212,13 @@ def reduce_scatter(n: float, group: Group, cluster: Cluster, net_eff: float,
                    topology: str, op: str = "rs") -> float:
     """Reduce-scatter (op 'rs') or all-gather ('ag') of an `n`-byte buffer over `group`; the
     ring costs of the two are the same."""
-    cost = measured(cluster, op, n, group.size)
+    cost = measured(cluster, op, n, group)
     if cost is not None:
         return cost
+    if op == "rs" and cluster.accel.is_cpu and group.nodes(cluster.gpus_per_node) > 1:
+        # On gloo the runtime reduce-scatters by an all-to-all of the chunks
+        # (``mcpar.all_to_all_reduce_scatter``): every chunk crosses the link once, directly.
+        return all_to_all(n, group, cluster, net_eff)
     flat = ring_reduce_scatter(n, group.size, group_link(group, cluster, net_eff))
     if topology == "flat" or group.nodes(cluster.gpus_per_node) == 1:
         return flat

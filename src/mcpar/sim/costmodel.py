@@ -45,6 +45,7 @@ from mcpar.sim.collectives import (
     Group,
     all_gather,
     all_reduce,
+    host_p2p,
     onebit_all_reduce,
     p2p,
     reduce_scatter,
@@ -329,6 +330,11 @@ class PipelineCore:
     eff: Efficiency
     rank_work: list[float]  # per-micro-batch work of every pipeline rank
     fwd_share: float  # the forward's share of a layer's work
+    # A pipeline message's time on a wire between nodes that the ranks do not drive (mcpar's
+    # stage executor posts sends and receives around compute): it delays the rank that waits
+    # for the message, not the sender (``schedule_replay``'s latency). 0: a message costs its
+    # ranks what ``p2p_comm`` says, as on one host or through a GPU's copy engine.
+    wire_s: float = 0.0
 
 
 def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
@@ -342,13 +348,19 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
     counts = rank_layers(m, lay)
     overhead_per_layer = eff.layer_overhead_s * RECOMPUTE_POLICIES.get(lay.recompute).layer_overhead
 
-    p2p_s = 0.0
+    p2p_s = wire_s = 0.0
     if p > 1:
         group = Group(p, lay.tp * lay.cp * lay.dp)
         msg = tokens_per_gpu(m, lay) * m.hidden * rl.act_bytes
         if lay.p2p_split or lay.seq_parallel:
             msg /= lay.tp
-        p2p_s = 2 * v * p2p(msg, group, cluster, eff.network)
+        sent = p2p(msg, group, cluster, eff.network)
+        handled = host_p2p(msg, cluster)
+        if cluster.accel.is_cpu and handled is not None and sent > handled:
+            # Between CPU nodes a rank handles a message as on its host (the profile's line);
+            # the rest is the wire's, and delays only whoever waits for the message.
+            sent, wire_s = handled, sent - handled
+        p2p_s = 2 * v * sent
 
     ranks: list[dict[str, float]] = []
     for r, n_layers in enumerate(counts):
@@ -369,7 +381,7 @@ def pipeline_core(m: ModelShape, lay: Layout, cluster: Cluster,
             summed[k] = summed.get(k, 0.0) + t
     busiest = max(counts)
     return PipelineCore(work[i_max], sum(work), ranks[i_max], summed, busiest * layer.fwd,
-                        busiest * layer.bwd, rl, eff, work, layer.fwd / layer.total)
+                        busiest * layer.bwd, rl, eff, work, layer.fwd / layer.total, wire_s)
 
 
 def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> Prediction:
@@ -407,6 +419,15 @@ def finish(core: PipelineCore, m: ModelShape, lay: Layout, cluster: Cluster) -> 
     if crowd > 1:
         pipeline, bubble, breakdown = _shared_cores(core, lay, entry, cluster, z, pipeline,
                                                     breakdown, crowd)
+    elif core.wire_s > 0:
+        # The messages' time on the wire that no rank's work hides (the step replayed with it,
+        # against without it).
+        on_wire = (entry.period(mb, work, v, core.fwd_share, core.wire_s)
+                   if lay.overlapped_steps else
+                   entry.span(mb, w_max, w_sum, work, v, core.fwd_share, core.wire_s))
+        breakdown["p2p_comm"] = breakdown.get("p2p_comm", 0.0) + on_wire - pipeline
+        bubble += on_wire - pipeline
+        pipeline = on_wire
     step = pipeline + sum(breakdown[k] for k in ("dp_comm", "compression", "optimizer"))
     comm = sum(t for k, t in breakdown.items() if k.endswith("_comm"))
     tokens = lay.global_batch * m.seq_len
@@ -441,6 +462,7 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
       layouts read 8-12% fast under this rule (docs/cost_model.md, "Ranking layouts here")."""
     mb = lay.num_microbatches
     shared = pipeline * crowd
+    wire = 0.0
     if lay.pp > 1 and not lay.overlapped_steps:
         # (Overlapping steps leave no bubble to free cores in: the uniform slowdown holds.)
         work = [w + z for w in core.rank_work]
@@ -449,12 +471,22 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
         per_stage = cpu_threads(cluster, lay.num_gpus) * lay.tp * lay.dp * lay.cp
         shared = replay(entry, work, mb, lay.vp, core.fwd_share,
                         cluster.cores, per_stage)
+        # The messages' time on the wire between nodes that no rank's work hides: the same
+        # replay with it, against without it (``PipelineCore.wire_s``).
+        wire = (replay(entry, work, mb, lay.vp, core.fwd_share, cluster.cores, per_stage,
+                       latency=core.wire_s) - shared if core.wire_s > 0 else 0.0)
+    elif lay.pp > 1 and core.wire_s > 0:  # overlapping steps: the steady period's share
+        wire = (entry.period(mb, [w + z for w in core.rank_work], lay.vp, core.fwd_share,
+                             core.wire_s)
+                - entry.period(mb, [w + z for w in core.rank_work], lay.vp, core.fwd_share))
     scale = shared / pipeline
     slicing = 1.0 + cluster.time_slicing_penalty * min(1.0, crowd - 1.0)
     once_per_step = ("dp_comm", "compression", "optimizer")
     out = {k: v if k.endswith("_comm") else
            v * (crowd if k in once_per_step else scale) * slicing
            for k, v in breakdown.items()}
+    if wire > 0:
+        out["p2p_comm"] = out.get("p2p_comm", 0.0) + wire
     shared = sum(v for k, v in out.items() if k not in once_per_step)
     comm = sum(v for k, v in core.summed.items() if k.endswith("_comm")) + lay.pp * z
     compute_share = 1.0 - comm / max(core.work_sum + lay.pp * z, 1e-30)

@@ -136,6 +136,26 @@ class RingBlockCost:
 
 
 @dataclass(frozen=True)
+class NodeLink:
+    """The nodes of a CPU job and the link between them: ``ranks_per_node`` consecutive ranks
+    share a node (its loopback), and each node reaches the others through one link of
+    ``bandwidth`` bytes/s per direction, which its ranks share, after ``latency_s``.
+
+    ``source`` says where the figures came from (measured by the job at start, or the
+    ``cluster.inter_node_*`` keys), for the report."""
+
+    ranks_per_node: int
+    latency_s: float
+    bandwidth: float
+    source: str
+
+    def describe(self) -> str:
+        return (f"nodes of {self.ranks_per_node} rank(s) joined by a "
+                f"{self.bandwidth * 8 / 1e6:,.0f} Mbit/s link, {self.latency_s * 1e6:,.0f} us "
+                f"({self.source})")
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The machine a run uses: accelerator type, how many, how they are wired."""
 

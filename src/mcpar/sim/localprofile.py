@@ -39,6 +39,7 @@ from mcpar.sim.hardware import (
     Cluster,
     Efficiency,
     LocalProfile,
+    NodeLink,
     RingBlockCost,
     cluster_preset,
     load_accelerators,
@@ -215,8 +216,11 @@ def _measure() -> LocalProfile:
     )
 
 
-def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
-    """The profile as a one-node cluster; the GPU count is the job's worker count."""
+def local_cluster(profile: LocalProfile, ranks_hint: int = 1,
+                  nodes: NodeLink | None = None) -> Cluster:
+    """The profile as a cluster of one node, or of ``nodes``: its ranks per node and link
+    (the profile's collectives then price what stays inside a node); the GPU count is the
+    job's worker count."""
     cores = profile.cores
     # mcpar's workers keep every core busy together (one thread per core), and cores share
     # caches, memory and, as hyper-threads, execution units: a thread's rate is the all-core
@@ -233,9 +237,14 @@ def local_cluster(profile: LocalProfile, ranks_hint: int = 1) -> Cluster:
     eff = Efficiency(gemm=1.0, attention=profile.attention_flops_per_thread
                      / profile.flops_per_thread, memory=1.0, network=1.0, overlap=0.0,
                      layer_overhead_s=profile.layer_overhead_s)
-    return Cluster(accel=accel, num_gpus=ranks_hint, gpus_per_node=1 << 20,
-                   inter_bw=1.0 / (2 * ar_beta), alpha_intra=ar_alpha / 2,
-                   alpha_inter=ar_alpha / 2, efficiency=eff, cores=cores, name="local",
+    # Between nodes, a rank's share of its node's link: the cost model's inter-node figures
+    # are per rank (a GPU's own NIC), and a node's ranks that send at once share the one link.
+    inter_bw, alpha_inter = ((nodes.bandwidth / nodes.ranks_per_node, nodes.latency_s)
+                             if nodes is not None else (1.0 / (2 * ar_beta), ar_alpha / 2))
+    return Cluster(accel=accel, num_gpus=ranks_hint,
+                   gpus_per_node=nodes.ranks_per_node if nodes is not None else 1 << 20,
+                   inter_bw=inter_bw, alpha_intra=ar_alpha / 2,
+                   alpha_inter=alpha_inter, efficiency=eff, cores=cores, name="local",
                    op_costs={k: (a, b) for k, (a, b) in profile.collectives.items()},
                    reserved_bytes=0.0, gather_overlap=_note(profile, GATHER_OVERLAP_NOTE),
                    time_slicing_penalty=_note(profile, TIME_SLICING_NOTE) or 0.0,

@@ -32,10 +32,13 @@ def one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Actio
 class _FillDrain(PipelineSchedule):
     """A schedule whose step is its closed form: the busiest rank's m slots plus the others'
     fill and drain (divided by the chunks when interleaved), and never less than one
-    micro-batch crossing every stage forward and back."""
+    micro-batch crossing every stage forward and back. Messages that spend time on a wire
+    (``latency``) are replayed instead: the closed form has no place for them."""
 
     def span(self, m: int, w_max: float, w_sum: float, rank_work: list[float], v: int,
-             fwd_share: float) -> float:
+             fwd_share: float, latency: float = 0.0) -> float:
+        if latency > 0:
+            return super().span(m, w_max, w_sum, rank_work, v, fwd_share, latency)
         return max(m * w_max + (w_sum - w_max) / v, w_sum)
 
 
