@@ -13,9 +13,9 @@ device's row of the hardware table on CUDA), and checked by the same rules ``mcp
 applies: the choice is the fastest layout that resolves, trains and fits the memory budget.
 
 The search runs in two passes to stay within a second: every degree/schedule/micro-batch core
-is priced with the config's memory and codec settings, then the memory and codec variants of
-the ``REFINED_CORES`` fastest cores. Workers resolve their run directory's config, in which
-every key is set: their search is the chosen layout alone, priced the same way.
+is priced with the config's memory settings under each codec, then the memory and codec
+variants of the ``REFINED_CORES`` fastest cores. Workers resolve their run directory's config,
+in which every key is set: their search is the chosen layout alone, priced the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import replace as dc_replace
 
 from mcpar.capabilities import unsupported_settings
 from mcpar.config import JobConfig
+from mcpar.controllers.communication.plan import communication_problems
 from mcpar.controllers.memory.estimate import memory_breakdown
 from mcpar.controllers.memory.placement import budget_bytes, ranking_cluster
 from mcpar.device_select import select_device
@@ -39,6 +40,7 @@ from mcpar.registry.schedule import SCHEDULES
 from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.fromconfig import config_layout, config_model
+from mcpar.sim.hardware import NodeLink
 from mcpar.sim.memory import format_bytes
 from mcpar.topology import ParallelDims, replica_ranks
 
@@ -260,14 +262,28 @@ def _price(cfg: JobConfig, settings: dict[str, object], cluster: object
     return candidate, Choice(dict(settings), pred.step_s, peak, pred.breakdown.get("dp_comm", 0.0))
 
 
-def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
+def config_node_link(cfg: JobConfig, world: int) -> NodeLink | None:
+    """The nodes the ``cluster`` keys describe: ``ranks_per_node`` below the world and the
+    inter-node bandwidth given (the latency defaults to none); else None (one node, or a
+    worker measures the link itself: ``comm.node_link_probe``)."""
+    cluster = cfg.cluster
+    if (cluster.ranks_per_node is None or cluster.ranks_per_node >= world
+            or cluster.inter_node_bandwidth_gbps is None):
+        return None
+    return NodeLink(cluster.ranks_per_node, (cluster.inter_node_latency_us or 0.0) * 1e-6,
+                    cluster.inter_node_bandwidth_gbps * 1e9 / 8, "cluster.inter_node_* keys")
+
+
+def choose_layout(cfg: JobConfig, world: int, nodes: NodeLink | None = None) -> AutoLayout:
     """The fastest layout of ``cfg`` on ``world`` workers that resolves, trains and fits the
-    budget. Raises UserError naming the budget and the smallest layout's bytes when none fits,
-    or the rules that refused every layout."""
+    budget, priced on this machine's profile spread over ``nodes`` (default: what the config's
+    ``cluster`` keys say). Raises UserError naming the budget and the smallest layout's bytes
+    when none fits, or the rules that refused every layout."""
     start = time.perf_counter()
     user = _user_keys(cfg)
     device_type = select_device(cfg.training.device).type
-    cluster, ranked_on = ranking_cluster(device_type, world)
+    cluster, ranked_on = ranking_cluster(device_type, world,
+                                         nodes or config_node_link(cfg, world))
     budget, source = budget_bytes(cfg, world)
     batch = _global_batch(cfg, world)
     base_variant = {"controllers.memory.zero_stage": cfg.controllers.memory.zero_stage,
@@ -280,14 +296,25 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
     def drop(why: str) -> None:
         dropped[why] = dropped.get(why, 0) + 1
 
-    # Pass 1: every core with the config's memory and codec settings.
+    # Pass 1: every core with the config's memory settings, under each codec: over a slow
+    # link a compressed exchange can move a data-parallel core from the back to the front.
+    codecs = _options(cfg, user, "controllers.communication.compression",
+                      [c.name for c in CODECS])
     cores: list[tuple[float, dict[str, object]]] = []
     for core in _cores(cfg, world, batch, user):
-        priced = _price(cfg, {**core, **base_variant}, cluster)
-        if priced is None:
-            drop("refused by the layout rules (degrees, schedule, codec, ZeRO)")
-            continue
-        cores.append((priced[1].step_s, core))
+        steps = []
+        for codec in codecs:
+            settings = {**core, **base_variant, "controllers.communication.compression": codec}
+            if len(codecs) > 1 and communication_problems(with_keys(cfg, settings),
+                                                          int(core["parallelism.data"])):
+                continue  # e.g. 1-bit Adam on a run too short to reach its freeze step
+            priced = _price(cfg, settings, cluster)
+            if priced is None:
+                drop("refused by the layout rules (degrees, schedule, codec, ZeRO)")
+                continue
+            steps.append(priced[1].step_s)
+        if steps:
+            cores.append((min(steps), core))
     cores.sort(key=lambda item: item[0])
     # Pass 2: the variants of the fastest cores.
     priced_all: list[tuple[JobConfig, Choice]] = []
@@ -340,15 +367,17 @@ def choose_layout(cfg: JobConfig, world: int) -> AutoLayout:
                       len(cores) + len(priced_all), dropped, time.perf_counter() - start)
 
 
-def resolve_job(cfg: JobConfig, world_size: int | None) -> JobPlan:
+def resolve_job(cfg: JobConfig, world_size: int | None, nodes: NodeLink | None = None
+                ) -> JobPlan:
     """The plan of ``cfg`` on ``world_size`` workers, with the layout chosen first when
-    ``parallelism.auto`` asks for it (``plan.auto``: the choice and its prediction)."""
+    ``parallelism.auto`` asks for it (``plan.auto``: the choice and its prediction, priced
+    over ``nodes`` where the job spans several)."""
     if not cfg.parallelism.auto:
         return resolve_plan(cfg, world_size)
     if world_size is None:
         par = cfg.parallelism
         world_size = (par.data or 1) * replica_ranks(par.tensor, par.pipeline, par.context)
-    auto = choose_layout(cfg, world_size)
+    auto = choose_layout(cfg, world_size, nodes)
     plan = resolve_plan(with_keys(cfg, auto.chosen.settings), world_size)
     return dataclasses.replace(plan, auto=auto)
 

@@ -56,6 +56,15 @@ class LayoutChoice(Protocol):
     def predicted_step_s(self) -> float: ...
 
 
+def collective_timeout_s(cfg: JobConfig) -> float:
+    """The process groups' timeout: under training.elastic, a lost peer is waited for
+    ``wait_s`` at most, so that the workers left fail fast and are restarted without it."""
+    training = cfg.training
+    if training.elastic is None:
+        return training.collective_timeout_s
+    return min(training.collective_timeout_s, training.elastic.wait_s)
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """Everything a run is, once resolved; ``plan.json`` in the run directory."""
@@ -76,12 +85,8 @@ class JobPlan:
 
     @property
     def collective_timeout_s(self) -> float:
-        """The process groups' timeout: under training.elastic, a lost peer is waited for
-        ``wait_s`` at most, so that the workers left fail fast and are restarted without it."""
-        training = self.config.training
-        if training.elastic is None:
-            return training.collective_timeout_s
-        return min(training.collective_timeout_s, training.elastic.wait_s)
+        """The process groups' timeout (``collective_timeout_s``)."""
+        return collective_timeout_s(self.config)
 
     # The compute plan's batch and pipeline terms, which most readers of a plan want.
     @property

@@ -22,7 +22,6 @@ Order of construction (fixed, so every rank builds the same thing):
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import sys
@@ -57,7 +56,7 @@ from mcpar.device import (
 )
 from mcpar.faults import FaultInjector
 from mcpar.interop.hf_import import init_shards
-from mcpar.launch.env import DistEnv, rendezvous_args
+from mcpar.launch.env import DistEnv, join_process_group
 from mcpar.metrics import RunLogger, truncate_metrics, write_json_atomic
 from mcpar.models.moe import describe_expert_kernel
 from mcpar.models.spec import get_model_spec
@@ -141,11 +140,8 @@ class Trainer(StepUpdates):
         type the mesh is built on."""
         cfg = self.cfg
         info = select_device(cfg.training.device)
-        if env is not None and not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=self.plan.collective_timeout_s)
-            dist.init_process_group(backend=info.backend, rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout,
-                                    **rendezvous_args(env, timeout))  # type: ignore[arg-type]
+        if env is not None:
+            join_process_group(env, info.backend, self.plan.collective_timeout_s)
         self.rank = env.rank if env else 0
         self.local_world_size = env.local_world_size if env else 1
         self.device = setup_worker(info, env.local_rank if env else 0, self.local_world_size)

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from mcpar.auto_layout import AUTO_LAYOUT_FILE, resolve_job
+from mcpar.auto_layout import AUTO_LAYOUT_FILE, config_node_link, resolve_job
 from mcpar.capabilities import unsupported_settings
 from mcpar.checkpoint.load_from import resolve_load_from
 from mcpar.checkpoint.manager import (
@@ -30,12 +30,13 @@ from mcpar.data.stream import BatchStream
 from mcpar.device import available_devices, select_device
 from mcpar.errors import UserError, problem
 from mcpar.faults import FaultInjector
-from mcpar.launch.env import DistEnv, detect_env
+from mcpar.launch.env import DistEnv, detect_env, join_process_group
 from mcpar.launch.local import WORKER_MODULE, WorkerFailure, launch_local
 from mcpar.launch.run_dir import RunDirLock, check_not_a_run, check_resume_config, repair_logs
 from mcpar.metrics import write_json_atomic
 from mcpar.path_checks import path_problems
-from mcpar.plan import JobPlan
+from mcpar.plan import JobPlan, collective_timeout_s
+from mcpar.sim.hardware import NodeLink
 from mcpar.topology import replica_ranks
 
 
@@ -198,9 +199,30 @@ def _check_worker_count(plan: JobPlan, workers: int) -> None:
             f"free; give at most {max(1, free // per_worker)}" + force))
 
 
-def validate_for_training(cfg: JobConfig, world_size: int) -> JobPlan:
+def worker_nodes(cfg: JobConfig, env: DistEnv) -> NodeLink | None:
+    """The nodes a torchrun/SLURM worker's layout is priced over: where ``parallelism.auto``
+    plans a CPU job whose ranks span several nodes (``cluster.ranks_per_node``, else the
+    launcher's ranks per node) and the ``cluster`` keys do not give the link, the workers join
+    their process group now and measure it (``node_link_probe``); else None (one node, or the
+    keys, which the planner reads itself)."""
+    per_node = cfg.cluster.ranks_per_node or env.local_world_size
+    info = select_device(cfg.training.device)
+    if (not cfg.parallelism.auto or info.type != "cpu" or per_node >= env.world_size
+            or env.world_size % per_node or config_node_link(cfg, env.world_size) is not None):
+        return None
+    from mcpar.comm.node_link_probe import measure_node_link
+
+    join_process_group(env, info.backend, collective_timeout_s(cfg))
+    nodes = measure_node_link(per_node)
+    if env.rank == 0:
+        print(f"mcpar: {env.world_size // per_node} {nodes.describe()}", flush=True)
+    return nodes
+
+
+def validate_for_training(cfg: JobConfig, world_size: int,
+                          nodes: NodeLink | None = None) -> JobPlan:
     select_device(cfg.training.device)
-    plan = resolve_job(cfg, world_size)
+    plan = resolve_job(cfg, world_size, nodes)
     problems = unsupported_settings(cfg)
     if problems:
         raise UserError(problems)
@@ -236,7 +258,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "variables to start workers here"))
     if env is not None:
         # Launched by torchrun/SLURM (or our own launcher): this process is one worker.
-        plan = validate_for_training(cfg, env.world_size)
+        plan = validate_for_training(cfg, env.world_size, worker_nodes(cfg, env))
         run_dir = new_run_dir(args.run_dir, env)
         _check_paths(plan, run_dir)
         resume = args.resume or _torchrun_resumes(plan, run_dir)

@@ -147,6 +147,19 @@ def rendezvous_args(env: DistEnv, timeout: datetime.timedelta) -> dict[str, obje
     return {"store": dist.PrefixStore(f"mcpar/start{start}/world{env.world_size}", store)}
 
 
+def join_process_group(env: DistEnv, backend: str, timeout_s: float) -> None:
+    """This worker's default process group, once (``rendezvous_args``): the trainer joins it,
+    or a worker that measures the link between its nodes before planning (``node_link_probe``)
+    joins it first and the trainer keeps it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, **rendezvous_args(env, timeout))  # type: ignore[arg-type]
+
+
 def find_free_port() -> int:
     """A TCP port free right now on localhost (another process could still take it later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

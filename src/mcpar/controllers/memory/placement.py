@@ -53,7 +53,7 @@ from mcpar.registry.zero import ZERO_STAGES
 from mcpar.sim.costmodel import simulate
 from mcpar.sim.deviceprofile import cuda_cluster
 from mcpar.sim.fromconfig import config_layout, config_model
-from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, Cluster, LocalProfile
+from mcpar.sim.hardware import OFFLOAD_BANDWIDTH, Cluster, LocalProfile, NodeLink
 from mcpar.sim.localprofile import local_cluster
 from mcpar.sim.memory import format_bytes
 from mcpar.sim.profilestore import cores, lookup_profile
@@ -238,12 +238,18 @@ def _cpu_profile() -> tuple[LocalProfile, str]:
                                      "calibrates it)")
 
 
-def ranking_cluster(device_type: str, world: int) -> tuple[Cluster, str]:
-    """The machine plans are ranked on, ``world`` devices of it, and its name for the report."""
+def ranking_cluster(device_type: str, world: int, nodes: NodeLink | None = None
+                    ) -> tuple[Cluster, str]:
+    """The machine plans are ranked on, ``world`` devices of it, and its name for the report.
+    On CPU, ``nodes`` spreads the workers over nodes joined by a link (one node without it); a
+    CUDA host's devices are one node, and between hosts the table's network figures hold."""
     if device_type == "cuda":
         return cuda_cluster(world)
     profile, what = _cpu_profile()
-    return replace(local_cluster(profile), num_gpus=world), f"{what}, {world} worker(s)"
+    where = f"{what}, {world} worker(s)"
+    if nodes is not None and nodes.ranks_per_node < world:
+        where += f" in {nodes.describe()}"
+    return replace(local_cluster(profile, nodes=nodes), num_gpus=world), where
 
 
 def _step_s(cfg: JobConfig, dims: ParallelDims, cluster: Cluster) -> float:
