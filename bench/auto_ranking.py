@@ -19,9 +19,17 @@ What it does
     Another job sharing the cores would slow some runs and not others, so each run waits for an
     idle machine and is repeated when other processes used more than 5% of the cores while it
     ran (``local_sim_check``'s rule); the JSON records the share.
+    ``--nodes N --rate RATE`` (N dividing 4) runs every job as on an N-node cluster instead: the
+    ``netcluster`` package gives each node a network namespace, joined by a ``tc``-shaped link
+    of RATE (kernel bridge, no added delay), and starts one ``torchrun`` per node with 4 / N
+    ranks; the workers see they span N nodes and price the layouts on such a cluster. On one
+    machine all ranks compute on the same cores and the layouts differ by a few percent; over
+    a slow inter-node link, which axis crosses the link decides the step, as on a real cluster.
+    The JSON records ``nodes`` and the ``link`` as built.
 
 How to run
     python bench/auto_ranking.py [--steps 20] [--out bench/data/auto_ranking.json] [--only ...]
+    python bench/auto_ranking.py --nodes 2 --rate 300mbit [...]   # as root (namespaces)
 
     Prints one JSON object on stdout; progress goes to stderr. About 11 minutes a round on 2
     cores (``--repeats``, default 3).
@@ -41,15 +49,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+import emulated_cluster
 from bench_workers import emit_result
+from emulated_cluster import REPO, error_summary
 from local_sim_check import MAX_FOREIGN, foreign_share, measure_when_idle, wait_for_idle
 
 from mcpar.sim.profilestore import PROFILE_ENV, lookup_profile, save_profile
+from netcluster import NetCluster, NetClusterError, parse_rate
+from netcluster.torchrun import launch_torchrun
 
 WORKERS = 4
+RUN_TIMEOUT_S = 1200.0
+DEFAULT_RATE = "300mbit"  # inter-node link of --nodes above 1
 MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.seq_len=128",
          "optimization.global_batch_size=32", "training.eval_interval=0",
-         "training.eval_batches=1", "training.progress=false", "parallelism.auto=true"]
+         "training.eval_batches=1", "training.progress=false", "parallelism.auto=true",
+         # A codec the planner picks compresses from step 4 of 20, as dp4_1bit's does: the
+         # measured step (the median after the first) is then a compressed one.
+         "optimization.freeze_step=3", "controllers.communication.powersgd_start_step=3"]
 
 # Every searched key the layouts below do not set themselves: a layout is then priced alone.
 BASE = {"parallelism.tensor": 1, "parallelism.pipeline": 1, "parallelism.context": 1,
@@ -75,7 +92,7 @@ LAYOUTS: dict[str, dict[str, object]] = {
     "dp4_full": {"controllers.memory.activation_checkpointing": "full"},
     "dp4_bf16_codec": {"controllers.communication.compression": "bf16"},
     "dp4_1bit": {"controllers.communication.compression": "1bit",
-                 "optimization.freeze_step": 3},  # compressing from step 4 of 14
+                 "optimization.freeze_step": 3},  # compressing from step 4 of 20
     "dp4_dropout": {"model.dropout": 0.1},
     "tp2_dp2": {"parallelism.tensor": 2, "parallelism.data": 2,
                 "optimization.micro_batch_size": 16},
@@ -105,20 +122,64 @@ def _value(v: object) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def run(overrides: list[str], steps: int, profile: Path, saved: str) -> dict[str, object]:
-    """Train with ``overrides`` priced on ``profile`` (restored to ``saved`` first); the
-    summary's prediction."""
+def node_launch(overrides: list[str], steps: int, run_dir: Path, profile: Path
+                ) -> tuple[list[str], dict[str, str]]:
+    """What each node's torchrun starts for a run on emulated nodes, and the environment it
+    forwards to its workers.
+
+    mcpar goes through ``emulated_cluster``'s ``_mcpar`` entry, which caps each worker's
+    threads at torchrun's ``OMP_NUM_THREADS``: every emulated node shares this machine's cores.
+    The device is pinned to the CPU: the emulated nodes share this machine's cores, and a GPU
+    here would not be split between them.
+    """
+    argv = [str(Path(emulated_cluster.__file__).resolve()), "_mcpar", "train",
+            "--run-dir", str(run_dir), "--steps", str(steps)]
+    for item in [*overrides, "training.device=cpu"]:
+        argv += ["--set", item]
+    return argv, {PROFILE_ENV: str(profile)}
+
+
+def emulated_link(nodes: int, rate: str) -> dict[str, object]:
+    """The link every run of ``--nodes``/``--rate`` gets, built once and torn down: a machine
+    that cannot build it fails here, before the minutes of profile measurement."""
+    with NetCluster(nodes, rate=rate, delay=0) as cluster:
+        return cluster.describe()
+
+
+def _train_on_nodes(overrides: list[str], steps: int, run_dir: Path, profile: Path,
+                    nodes: int, rate: str) -> None:
+    argv, env = node_launch(overrides, steps, run_dir, profile)
+    # A fresh cluster per run: its teardown kills whatever a failed run left in the namespaces
+    # (torchrun's workers lead their own sessions), so no straggler shares the next run's cores.
+    # Delay 0 takes a kernel bridge: no user-space forwarder competing for the 2 cores.
+    with NetCluster(nodes, rate=rate, delay=0) as cluster:
+        result = launch_torchrun(cluster, WORKERS // nodes, argv, env=env,
+                                 timeout_s=RUN_TIMEOUT_S, cwd=str(REPO))
+    if not result.ok:
+        failed = result.failed_node if result.failed_node is not None else 0
+        why = (f"timed out after {RUN_TIMEOUT_S:.0f} s" if result.timed_out
+               else error_summary(result.output[failed], result.exit_code()))
+        raise RuntimeError(f"mcpar train failed on {nodes} nodes ({overrides}): {why}")
+
+
+def run(overrides: list[str], steps: int, profile: Path, saved: str, nodes: int = 1,
+        rate: str = DEFAULT_RATE) -> dict[str, object]:
+    """Train with ``overrides`` priced on ``profile`` (restored to ``saved`` first), on this
+    machine or on ``nodes`` emulated nodes joined at ``rate``; the summary's prediction."""
     profile.write_text(saved)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "mcpar.cli", "train", "--nproc", str(WORKERS),
-               "--steps", str(steps), "--run-dir", str(run_dir)]
-        for item in overrides:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
-                              env={**os.environ, PROFILE_ENV: str(profile)})
-        if proc.returncode != 0:
-            raise RuntimeError(f"mcpar train failed ({overrides}): {proc.stderr[-2000:]}")
+        if nodes > 1:
+            _train_on_nodes(overrides, steps, run_dir, profile, nodes, rate)
+        else:
+            cmd = [sys.executable, "-m", "mcpar.cli", "train", "--nproc", str(WORKERS),
+                   "--steps", str(steps), "--run-dir", str(run_dir)]
+            for item in overrides:
+                cmd += ["--set", item]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                                  env={**os.environ, PROFILE_ENV: str(profile)})
+            if proc.returncode != 0:
+                raise RuntimeError(f"mcpar train failed ({overrides}): {proc.stderr[-2000:]}")
         summary = json.loads((run_dir / "summary.json").read_text())
     return summary["prediction"]
 
@@ -129,7 +190,7 @@ def measured(overrides: list[str], args: argparse.Namespace, profile: Path, save
     for attempt in range(1 + retries):
         wait_for_idle(args.idle_wait)
         prediction, foreign = foreign_share(
-            lambda: run(overrides, args.steps, profile, saved))
+            lambda: run(overrides, args.steps, profile, saved, args.nodes, args.rate))
         if foreign <= MAX_FOREIGN:
             break
         print(f"  other processes used {foreign:.0%} of the cores meanwhile; "
@@ -184,7 +245,7 @@ def _row(name: str, rounds: list[tuple[dict[str, object], float]]) -> dict[str, 
             "remeasured_after": any("profile_remeasured" in r for r, _ in rounds)}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # The trainer's measured step is the median after the first; the next few steps still
     # warm up (allocator, buffers), so a longer run leaves them less weight.
@@ -197,7 +258,31 @@ def main() -> int:
     parser.add_argument("--idle-wait", type=float, default=300.0)
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every layout")
-    args = parser.parse_args()
+    parser.add_argument("--nodes", type=int, default=1,
+                        help=f"emulated nodes sharing the {WORKERS} ranks (1: this machine "
+                             "alone, no namespaces)")
+    parser.add_argument("--rate", default=DEFAULT_RATE,
+                        help="inter-node link rate, tc units (with --nodes above 1)")
+    args = parser.parse_args(argv)
+    if args.nodes < 1 or WORKERS % args.nodes:
+        parser.error(f"--nodes must divide the {WORKERS} workers (1, 2 or 4), got {args.nodes}")
+    try:
+        parse_rate(args.rate)
+    except ValueError as err:
+        parser.error(f"--rate: {err}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    link: dict[str, object] | None = None
+    if args.nodes > 1:
+        try:  # NetClusterError also says why a machine cannot (no root, no ip/tc)
+            link = emulated_link(args.nodes, args.rate)
+        except NetClusterError as err:
+            print(f"--nodes {args.nodes}: cannot build the emulated cluster: {err}",
+                  file=sys.stderr)
+            return 2
     tmp = Path(tempfile.mkdtemp(prefix="auto-ranking-"))
     profile = tmp / "local_profile.json"
     if args.profile is not None:
@@ -228,7 +313,7 @@ def main() -> int:
     rows = [_row(name, rounds[name]) for name in jobs if name != "auto"]
     auto = _row("auto", rounds["auto"]) if "auto" in rounds else None
     result: dict[str, object] = {"model": MODEL, "workers": WORKERS, "steps": args.steps,
-                                 "repeats": args.repeats,
+                                 "repeats": args.repeats, "nodes": args.nodes, "link": link,
                                  "profile": json.loads(saved),
                                  "profile_foreign_cpu_share": profile_foreign,
                                  "layouts": rows, "auto": auto}

@@ -130,3 +130,33 @@ def test_the_reshard_grid_is_a_grid_of_valid_layouts(monkeypatch: pytest.MonkeyP
         validate_for_training(cfg, layout.nproc)  # raises UserError naming the key
     assert reshard_grid._selected("moe_experts4_to_2") == ["moe_experts2_to_4",
                                                            "moe_experts4_to_2"]
+
+
+def test_a_ranking_run_on_emulated_nodes_is_launched_as_set(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path, capsys) -> None:
+    """``bench/auto_ranking.py --nodes N``: each node's torchrun starts mcpar with the run's
+    directory, steps and every layout key, on the CPU, and hands the local profile to the
+    workers; a node count that does not split the 4 workers evenly is refused, named."""
+    from mcpar.sim.profilestore import PROFILE_ENV
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import auto_ranking
+
+    sets = ["parallelism.pipeline=2", "parallelism.data=2"]
+    argv, env = auto_ranking.node_launch(sets, 6, tmp_path / "run", tmp_path / "profile.json")
+    assert Path(argv[0]).name == "emulated_cluster.py" and argv[1:3] == ["_mcpar", "train"]
+    assert argv[argv.index("--run-dir") + 1] == str(tmp_path / "run")
+    assert argv[argv.index("--steps") + 1] == "6"
+    given = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert given == [*sets, "training.device=cpu"]
+    assert env == {PROFILE_ENV: str(tmp_path / "profile.json")}
+
+    assert auto_ranking.parse_args([]).nodes == 1  # default: this machine, as before
+    assert auto_ranking.parse_args(["--nodes", "2", "--rate", "300mbit"]).nodes == 2
+    for bad, says in ((["--nodes", "3"], "--nodes must divide the 4 workers"),
+                      (["--nodes", "0"], "--nodes must divide the 4 workers"),
+                      (["--nodes", "2", "--rate", "fast"], "--rate: cannot parse rate")):
+        with pytest.raises(SystemExit) as exit_info:
+            auto_ranking.parse_args(bad)
+        assert exit_info.value.code == 2
+        assert says in capsys.readouterr().err
