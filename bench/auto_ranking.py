@@ -242,7 +242,8 @@ def _row(name: str, rounds: list[tuple[dict[str, object], float]]) -> dict[str, 
             "predicted_peak_bytes": int(predicted_peak), "measured_peak_bytes": int(peak),
             "peak_error": round(peak / predicted_peak - 1, 3), "terms": terms,
             "foreign_cpu_share": round(max(f for _, f in rounds), 3),
-            "remeasured_after": any("profile_remeasured" in r for r, _ in rounds)}
+            "remeasured_after": any("profile_remeasured" in r for r, _ in rounds),
+            "ranked_on": [r.get("ranked_on") for r, _ in rounds]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,6 +12,8 @@ What it does
     ``collectives.rs``, ``notes.crowded_exchange_s``...): for a change to what the profile
     measures, the new measurement taken on this machine is put in the old profile. The profile
     must be this machine's (its key is checked as a run's is).
+    A run over emulated nodes (``--nodes``) is priced over the link its workers measured at
+    start (each layout's first round), read from its ranking's line.
 
 How to run
     python bench/auto_ranking_reprice.py [bench/data/auto_ranking.json] [--set FIELD=JSON ...]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from pathlib import Path
 from auto_ranking import BASE, LAYOUTS, MODEL, WORKERS, _value, spearman
 from bench_workers import emit_result
 
-from mcpar.sim.hardware import LocalProfile
+from mcpar.sim.hardware import LocalProfile, NodeLink
 from mcpar.sim.profilestore import PROFILE_ENV, STAMP_FIELDS, save_profile
 
 
@@ -47,6 +50,22 @@ def _profile_with(doc: dict[str, object], changes: list[str]) -> tuple[LocalProf
         else:
             fields[head] = value
     return LocalProfile(**fields), doc["machine"]  # type: ignore[arg-type,return-value]
+
+
+def run_nodes(run: dict, row: dict) -> NodeLink | None:
+    """The nodes and link a layout of a run over emulated nodes (``--nodes``) was priced on:
+    what its workers measured at start in the run's first round (the row's prediction is that
+    round's), read from its ranking's line; None for one node."""
+    if int(run.get("nodes") or 1) == 1:
+        return None
+    said = row["ranked_on"][0]
+    found = re.search(r"nodes of (\d+) rank\(s\) joined by a ([\d,.]+) Mbit/s link, "
+                      r"([\d,.]+) us", said)
+    if found is None:
+        raise SystemExit(f"the run's ranking does not say its link: {said!r}")
+    per_node, mbit, us = found.groups()
+    return NodeLink(int(per_node), float(us.replace(",", "")) * 1e-6,
+                    float(mbit.replace(",", "")) * 1e6 / 8, "the run's measurement")
 
 
 def main() -> int:
@@ -69,7 +88,7 @@ def main() -> int:
         for row in run["layouts"]:
             keys = {**BASE, **LAYOUTS[row["layout"]]}
             cfg = load_config(None, MODEL + [f"{k}={_value(v)}" for k, v in keys.items()])
-            predicted = choose_layout(cfg, WORKERS).chosen.step_s
+            predicted = choose_layout(cfg, WORKERS, run_nodes(run, row)).chosen.step_s
             measured = row["measured_step_s"]
             rows.append({"layout": row["layout"], "run_predicted_s": row["predicted_step_s"],
                          "predicted_s": round(predicted, 4), "measured_s": measured,

@@ -160,3 +160,20 @@ def test_a_ranking_run_on_emulated_nodes_is_launched_as_set(monkeypatch: pytest.
             auto_ranking.parse_args(bad)
         assert exit_info.value.code == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_ranking_run_over_nodes_is_repriced_over_the_link_its_workers_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run over emulated nodes names its measured link in each layout's ranking line; the
+    re-pricing reads it back (one node: none)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import auto_ranking_reprice
+
+    said = ("this machine's calibrated local profile (p.json), 4 worker(s) in nodes of 2 "
+            "rank(s) joined by a 1,285 Mbit/s link, 37 us (measured at start)")
+    link = auto_ranking_reprice.run_nodes({"nodes": 2}, {"ranked_on": [said]})
+    assert link is not None and link.ranks_per_node == 2
+    assert (link.bandwidth, link.latency_s) == pytest.approx((1285e6 / 8, 37e-6))
+    assert auto_ranking_reprice.run_nodes({"nodes": 1}, {}) is None
+    with pytest.raises(SystemExit, match="does not say its link"):
+        auto_ranking_reprice.run_nodes({"nodes": 2}, {"ranked_on": ["local"]})

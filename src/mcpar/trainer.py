@@ -543,6 +543,8 @@ class Trainer(StepUpdates):
                 self.plan.auto.to_json()["chosen"], step_times, summary["memory"], exposed_comm,
                 [(0.0, 0.0) if s is None else (s.own_wait_s, s.behind_mean_s)
                  for s in behind_slowest])
+            # What it was priced on: the profile; the nodes and link where the job spans several.
+            summary["prediction"]["ranked_on"] = self.plan.auto.ranked_on
         self.profiler.finish(summary)  # "mfu"; the profile report of a profiled window
         if self.rank == 0:
             if "prediction" in summary and summary["prediction"]["warning"]:
