@@ -10,7 +10,10 @@ searched keeps the config's value (precision, offload, topology, the store). Eac
 priced by the same cost model and memory estimate ``mcpar check`` prints, on the machine the job
 runs on (the memory controller's ``ranking_cluster``: the calibrated local profile on CPU, the
 device's row of the hardware table on CUDA), and checked by the same rules ``mcpar train``
-applies: the choice is the fastest layout that resolves, trains and fits the memory budget.
+applies: the choice is the fastest layout that resolves, trains and fits the memory budget. A
+CPU job whose ranks span nodes is priced over them: what crosses a node's link on that link
+(the ``cluster`` keys' figures, or what its torchrun workers measure at start:
+``comm.node_link_probe``), the rest on the profile.
 
 The search runs in two passes to stay within a second: every degree/schedule/micro-batch core
 is priced with the config's memory settings under each codec, then the memory and codec

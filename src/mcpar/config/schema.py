@@ -245,8 +245,9 @@ class ClusterConfig(_Section):
         "measured at start.",
     )
     inter_node_bandwidth_gbps: float | None = Field(
-        None, gt=0.0, le=1e6, description="Link model: bandwidth between nodes (Gbit/s); default: "
-        "measured at start.",
+        None, gt=0.0, le=1e6, description="Link model: bandwidth between nodes (Gbit/s), one "
+        "link per node shared by its ranks; also what parallelism.auto ranks a CPU job over "
+        "nodes on; default: measured at start.",
     )
     inter_node_latency_us: float | None = Field(
         None, ge=0.0, le=1e7,
