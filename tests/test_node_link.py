@@ -208,3 +208,28 @@ def test_a_pipeline_over_nodes_pays_the_wire_it_cannot_hide() -> None:
     serialized = 2 * lay.num_microbatches * per_message
     extra = spread.step_s - host.step_s
     assert per_message < extra < serialized
+
+
+def test_the_profile_reports_prediction_prices_the_nodes_the_planner_priced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's plan-vs-measured row re-prices the run over the nodes ``parallelism.auto``
+    ranked it on (``AutoLayout.nodes``), and says so; a choice on one node keeps none."""
+    from mcpar.auto_layout import resolve_job
+    from mcpar.profiler.predict import predicted
+    from mcpar.sim.profilestore import save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(_profile(), path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    cfg = load_config(None, [*TINY, "parallelism.auto=true", "optimization.global_batch_size=8",
+                             "parallelism.data=4", "controllers.communication.compression=none"])
+    slow = NodeLink(2, 1e-4, 1e6, "test")
+    plan = resolve_job(cfg, 4, slow)
+    assert plan.auto is not None and plan.auto.nodes == slow
+    assert resolve_job(cfg, 4).auto.nodes is None  # type: ignore[union-attr]
+    alone, _ = predicted(plan.config, 4, torch.device("cpu"))
+    spread, source = predicted(plan.config, 4, torch.device("cpu"), plan.auto.nodes)
+    assert alone is not None and spread is not None
+    assert spread["step_s"] > 2 * alone["step_s"]  # every gradient crosses the 8 Mbit/s link
+    assert "joined by a 8 Mbit/s link" in source
+    assert spread["step_s"] == pytest.approx(plan.auto.predicted_step_s, rel=0.05)

@@ -101,6 +101,7 @@ class AutoLayout:
     priced: int
     dropped: dict[str, int]  # reason -> layouts
     seconds: float
+    nodes: NodeLink | None = None  # the nodes and link the layouts were priced over, if several
 
     @property
     def predicted_step_s(self) -> float:
@@ -285,8 +286,8 @@ def choose_layout(cfg: JobConfig, world: int, nodes: NodeLink | None = None) -> 
     start = time.perf_counter()
     user = _user_keys(cfg)
     device_type = select_device(cfg.training.device).type
-    cluster, ranked_on = ranking_cluster(device_type, world,
-                                         nodes or config_node_link(cfg, world))
+    nodes = nodes or config_node_link(cfg, world)
+    cluster, ranked_on = ranking_cluster(device_type, world, nodes)
     budget, source = budget_bytes(cfg, world)
     batch = _global_batch(cfg, world)
     base_variant = {"controllers.memory.zero_stage": cfg.controllers.memory.zero_stage,
@@ -367,7 +368,8 @@ def choose_layout(cfg: JobConfig, world: int, nodes: NodeLink | None = None) -> 
                if first_refusal else
                "); `mcpar check` with the degrees set by hand names the rule"))))
     return AutoLayout(kept[0], kept[1:], ranked_on, sorted(user), budget, source,
-                      len(cores) + len(priced_all), dropped, time.perf_counter() - start)
+                      len(cores) + len(priced_all), dropped, time.perf_counter() - start,
+                      nodes if nodes is not None and nodes.ranks_per_node < world else None)
 
 
 def resolve_job(cfg: JobConfig, world_size: int | None, nodes: NodeLink | None = None

@@ -42,11 +42,15 @@ from mcpar.controllers.memory.plan import MemoryPlan, plan_memory, recompute_pro
 from mcpar.controllers.memory.zero_plan import zero_problems
 from mcpar.elastic import ElasticChange, elastic_layout
 from mcpar.errors import UserError, problem
+from mcpar.sim.hardware import NodeLink
 from mcpar.topology import ParallelDims, replica_ranks, split_dp_by_node
 
 
 class LayoutChoice(Protocol):
     """``parallelism.auto``'s choice (``auto_layout.AutoLayout``), as the plan carries it."""
+
+    ranked_on: str  # the machine it was priced on
+    nodes: NodeLink | None  # the nodes and link, where the job spans several
 
     def to_json(self) -> dict[str, object]: ...
 

@@ -209,7 +209,8 @@ def context_of(trainer: ReportedRun) -> dict[str, Any]:
     from mcpar.profiler.predict import predicted
 
     t, plan = trainer, trainer.plan
-    pred, source = predicted(plan.config, t.dims.world_size, t.device)
+    pred, source = predicted(plan.config, t.dims.world_size, t.device,
+                             plan.auto.nodes if plan.auto is not None else None)
     return {"layout": t.dims.describe(), "world_size": t.dims.world_size,
             "device": t.device_reason, "dtype": t.cfg.training.dtype, "pp": t.dims.pp,
             "microbatches": plan.num_microbatches, "virtual": plan.virtual_stages,
