@@ -142,9 +142,9 @@ def measured(cluster: Cluster, op: str, n: float, group: Group) -> float | None:
     p = group.size
     if p <= 1 or n <= 0:
         return 0.0
-    alpha, beta = cluster.op_costs[op]
     if op == "p2p":
-        return alpha + n * beta
+        return host_p2p(n, cluster)
+    alpha, beta = cluster.op_costs[op]
     return (p - 1) * alpha + 2 * (p - 1) / p * n * beta
 
 

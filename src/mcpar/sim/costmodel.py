@@ -476,9 +476,9 @@ def _shared_cores(core: PipelineCore, lay: Layout, entry: PipelineSchedule, clus
         wire = (replay(entry, work, mb, lay.vp, core.fwd_share, cluster.cores, per_stage,
                        latency=core.wire_s) - shared if core.wire_s > 0 else 0.0)
     elif lay.pp > 1 and core.wire_s > 0:  # overlapping steps: the steady period's share
-        wire = (entry.period(mb, [w + z for w in core.rank_work], lay.vp, core.fwd_share,
-                             core.wire_s)
-                - entry.period(mb, [w + z for w in core.rank_work], lay.vp, core.fwd_share))
+        work = [w + z for w in core.rank_work]
+        wire = (entry.period(mb, work, lay.vp, core.fwd_share, core.wire_s)
+                - entry.period(mb, work, lay.vp, core.fwd_share))
     scale = shared / pipeline
     slicing = 1.0 + cluster.time_slicing_penalty * min(1.0, crowd - 1.0)
     once_per_step = ("dp_comm", "compression", "optimizer")
